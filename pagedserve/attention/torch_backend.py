@@ -1,0 +1,126 @@
+"""Reference paged attention in plain torch (CPU, and CUDA tensors too).
+
+A step's tokens are laid out decodes first (one query token each, batched into one
+SDPA call over gathered, padded contexts), then prefill chunks (one SDPA call each,
+attending to any already-cached prefix plus the chunk itself, causally).
+The gather indices and masks are built once per step and shared by every layer.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class PrefillChunk:
+    q_start: int            # first row of this chunk in the step's token layout
+    q_len: int
+    start_pos: int          # tokens already in the cache before this chunk
+    ctx_slots: torch.Tensor | None  # [ctx_len] slots to gather K/V from; None = use the chunk's own K/V
+    mask: torch.Tensor | None       # [q_len, ctx_len] bool, True = attend; None = plain causal
+
+
+@dataclass
+class AttentionMetadata:
+    slot_mapping: torch.Tensor      # [T] where each new token's K/V is written
+    num_decodes: int
+    decode_slots: torch.Tensor | None  # [D, C] slots of each decode's context (padded)
+    decode_mask: torch.Tensor | None   # [D, 1, 1, C] bool
+    prefills: list[PrefillChunk]
+
+
+def slots_for(block_ids: np.ndarray, positions: np.ndarray, block_size: int) -> np.ndarray:
+    return block_ids[positions // block_size] * block_size + positions % block_size
+
+
+def window_floor(query_pos: np.ndarray, sliding_window: int | None) -> np.ndarray:
+    """Smallest key position each query may see (0 without a sliding window)."""
+    if not sliding_window:
+        return np.zeros_like(query_pos)
+    return np.maximum(query_pos - sliding_window + 1, 0)
+
+
+def build_metadata(decodes: list[tuple[np.ndarray, int]], prefills: list[tuple[np.ndarray, int, int]],
+                   block_size: int, sliding_window: int | None, device: torch.device) -> tuple[AttentionMetadata, np.ndarray]:
+    """decodes: (block_ids, position) per request; prefills: (block_ids, start_pos, q_len).
+
+    Returns the metadata and the positions of all tokens in layout order.
+    """
+    positions: list[np.ndarray] = []
+    slots: list[np.ndarray] = []
+    decode_slots = decode_mask = None
+    if decodes:
+        pos = np.array([p for _, p in decodes], dtype=np.int64)
+        ctx = pos + 1
+        max_ctx = int(ctx.max())
+        max_blocks = -(-max_ctx // block_size)
+        table = np.zeros((len(decodes), max_blocks), dtype=np.int64)
+        for row, (blocks, _) in enumerate(decodes):
+            n = min(len(blocks), max_blocks)
+            table[row, :n] = blocks[:n]
+        key_pos = np.arange(max_ctx, dtype=np.int64)
+        gathered = table[:, key_pos // block_size] * block_size + key_pos % block_size
+        mask = (key_pos[None, :] < ctx[:, None]) & (key_pos[None, :] >= window_floor(pos, sliding_window)[:, None])
+        decode_slots = torch.from_numpy(gathered).to(device)
+        decode_mask = torch.from_numpy(mask).to(device)[:, None, None, :]
+        positions.append(pos)
+        slots.append(table[np.arange(len(decodes)), pos // block_size] * block_size + pos % block_size)
+    chunks: list[PrefillChunk] = []
+    row = len(decodes)
+    for blocks, start, q_len in prefills:
+        pos = np.arange(start, start + q_len, dtype=np.int64)
+        positions.append(pos)
+        slots.append(slots_for(blocks, pos, block_size))
+        ctx_len = start + q_len
+        floor = window_floor(pos, sliding_window)
+        needs_window = bool(floor.max() > 0)
+        ctx_slots = mask = None
+        if start > 0:
+            ctx_slots = torch.from_numpy(slots_for(blocks, np.arange(ctx_len, dtype=np.int64), block_size)).to(device)
+        if start > 0 or needs_window:
+            key_pos = np.arange(ctx_len, dtype=np.int64)
+            m = (key_pos[None, :] <= pos[:, None]) & (key_pos[None, :] >= floor[:, None])
+            mask = torch.from_numpy(m).to(device)
+        chunks.append(PrefillChunk(row, q_len, start, ctx_slots, mask))
+        row += q_len
+    all_pos = np.concatenate(positions) if positions else np.zeros(0, dtype=np.int64)
+    slot_mapping = torch.from_numpy(np.concatenate(slots) if slots else np.zeros(0, dtype=np.int64)).to(device)
+    return AttentionMetadata(slot_mapping, len(decodes), decode_slots, decode_mask, chunks), all_pos
+
+
+def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                    k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+                    scale: float) -> torch.Tensor:
+    """q: [T, H, D]; k, v: [T, KV, D]; k_cache/v_cache: [num_slots, KV, D] (one layer).
+
+    Writes k/v into the cache at meta.slot_mapping, returns attention output [T, H, D].
+    """
+    k_cache.index_copy_(0, meta.slot_mapping, k)
+    v_cache.index_copy_(0, meta.slot_mapping, v)
+    out = torch.empty_like(q)
+    gqa = q.shape[1] != k.shape[1]
+    d = meta.num_decodes
+    if d:
+        kd = k_cache[meta.decode_slots].transpose(1, 2)  # [D, KV, C, Dh]
+        vd = v_cache[meta.decode_slots].transpose(1, 2)
+        qd = q[:d].unsqueeze(2)                           # [D, H, 1, Dh]
+        o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=meta.decode_mask, scale=scale, enable_gqa=gqa)
+        out[:d] = o.squeeze(2)
+    for c in meta.prefills:
+        rows = slice(c.q_start, c.q_start + c.q_len)
+        if c.ctx_slots is None:
+            kc, vc = k[rows], v[rows]
+        else:
+            kc, vc = k_cache[c.ctx_slots], v_cache[c.ctx_slots]
+        qc = q[rows].transpose(0, 1).unsqueeze(0)   # [1, H, L, Dh]
+        kc = kc.transpose(0, 1).unsqueeze(0)        # [1, KV, C, Dh]
+        vc = vc.transpose(0, 1).unsqueeze(0)
+        if c.mask is None:
+            o = F.scaled_dot_product_attention(qc, kc, vc, is_causal=True, scale=scale, enable_gqa=gqa)
+        else:
+            o = F.scaled_dot_product_attention(qc, kc, vc, attn_mask=c.mask, scale=scale, enable_gqa=gqa)
+        out[rows] = o.squeeze(0).transpose(0, 1)
+    return out

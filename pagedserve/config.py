@@ -1,0 +1,120 @@
+"""EngineConfig: every engine knob, named as vLLM names it, validated in one place.
+
+Each bad value raises one ValueError that names the knob and the allowed range, before
+anything is allocated.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+from pagedserve.utils import parse_bytes
+
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+DEVICES = ("cpu", "cuda")
+PREEMPTION_MODES = ("recompute", "swap", "auto")
+SCHEDULING_POLICIES = ("fcfs", "priority")
+DEFAULT_CPU_KV_CACHE_MEMORY = 4 * 2**30  # vLLM's CPU backend reserves 4 GiB unless told otherwise
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
+
+
+def _check(cond: bool, knob: str, message: str) -> None:
+    if not cond:
+        raise ValueError(f"{knob}: {message}")
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+@dataclass
+class EngineConfig:
+    model: str | None = None  # None = the built-in default model
+    tokenizer: str | None = None
+    dtype: str = "auto"
+    device: str = "cpu"
+    seed: int = 0
+    block_size: int = 16
+    max_num_seqs: int = 128
+    max_num_batched_tokens: int | None = None
+    max_model_len: int | None = None
+    enable_chunked_prefill: bool = True
+    long_prefill_token_threshold: int = 0
+    kv_cache_memory: int | str | None = None
+    num_kv_blocks: int | None = None
+    gpu_memory_utilization: float = 0.9
+    preemption_mode: str = "recompute"
+    swap_space: int | str = 0
+    enable_prefix_caching: bool = False
+    scheduling_policy: str = "fcfs"
+    max_logprobs: int = 20
+    served_model_name: str | None = None
+    step_trace_path: str | None = None
+    extra: dict = field(default_factory=dict, repr=False)
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    @classmethod
+    def knob_names(cls) -> list[str]:
+        return [f.name for f in fields(cls) if f.name != "extra"]
+
+    def validate(self) -> None:
+        _check(self.dtype in DTYPES, "dtype", f"must be one of {DTYPES}, got {self.dtype!r}")
+        _check(self.device in DEVICES, "device", f"must be one of {DEVICES}, got {self.device!r}")
+        _check(_is_int(self.seed), "seed", f"must be an integer, got {self.seed!r}")
+        _check(_is_int(self.block_size) and self.block_size in (1, 2, 4, 8, 16, 32, 64, 128, 256),
+               "block_size", f"must be a power of two in [1, 256], got {self.block_size!r}")
+        _check(_is_int(self.max_num_seqs) and 1 <= self.max_num_seqs <= 65536,
+               "max_num_seqs", f"must be an integer in [1, 65536], got {self.max_num_seqs!r}")
+        if self.max_num_batched_tokens is not None:
+            _check(_is_int(self.max_num_batched_tokens) and self.max_num_batched_tokens >= 1,
+                   "max_num_batched_tokens", f"must be an integer >= 1, got {self.max_num_batched_tokens!r}")
+        if self.max_model_len is not None:
+            _check(_is_int(self.max_model_len) and self.max_model_len >= 1,
+                   "max_model_len", f"must be an integer >= 1, got {self.max_model_len!r}")
+        _check(isinstance(self.enable_chunked_prefill, bool), "enable_chunked_prefill",
+               f"must be true or false, got {self.enable_chunked_prefill!r}")
+        _check(_is_int(self.long_prefill_token_threshold) and self.long_prefill_token_threshold >= 0,
+               "long_prefill_token_threshold", f"must be an integer >= 0 (0 = off), got {self.long_prefill_token_threshold!r}")
+        if self.kv_cache_memory is not None:
+            try:
+                self.kv_cache_memory = parse_bytes(self.kv_cache_memory)
+            except ValueError as e:
+                raise ValueError(f"kv_cache_memory: {e}") from None
+            _check(self.kv_cache_memory > 0, "kv_cache_memory", f"must be > 0 bytes, got {self.kv_cache_memory}")
+        if self.num_kv_blocks is not None:
+            _check(_is_int(self.num_kv_blocks) and self.num_kv_blocks >= 1,
+                   "num_kv_blocks", f"must be an integer >= 1, got {self.num_kv_blocks!r}")
+        _check(isinstance(self.gpu_memory_utilization, (int, float)) and 0 < self.gpu_memory_utilization <= 1,
+               "gpu_memory_utilization", f"must be in (0, 1], got {self.gpu_memory_utilization!r}")
+        _check(self.preemption_mode in PREEMPTION_MODES, "preemption_mode",
+               f"must be one of {PREEMPTION_MODES}, got {self.preemption_mode!r}")
+        try:
+            self.swap_space = parse_bytes(self.swap_space)
+        except ValueError as e:
+            raise ValueError(f"swap_space: {e}") from None
+        _check(self.swap_space >= 0, "swap_space", f"must be >= 0 bytes, got {self.swap_space}")
+        _check(isinstance(self.enable_prefix_caching, bool), "enable_prefix_caching",
+               f"must be true or false, got {self.enable_prefix_caching!r}")
+        _check(self.scheduling_policy in SCHEDULING_POLICIES, "scheduling_policy",
+               f"must be one of {SCHEDULING_POLICIES}, got {self.scheduling_policy!r}")
+        _check(_is_int(self.max_logprobs) and self.max_logprobs >= 0, "max_logprobs",
+               f"must be an integer >= 0, got {self.max_logprobs!r}")
+
+    def resolve(self, model_max_len: int) -> None:
+        """Fill the knobs whose defaults depend on the model, then check them together."""
+        if self.max_model_len is None:
+            self.max_model_len = model_max_len
+        _check(self.max_model_len <= model_max_len, "max_model_len",
+               f"{self.max_model_len} exceeds the model's max_position_embeddings ({model_max_len})")
+        if self.max_num_batched_tokens is None:
+            self.max_num_batched_tokens = (DEFAULT_MAX_NUM_BATCHED_TOKENS if self.enable_chunked_prefill
+                                           else max(self.max_model_len, DEFAULT_MAX_NUM_BATCHED_TOKENS))
+        if not self.enable_chunked_prefill:
+            # Without chunking a prompt must fit one step whole, or it could never start.
+            _check(self.max_num_batched_tokens >= self.max_model_len, "max_num_batched_tokens",
+                   f"must be >= max_model_len ({self.max_model_len}) when chunked prefill is off, "
+                   f"got {self.max_num_batched_tokens}")
+        if self.kv_cache_memory is None and self.num_kv_blocks is None and self.device == "cpu":
+            self.kv_cache_memory = DEFAULT_CPU_KV_CACHE_MEMORY

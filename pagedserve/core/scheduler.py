@@ -1,0 +1,299 @@
+"""Continuous batching under one token budget.
+
+One rule for prefill and decode: every request has `num_computed_tokens` and a target
+`num_tokens`; each step grants it some new tokens. Running requests are served first (a
+decode is a grant of 1, an unfinished prompt a chunk), then waiting ones in queue order
+while `max_num_seqs` and `max_num_batched_tokens` allow. When the pool cannot supply a
+block, the lowest-priority, latest-arrived running request is preempted.
+
+The scheduler returns plain data (SchedulerOutput). It never sees a tensor: the engine,
+the simulator and the property tests drive this same class.
+"""
+from __future__ import annotations
+
+import bisect
+import itertools
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+from pagedserve.core.kv_cache import KVCacheManager
+from pagedserve.request import Request, RequestStatus
+from pagedserve.sampling import SamplingParams
+
+
+@dataclass
+class SchedulerConfig:
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_model_len: int
+    enable_chunked_prefill: bool = True
+    long_prefill_token_threshold: int = 0
+    scheduling_policy: str = "fcfs"
+    preemption_mode: str = "recompute"
+
+
+@dataclass
+class ScheduledRequest:
+    """What the executor needs to run one request's share of a step."""
+
+    request_id: str
+    start_pos: int              # = num_computed_tokens before this step
+    token_ids: list[int]        # the new tokens to compute, positions start_pos..
+    block_ids: list[int]        # the request's whole block table after allocation
+    sample: bool                # True when this step reaches the end: a token is sampled
+    sampling_params: SamplingParams
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+
+    @property
+    def num_new_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def context_len(self) -> int:
+        return self.start_pos + len(self.token_ids)
+
+
+@dataclass
+class SchedulerStats:
+    num_running: int = 0
+    num_waiting: int = 0
+    num_swapped: int = 0
+    kv_usage: float = 0.0
+    num_used_blocks: int = 0
+    num_total_blocks: int = 0
+    num_total_tokens: int = 0
+    num_preempted: dict[str, int] = field(default_factory=dict)  # by mode
+    num_recomputed_tokens: int = 0
+    num_blocks_swapped_out: int = 0
+    num_blocks_swapped_in: int = 0
+    prefix_cache_queries: int = 0  # tokens looked up this step
+    prefix_cache_hits: int = 0
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest]
+    num_batched_tokens: int
+    preempted_ids: list[str] = field(default_factory=list)
+    finished_ids: list[str] = field(default_factory=list)  # ended since the previous step
+    blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device, host)
+    blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)   # (host, device)
+    stats: SchedulerStats = field(default_factory=SchedulerStats)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled and not self.blocks_to_swap_out and not self.blocks_to_swap_in
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.config = config
+        self.kv = kv
+        self.clock = clock
+        self.requests: dict[str, Request] = {}
+        self.waiting: list[Request] = []  # kept sorted by _queue_key
+        self.running: list[Request] = []  # kept sorted by _queue_key; victims come off the end
+        self._seq = itertools.count()
+        self._order: dict[str, int] = {}
+        self._finished_since_step: list[str] = []
+        self.total_preemptions = 0
+
+    # -- queue order -------------------------------------------------------------------
+    def _queue_key(self, req: Request) -> tuple:
+        order = self._order[req.request_id]
+        if self.config.scheduling_policy == "priority":
+            return (req.priority, req.times.arrival, order)
+        return (req.times.arrival, order)
+
+    def _insert(self, queue: list[Request], req: Request) -> None:
+        bisect.insort(queue, req, key=self._queue_key)
+
+    # -- requests in and out ------------------------------------------------------------
+    def add_request(self, req: Request) -> None:
+        if req.request_id in self.requests:
+            raise ValueError(f"request_id {req.request_id!r} is already in use")
+        self.requests[req.request_id] = req
+        self._order[req.request_id] = next(self._seq)
+        req.status = RequestStatus.WAITING
+        self._insert(self.waiting, req)
+
+    def finish_request(self, request_id: str, status: RequestStatus, stop_reason=None) -> Request | None:
+        """End a request wherever it is (aborts and engine-side stop strings come here)."""
+        req = self.requests.pop(request_id, None)
+        if req is None:
+            return None
+        if req.status == RequestStatus.RUNNING:
+            self.running.remove(req)
+        elif req.status == RequestStatus.WAITING:
+            self.waiting.remove(req)
+        self._release(req)
+        req.status = status
+        req.stop_reason = stop_reason if stop_reason is not None else req.stop_reason
+        req.times.finished = self.clock()
+        self._order.pop(request_id, None)
+        self._finished_since_step.append(request_id)
+        return req
+
+    def _release(self, req: Request) -> None:
+        self.kv.free(req)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    # -- one step ---------------------------------------------------------------------
+    def _grant(self, req: Request, budget: int) -> int:
+        num_new = req.num_tokens - req.num_computed_tokens
+        if self.config.long_prefill_token_threshold and num_new > 1:
+            num_new = min(num_new, self.config.long_prefill_token_threshold)
+        return min(num_new, budget)
+
+    def _preempt(self, victim: Request, stats: SchedulerStats) -> None:
+        """Recompute preemption: drop its KV, rewind, and requeue it in arrival order."""
+        stats.num_recomputed_tokens += victim.num_computed_tokens
+        self.kv.free(victim)
+        victim.num_computed_tokens = 0
+        victim.status = RequestStatus.WAITING
+        victim.num_preemptions += 1
+        self.total_preemptions += 1
+        stats.num_preempted["recompute"] = stats.num_preempted.get("recompute", 0) + 1
+        self._insert(self.waiting, victim)
+
+    def schedule(self) -> SchedulerOutput:
+        cfg = self.config
+        budget = cfg.max_num_batched_tokens
+        stats = SchedulerStats()
+        scheduled: list[tuple[Request, int]] = []
+        preempted: list[str] = []
+        now = self.clock()
+
+        # 1. Running requests first, in queue order; victims come off the end.
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            num_new = self._grant(req, budget)
+            if num_new <= 0:
+                i += 1
+                continue
+            while not self.kv.allocate_slots(req, num_new):
+                victim = self.running.pop()
+                self._preempt(victim, stats)
+                preempted.append(victim.request_id)
+                if victim is req:
+                    break
+            else:
+                scheduled.append((req, num_new))
+                budget -= num_new
+                i += 1
+
+        # 2. Waiting requests, only in a step that preempted nobody.
+        while (not preempted and self.waiting and budget > 0
+               and len(self.running) < cfg.max_num_seqs):
+            req = self.waiting[0]
+            cached = self.kv.find_cached_prefix(req) if req.num_computed_tokens == 0 else []
+            num_cached = len(cached) * self.kv.block_size
+            num_new = min(req.num_tokens - num_cached, budget)
+            if cfg.long_prefill_token_threshold:
+                num_new = min(num_new, cfg.long_prefill_token_threshold)
+            if not cfg.enable_chunked_prefill and num_new < req.num_tokens - num_cached:
+                break  # the whole prompt must fit this step; FCFS: nobody overtakes
+            req.num_computed_tokens = num_cached
+            if not self.kv.allocate_slots(req, num_new, cached):
+                req.num_computed_tokens = 0
+                break
+            self.kv.record_prefix_lookup(req, num_cached)
+            stats.prefix_cache_queries += req.num_tokens
+            stats.prefix_cache_hits += num_cached
+            if req.num_preemptions == 0:
+                req.num_cached_tokens = num_cached
+            self.waiting.pop(0)
+            req.status = RequestStatus.RUNNING
+            if req.times.first_scheduled is None:
+                req.times.first_scheduled = now
+            self._insert(self.running, req)
+            scheduled.append((req, num_new))
+            budget -= num_new
+
+        out = SchedulerOutput(
+            scheduled=[self._describe(req, n) for req, n in scheduled],
+            num_batched_tokens=cfg.max_num_batched_tokens - budget,
+            preempted_ids=preempted,
+            finished_ids=self._finished_since_step,
+            stats=stats,
+        )
+        self._finished_since_step = []
+        self._fill_stats(stats)
+        return out
+
+    def _describe(self, req: Request, num_new: int) -> ScheduledRequest:
+        start = req.num_computed_tokens
+        return ScheduledRequest(
+            request_id=req.request_id,
+            start_pos=start,
+            token_ids=req.all_token_ids[start:start + num_new],
+            block_ids=self.kv.block_ids(req.request_id),
+            sample=start + num_new == req.num_tokens,
+            sampling_params=req.sampling_params,
+            prompt_token_ids=req.prompt_token_ids,
+            output_token_ids=req.output_token_ids,
+        )
+
+    def _fill_stats(self, stats: SchedulerStats) -> None:
+        stats.num_running = len(self.running)
+        stats.num_waiting = len(self.waiting)
+        stats.kv_usage = self.kv.usage
+        stats.num_used_blocks = self.kv.num_used_blocks
+        stats.num_total_blocks = self.kv.pool.num_blocks
+        stats.num_total_tokens = self.kv.pool.num_blocks * self.kv.block_size
+
+    # -- after the executor ran ----------------------------------------------------------
+    def update_from_output(self, out: SchedulerOutput, sampled: dict[str, int]) -> tuple[list[Request], list[Request]]:
+        """Advance computed tokens, append sampled tokens, apply stop rules.
+
+        Returns (requests that got a new token, requests that finished this step).
+        """
+        now = self.clock()
+        updated: list[Request] = []
+        finished: list[Request] = []
+        for sr in out.scheduled:
+            req = self.requests.get(sr.request_id)
+            if req is None or req.status != RequestStatus.RUNNING:
+                continue  # aborted while the step ran
+            req.num_computed_tokens += sr.num_new_tokens
+            self.kv.cache_full_blocks(req)
+            if not sr.sample:
+                continue  # a prompt chunk that is not the last: nothing to sample yet
+            token = sampled[sr.request_id]
+            req.append_output_token(token)
+            if req.times.first_token is None:
+                req.times.first_token = now
+            req.times.last_token = now
+            updated.append(req)
+            status, reason = self._check_stop(req, token)
+            if status is not None:
+                self.finish_request(req.request_id, status, reason)
+                finished.append(req)
+        return updated, finished
+
+    def _check_stop(self, req: Request, token: int) -> tuple[RequestStatus | None, int | None]:
+        params = req.sampling_params
+        past_min = req.num_output_tokens >= params.min_tokens
+        if past_min and not params.ignore_eos and token in req.eos_token_ids:
+            return RequestStatus.FINISHED_STOPPED, None
+        if past_min and token in params.stop_token_ids:
+            return RequestStatus.FINISHED_STOPPED, token
+        if req.num_output_tokens >= req.max_tokens:
+            return RequestStatus.FINISHED_LENGTH, None
+        if req.num_tokens >= self.config.max_model_len:
+            return RequestStatus.FINISHED_LENGTH, None
+        return None, None

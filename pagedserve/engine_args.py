@@ -1,0 +1,64 @@
+"""Engine knobs as command-line flags, named as vLLM names them, shared by every subcommand
+that starts an engine (serve, generate, bench-offline...). `--config FILE.yaml` takes the
+same keys (dashes or underscores)."""
+from __future__ import annotations
+
+import argparse
+
+import yaml
+
+from pagedserve.config import DEVICES, DTYPES, PREEMPTION_MODES, SCHEDULING_POLICIES, EngineConfig
+
+_FLAGS: list[tuple[str, dict]] = [
+    ("--model", dict(default=None, help="local HF checkpoint directory (default: the built-in model)")),
+    ("--tokenizer", dict(default=None)),
+    ("--dtype", dict(choices=DTYPES, default=None)),
+    ("--device", dict(choices=DEVICES, default=None)),
+    ("--seed", dict(type=int, default=None)),
+    ("--block-size", dict(type=int, default=None)),
+    ("--max-num-seqs", dict(type=int, default=None)),
+    ("--max-num-batched-tokens", dict(type=int, default=None)),
+    ("--max-model-len", dict(type=int, default=None)),
+    ("--enable-chunked-prefill", dict(action=argparse.BooleanOptionalAction, default=None)),
+    ("--long-prefill-token-threshold", dict(type=int, default=None)),
+    ("--kv-cache-memory", dict(default=None, help="KV pool size on CPU, e.g. 4GiB")),
+    ("--num-kv-blocks", dict(type=int, default=None, help="exact KV pool size in blocks (overrides memory)")),
+    ("--gpu-memory-utilization", dict(type=float, default=None)),
+    ("--preemption-mode", dict(choices=PREEMPTION_MODES, default=None)),
+    ("--swap-space", dict(default=None, help="host swap pool, e.g. 4GiB")),
+    ("--enable-prefix-caching", dict(action=argparse.BooleanOptionalAction, default=None)),
+    ("--scheduling-policy", dict(choices=SCHEDULING_POLICIES, default=None)),
+    ("--max-logprobs", dict(type=int, default=None)),
+    ("--served-model-name", dict(default=None)),
+    ("--step-trace-path", dict(default=None, help="write one JSON line per engine step (for sim calibrate)")),
+]
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("engine")
+    for flag, kwargs in _FLAGS:
+        group.add_argument(flag, **kwargs)
+    parser.add_argument("--config", default=None, help="YAML file with the same keys as the flags")
+
+
+def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
+    """Flags override the YAML file, which overrides defaults. Raises ValueError naming the knob."""
+    values: dict = {}
+    if getattr(args, "config", None):
+        with open(args.config) as f:
+            loaded = yaml.safe_load(f) or {}
+        if not isinstance(loaded, dict):
+            raise ValueError(f"config: {args.config} must hold a mapping of knob: value")
+        known = set(EngineConfig.knob_names())
+        for key, value in loaded.items():
+            name = key.replace("-", "_")
+            if name in known:
+                values[name] = value
+            elif name not in ("host", "port", "api_key", "max_queue_len"):
+                raise ValueError(f"config: unknown key {key!r} in {args.config}")
+    for flag, _ in _FLAGS:
+        name = flag[2:].replace("-", "_")
+        v = getattr(args, name, None)
+        if v is not None:
+            values[name] = v
+    return EngineConfig(**values)

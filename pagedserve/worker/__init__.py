@@ -1,0 +1,1 @@
+"""The real executor: turns a SchedulerOutput into tensors, runs the model, samples."""

@@ -1,0 +1,113 @@
+"""Token sampling, one row per request, in vLLM's order: penalties, min_tokens masking,
+(raw) logprobs, then greedy or temperature → top-k → top-p → min-p → draw.
+
+Each row is processed independently of the others, and a seeded request draws from its
+own generator, so the same seed gives the same text whatever else shares the batch.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from pagedserve.core.scheduler import ScheduledRequest
+
+
+@dataclass
+class TokenLogprobs:
+    token_id: int
+    logprob: float
+    rank: int                       # 1 = most likely
+    top: list[tuple[int, float]]    # the `logprobs` most likely (id, logprob)
+
+
+class Sampler:
+    def __init__(self, eos_token_ids: frozenset[int], seed: int, device: torch.device) -> None:
+        self.eos_token_ids = sorted(eos_token_ids)
+        self.device = device
+        self.default_generator = torch.Generator(device=device)
+        self.default_generator.manual_seed(seed)
+        self.generators: dict[str, torch.Generator] = {}
+
+    def forget(self, request_ids) -> None:
+        for rid in request_ids:
+            self.generators.pop(rid, None)
+
+    def _generator(self, req: ScheduledRequest) -> torch.Generator:
+        seed = req.sampling_params.seed
+        if seed is None:
+            return self.default_generator
+        gen = self.generators.get(req.request_id)
+        if gen is None:
+            gen = self.generators[req.request_id] = torch.Generator(device=self.device)
+            gen.manual_seed(seed)
+        return gen
+
+    def _apply_penalties(self, logits: torch.Tensor, reqs: list[ScheduledRequest]) -> None:
+        for row, req in enumerate(reqs):
+            p = req.sampling_params
+            if p.repetition_penalty != 1.0:
+                seen = torch.tensor(sorted(set(req.prompt_token_ids) | set(req.output_token_ids)),
+                                    dtype=torch.long, device=logits.device)
+                vals = logits[row, seen]
+                logits[row, seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
+            if (p.frequency_penalty or p.presence_penalty) and req.output_token_ids:
+                counts = torch.bincount(torch.tensor(req.output_token_ids, device=logits.device),
+                                        minlength=logits.shape[1])[: logits.shape[1]].to(logits.dtype)
+                logits[row] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(logits.dtype)
+            if p.min_tokens and len(req.output_token_ids) < p.min_tokens:
+                banned = set(p.stop_token_ids) | (set() if p.ignore_eos else set(self.eos_token_ids))
+                if banned:
+                    logits[row, sorted(banned)] = float("-inf")
+
+    def __call__(self, logits: torch.Tensor, reqs: list[ScheduledRequest]) -> tuple[list[int], list[TokenLogprobs | None]]:
+        logits = logits.float()
+        self._apply_penalties(logits, reqs)
+        want_logprobs = any(r.sampling_params.logprobs is not None for r in reqs)
+        raw_logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None
+
+        tokens = torch.empty(len(reqs), dtype=torch.long, device=logits.device)
+        greedy_rows = [i for i, r in enumerate(reqs) if r.sampling_params.greedy]
+        random_rows = [i for i, r in enumerate(reqs) if not r.sampling_params.greedy]
+        if greedy_rows:
+            idx = torch.tensor(greedy_rows, device=logits.device)
+            tokens[idx] = logits[idx].argmax(dim=-1)
+        for row in random_rows:
+            tokens[row] = self._sample_row(logits[row], reqs[row])
+
+        token_list = tokens.tolist()
+        lps: list[TokenLogprobs | None] = [None] * len(reqs)
+        if raw_logprobs is not None:
+            for row, req in enumerate(reqs):
+                k = req.sampling_params.logprobs
+                if k is None:
+                    continue
+                lp_row = raw_logprobs[row]
+                tok = token_list[row]
+                lp = lp_row[tok].item()
+                rank = int((lp_row > lp).sum().item()) + 1
+                top = []
+                if k > 0:
+                    vals, ids = lp_row.topk(k)
+                    top = list(zip(ids.tolist(), vals.tolist()))
+                lps[row] = TokenLogprobs(tok, lp, rank, top)
+        return token_list, lps
+
+    def _sample_row(self, logits: torch.Tensor, req: ScheduledRequest) -> int:
+        p = req.sampling_params
+        logits = logits / p.temperature
+        if p.top_k and p.top_k < logits.shape[0]:
+            kth = torch.topk(logits, p.top_k).values[-1]
+            logits = logits.masked_fill(logits < kth, float("-inf"))
+        probs = torch.softmax(logits, dim=-1)
+        if p.top_p < 1.0:
+            sorted_probs, order = probs.sort(descending=True)
+            cum = sorted_probs.cumsum(0)
+            drop = (cum - sorted_probs) > p.top_p  # keep the smallest set reaching top_p
+            sorted_probs[drop] = 0.0
+            probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
+        if p.min_p > 0.0:
+            probs = probs.masked_fill(probs < p.min_p * probs.max(), 0.0)
+        # Exponential race: argmax(p / E) with E ~ Exp(1) draws index i with probability p_i.
+        noise = torch.empty_like(probs).exponential_(generator=self._generator(req))
+        return int((probs / noise).argmax().item())

@@ -1,0 +1,84 @@
+"""Tiny random HF checkpoints and an offline-trained tokenizer, made on the fly (no hub)."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+CORPUS = [
+    "def fibonacci(n):\n    if n < 2:\n        return n\n    return fibonacci(n - 1) + fibonacci(n - 2)\n",
+    "The quick brown fox jumps over the lazy dog. " * 3,
+    "import os\nimport sys\n\nfor i in range(10):\n    print(i, os.getcwd())\n",
+    "Paged attention keeps the KV cache in fixed-size blocks handed out as tokens grow.",
+    "class Scheduler:\n    def schedule(self):\n        return None\n",
+]
+
+
+def make_tokenizer(path: Path, vocab_size: int = 384):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE(unk_token=None, byte_fallback=False))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<s>", "</s>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(CORPUS * 4, trainer=trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>")
+    fast.chat_template = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+                          "{% if add_generation_prompt %}assistant:{% endif %}")
+    fast.save_pretrained(path)
+    return fast
+
+
+def make_checkpoint(path: Path, arch: str = "llama", *, hidden: int = 64, layers: int = 2, heads: int = 4,
+                    kv_heads: int = 2, inter: int = 128, vocab: int = 384, max_pos: int = 1024, seed: int = 0,
+                    init_std: float = 0.08, dtype: torch.dtype = torch.float32, **extra) -> Path:
+    """Write a random checkpoint + tokenizer into `path`; returns path.
+
+    init_std is larger than HF's 0.02 so logits are well separated: token-for-token parity
+    then tests the engine, not floating-point ties between near-equal logits.
+    """
+    import transformers
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    tok = make_tokenizer(path, vocab)
+    common = dict(vocab_size=vocab, hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers,
+                  num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=max_pos,
+                  initializer_range=init_std, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
+    common.update(extra)
+    if arch == "llama":
+        cfg, cls = transformers.LlamaConfig(**common), transformers.LlamaForCausalLM
+    elif arch == "qwen2":
+        common.setdefault("tie_word_embeddings", True)
+        cfg, cls = transformers.Qwen2Config(**common), transformers.Qwen2ForCausalLM
+    elif arch == "mistral":
+        cfg, cls = transformers.MistralConfig(**common), transformers.MistralForCausalLM
+    else:
+        raise ValueError(arch)
+    torch.manual_seed(seed)
+    model = cls(cfg).to(dtype)
+    if arch == "qwen2":  # HF initialises biases to zero; make them matter
+        with torch.no_grad():
+            for layer in model.model.layers:
+                for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                    proj.bias.normal_(0, init_std)
+    model.save_pretrained(path, safe_serialization=True)
+    return path
+
+
+def hf_greedy(path: Path, prompts: list[list[int]], max_tokens: list[int]) -> list[list[int]]:
+    """Reference: HF transformers generate, greedy, one prompt at a time, fp32."""
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    model.eval()
+    outs = []
+    with torch.no_grad():
+        for ids, n in zip(prompts, max_tokens):
+            inp = torch.tensor([ids])
+            gen = model.generate(inp, attention_mask=torch.ones_like(inp), max_new_tokens=n, do_sample=False,
+                                 eos_token_id=None, pad_token_id=0, min_new_tokens=n)
+            outs.append(gen[0, len(ids):].tolist())
+    return outs

@@ -1,0 +1,92 @@
+"""The shipped default model: files in place, Python-looking greedy output, parity with HF."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from pagedserve.default_model_path import DEFAULT_MODEL_DIR, DEFAULT_MODEL_NAME
+
+PARITY_PROMPTS = [
+    "def fibonacci(n):",
+    "import os\nimport sys\n\n\nclass Config:\n    def __init__(self, path):",
+    "for i in range(10):",
+]
+MAX_TOKENS = 48
+PYTHON_KEYWORDS = {"return", "if", "for", "def", "else", "in", "while"}
+
+
+def test_checkpoint_files_are_complete_and_small():
+    names = {p.name for p in DEFAULT_MODEL_DIR.iterdir()}
+    for required in ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
+                     "generation_config.json", "training_summary.json"):
+        assert required in names, required
+    total_bytes = sum(p.stat().st_size for p in DEFAULT_MODEL_DIR.iterdir() if p.is_file())
+    assert total_bytes < 20 * 2**20
+    config = json.loads((DEFAULT_MODEL_DIR / "config.json").read_text())
+    assert config["model_type"] == "llama"
+    assert config["_name_or_path"] == DEFAULT_MODEL_NAME
+    summary = json.loads((DEFAULT_MODEL_DIR / "training_summary.json").read_text())
+    assert summary["served_model_name"] == DEFAULT_MODEL_NAME
+    assert summary["held_out_perplexity_bf16"] > 1.0
+
+
+def test_tokenizer_and_chat_template_load_with_transformers():
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(DEFAULT_MODEL_DIR))
+    assert tokenizer.bos_token == "<s>" and tokenizer.eos_token == "</s>"
+    text = "def f(x):\n    return x  # é ✓\n"
+    ids = tokenizer(text).input_ids
+    assert ids[0] == tokenizer.bos_token_id
+    assert tokenizer.decode(ids, skip_special_tokens=True) == text  # byte-level: lossless
+    chat = tokenizer.apply_chat_template([{"role": "user", "content": "write a loop"}],
+                                         tokenize=False, add_generation_prompt=True)
+    assert chat.endswith("# assistant:") and "# user: write a loop" in chat
+
+
+@pytest.fixture(scope="module")
+def llm():
+    try:
+        from pagedserve import LLM
+    except Exception as exc:  # the engine API is not there yet
+        pytest.skip(f"pagedserve.LLM not importable: {exc}")
+    return LLM(model=str(DEFAULT_MODEL_DIR), dtype="float32", kv_cache_memory="64MiB")
+
+
+def _greedy(llm, prompts):
+    from pagedserve import SamplingParams
+
+    return llm.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0), use_tqdm=False)
+
+
+def test_fibonacci_prompt_continues_as_python(llm):
+    text = _greedy(llm, ["def fibonacci(n):"])[0].outputs[0].text
+    assert "\n    " in text, repr(text)
+    words = set(text.replace("(", " ").replace(")", " ").replace(":", " ").split())
+    assert words & PYTHON_KEYWORDS, repr(text)
+
+
+def test_greedy_tokens_equal_hf_transformers(llm):
+    import transformers
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(DEFAULT_MODEL_DIR))
+    dtype_kwarg = "dtype" if int(transformers.__version__.split(".")[0]) >= 5 else "torch_dtype"
+    hf_model = AutoModelForCausalLM.from_pretrained(str(DEFAULT_MODEL_DIR), **{dtype_kwarg: torch.float32})
+    hf_model.eval()
+
+    outputs = _greedy(llm, PARITY_PROMPTS)
+    for prompt, out in zip(PARITY_PROMPTS, outputs):
+        prompt_ids = tokenizer(prompt).input_ids
+        assert list(out.prompt_token_ids) == prompt_ids
+        with torch.no_grad():
+            generated = hf_model.generate(torch.tensor([prompt_ids]), max_new_tokens=MAX_TOKENS, do_sample=False,
+                                          pad_token_id=tokenizer.pad_token_id)
+        hf_new = generated[0, len(prompt_ids):].tolist()
+        if tokenizer.eos_token_id in hf_new:  # HF stopped early: compare up to its EOS
+            hf_new = hf_new[: hf_new.index(tokenizer.eos_token_id)]
+        ours = list(out.outputs[0].token_ids)
+        assert ours[: len(hf_new)] == hf_new, (prompt, tokenizer.decode(ours), tokenizer.decode(hf_new))
+        assert len(ours) >= len(hf_new)
