@@ -22,8 +22,8 @@ from pagedserve.core.kv_cache import KVCacheManager
 from pagedserve.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput, SchedulerStats
 from pagedserve.detokenizer import IncrementalDetokenizer
 from pagedserve.outputs import CompletionOutput, RequestMetrics, RequestOutput
-from pagedserve.plan.kv_budget import (ModelShape, blocks_per_request, dtype_bytes, kv_bytes_per_token,
-                                       max_concurrency, num_blocks_for_bytes)
+from pagedserve.plan.kv_budget import (KVPoolSize, ModelShape, blocks_per_request, dtype_bytes,
+                                       kv_cache_log_lines, size_kv_pool)
 from pagedserve.request import Request, RequestStatus
 from pagedserve.sampling import SamplingParams
 
@@ -35,48 +35,21 @@ def default_model_dir() -> str:
     return str(DEFAULT_MODEL_DIR)
 
 
-@dataclass
-class PoolSizing:
-    num_blocks: int
-    block_size: int
-    bytes_per_token: int
-    max_model_len: int
-
-    @property
-    def num_tokens(self) -> int:
-        return self.num_blocks * self.block_size
-
-    @property
-    def num_bytes(self) -> int:
-        return self.num_tokens * self.bytes_per_token
-
-    @property
-    def max_concurrency(self) -> float:
-        return max_concurrency(self.num_blocks, self.block_size, self.max_model_len)
-
-    def startup_line(self) -> str:
-        return (f"KV cache pool: {self.num_blocks} blocks x {self.block_size} tokens = {self.num_tokens} tokens, "
-                f"{self.num_bytes / 2**30:.3f} GiB ({self.bytes_per_token / 1024:.1f} KiB per token); "
-                f"maximum concurrency for {self.max_model_len} tokens per request: {self.max_concurrency:.2f}x")
-
-
-def size_pool(config: EngineConfig, shape: ModelShape, dtype: str) -> PoolSizing:
-    """How many blocks the pool gets — the same arithmetic as `pagedserve plan`."""
-    per_token = kv_bytes_per_token(shape, dtype_bytes(dtype), tp=1)
-    if config.num_kv_blocks is not None:
-        num_blocks = config.num_kv_blocks
-    else:
-        num_blocks = num_blocks_for_bytes(config.kv_cache_memory, per_token, config.block_size)
-    sizing = PoolSizing(num_blocks, config.block_size, per_token, config.max_model_len)
+def size_pool(config: EngineConfig, shape: ModelShape, dtype: str) -> KVPoolSize:
+    """How many blocks the pool gets: the very function `pagedserve plan` calls."""
+    pool = size_kv_pool(shape, config.kv_cache_memory or 0, kv_dtype_bytes=dtype_bytes(dtype),
+                        block_size=config.block_size)
+    if config.num_kv_blocks is not None:  # an exact count (tests, reproductions) wins over bytes
+        pool = KVPoolSize(config.num_kv_blocks, config.block_size, pool.bytes_per_token)
     need = blocks_per_request(config.max_model_len, config.block_size)
-    if num_blocks < need:
+    if pool.num_blocks < need:
         raise ValueError(
-            f"kv_cache_memory: the KV pool holds {num_blocks} blocks ({sizing.num_tokens} tokens, "
-            f"{sizing.num_bytes / 2**20:.1f} MiB at {per_token} bytes per token), but one request of "
+            f"kv_cache_memory: the KV pool holds {pool.num_blocks} blocks ({pool.num_tokens} tokens, "
+            f"{pool.num_bytes / 2**20:.1f} MiB at {pool.bytes_per_token} bytes per token), but one request of "
             f"max_model_len={config.max_model_len} tokens needs {need} blocks "
-            f"({need * config.block_size * per_token / 2**20:.1f} MiB); raise kv_cache_memory/num_kv_blocks "
+            f"({need * pool.bytes_per_block / 2**20:.1f} MiB); raise kv_cache_memory/num_kv_blocks "
             f"or lower max_model_len")
-    return sizing
+    return pool
 
 
 class _Sample:
@@ -120,7 +93,10 @@ class Engine:
         self.eos_token_ids = self._eos_token_ids()
         shape = ModelShape.from_hf_config(self.model_config.hf_config)
         self.pool_sizing = size_pool(config, shape, self.dtype)
-        logger.info(self.pool_sizing.startup_line())
+        for line in kv_cache_log_lines(self.pool_sizing, config.max_model_len, device=config.device.upper()):
+            logger.info(line)
+        logger.info("KV cache pool: %.3f GiB, %d bytes per token", self.pool_sizing.num_bytes / 2**30,
+                    self.pool_sizing.bytes_per_token)
 
         self.block_pool = BlockPool(self.pool_sizing.num_blocks, enable_caching=config.enable_prefix_caching)
         self.kv_cache_manager = KVCacheManager(self.block_pool, config.block_size)

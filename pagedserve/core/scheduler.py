@@ -100,6 +100,7 @@ class Scheduler:
         self._order: dict[str, int] = {}
         self._finished_since_step: list[str] = []
         self.total_preemptions = 0
+        self.total_partial_prefills = 0  # prompt chunks that did not reach the end (chunked prefill)
 
     # -- queue order -------------------------------------------------------------------
     def _queue_key(self, req: Request) -> tuple:
@@ -272,6 +273,7 @@ class Scheduler:
             req.num_computed_tokens += sr.num_new_tokens
             self.kv.cache_full_blocks(req)
             if not sr.sample:
+                self.total_partial_prefills += 1
                 continue  # a prompt chunk that is not the last: nothing to sample yet
             token = sampled[sr.request_id]
             req.append_output_token(token)
