@@ -14,8 +14,11 @@ from __future__ import annotations
 import logging
 import time
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+# As vLLM: no `_created` series next to every counter and histogram.
+disable_created_metrics()
 
 logger = logging.getLogger("pagedserve.metrics")
 

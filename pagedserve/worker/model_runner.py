@@ -28,6 +28,18 @@ class StepResult:
     forward_time: float = 0.0      # of which in the model forward + sampling
 
 
+def allocate_zeroed(shape: tuple, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A zero-filled pool. Zeros matter: padded attention reads may touch never-written
+    slots, and garbage NaNs there would poison the masked sums. On CPU, numpy's calloc
+    maps zero pages lazily, so a 4 GiB pool costs nothing until its blocks are written
+    (torch.zeros would touch every page up front: seconds at start-up)."""
+    if device.type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    raw = np.zeros(shape, dtype={2: np.int16, 4: np.int32, 8: np.int64}[itemsize])
+    return torch.from_numpy(raw).view(dtype)
+
+
 class ModelRunner:
     def __init__(self, model_config: ModelConfig, dtype: str, device: str, num_blocks: int, block_size: int,
                  eos_token_ids: frozenset[int], seed: int) -> None:
@@ -38,9 +50,8 @@ class ModelRunner:
         self.num_blocks = num_blocks
         torch.manual_seed(seed)
         self.model = load_model(model_config, dtype, device)
-        self.kv_cache = torch.zeros(
-            (model_config.num_layers, 2, num_blocks * block_size, model_config.num_kv_heads, model_config.head_dim),
-            dtype=self.dtype, device=self.device)
+        shape = (model_config.num_layers, 2, num_blocks * block_size, model_config.num_kv_heads, model_config.head_dim)
+        self.kv_cache = allocate_zeroed(shape, self.dtype, self.device)
         self.sampler = Sampler(eos_token_ids, seed, self.device)
 
     @torch.inference_mode()

@@ -61,7 +61,7 @@ class Sampler:
                     logits[row, sorted(banned)] = float("-inf")
 
     def __call__(self, logits: torch.Tensor, reqs: list[ScheduledRequest]) -> tuple[list[int], list[TokenLogprobs | None]]:
-        logits = logits.float()
+        logits = logits.to(torch.float32, copy=True)  # penalties edit in place; keep the caller's intact
         self._apply_penalties(logits, reqs)
         want_logprobs = any(r.sampling_params.logprobs is not None for r in reqs)
         raw_logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None
@@ -94,20 +94,27 @@ class Sampler:
         return token_list, lps
 
     def _sample_row(self, logits: torch.Tensor, req: ScheduledRequest) -> int:
-        p = req.sampling_params
-        logits = logits / p.temperature
-        if p.top_k and p.top_k < logits.shape[0]:
-            kth = torch.topk(logits, p.top_k).values[-1]
-            logits = logits.masked_fill(logits < kth, float("-inf"))
-        probs = torch.softmax(logits, dim=-1)
-        if p.top_p < 1.0:
-            sorted_probs, order = probs.sort(descending=True)
-            cum = sorted_probs.cumsum(0)
-            drop = (cum - sorted_probs) > p.top_p  # keep the smallest set reaching top_p
-            sorted_probs[drop] = 0.0
-            probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
-        if p.min_p > 0.0:
-            probs = probs.masked_fill(probs < p.min_p * probs.max(), 0.0)
+        probs = processed_probs(logits, req.sampling_params)
         # Exponential race: argmax(p / E) with E ~ Exp(1) draws index i with probability p_i.
         noise = torch.empty_like(probs).exponential_(generator=self._generator(req))
         return int((probs / noise).argmax().item())
+
+
+def processed_probs(logits: torch.Tensor, p) -> torch.Tensor:
+    """The distribution one row is drawn from: temperature, then top-k, top-p, min-p."""
+    logits = logits / p.temperature
+    if p.top_k and p.top_k < logits.shape[0]:
+        kth = torch.topk(logits, p.top_k).values[-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    if p.top_p < 1.0:
+        sorted_probs, order = probs.sort(descending=True)
+        mass_before = sorted_probs.cumsum(0) - sorted_probs
+        # Keep the most likely tokens until their mass reaches top_p (always at least one).
+        sorted_probs = sorted_probs.masked_fill(mass_before >= p.top_p, 0.0)
+        probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
+        probs = probs / probs.sum()
+    if p.min_p > 0.0:
+        probs = probs.masked_fill(probs < p.min_p * probs.max(), 0.0)
+        probs = probs / probs.sum()
+    return probs

@@ -1,0 +1,579 @@
+"""The OpenAI-compatible HTTP app: completions, chat, models, tokenize, health, metrics.
+
+Every check that can fail runs before anything is queued (model name, API key, body shape,
+sampling values, prompt length, queue room), so a rejected request changes no engine state.
+Errors use OpenAI's body: {"error": {"message", "type", "param", "code"}}.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import math
+import secrets
+import time
+import uuid
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import AsyncIterator
+
+from fastapi import Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+import pagedserve
+from pagedserve.metrics import CONTENT_TYPE
+from pagedserve.outputs import RequestOutput
+from pagedserve.sampling import SamplingParams
+from pagedserve.server.async_engine import AsyncEngine, EngineDead, EngineOverloaded
+from pagedserve.server.protocol import (ChatCompletionRequest, ChatMessage, CompletionRequest, DetokenizeRequest,
+                                        ErrorResponse, TokenizeRequest)
+
+logger = logging.getLogger("pagedserve.server")
+
+RETRY_AFTER_SECONDS = 1
+_LOGPROB_FLOOR = -9999.0  # JSON has no -inf
+_ERROR_RESPONSES = {code: {"model": ErrorResponse} for code in (400, 401, 404, 503)}
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None, headers: dict | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.headers = headers
+
+    @property
+    def type(self) -> str:
+        return {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError",
+                503: "ServiceUnavailableError"}.get(self.status, "InternalServerError")
+
+
+def error_body(status: int, message: str, type_: str, param: str | None) -> dict:
+    return {"error": {"message": message, "type": type_, "param": param, "code": status}}
+
+
+def bad_request(e: Exception | str) -> APIError:
+    """A ValueError 'field: message' becomes a 400 naming the field."""
+    message = str(e)
+    head = message.split(":", 1)[0]
+    param = head if head.replace("_", "").isalnum() and head != message else None
+    return APIError(400, message, param)
+
+
+@dataclass
+class _Prompt:
+    text: str | None
+    token_ids: list[int]
+
+
+class OpenAIServer:
+    """Request handling, independent of the routes: easier to read and to test."""
+
+    def __init__(self, async_engine: AsyncEngine, api_key: str | None = None) -> None:
+        self.async_engine = async_engine
+        self.engine = async_engine.engine
+        self.api_key = api_key
+        self.model_name = self.engine.model_name
+        self.created = int(time.time())
+
+    # -- checks ----------------------------------------------------------------------
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model != self.model_name:
+            raise APIError(404, f"The model `{model}` does not exist.", "model")
+
+    def check_api_key(self, request: Request) -> None:
+        if self.api_key is None:
+            return
+        given = request.headers.get("authorization", "")
+        scheme, _, token = given.partition(" ")
+        if scheme.lower() != "bearer" or not secrets.compare_digest(token.strip().encode(), self.api_key.encode()):
+            raise APIError(401, "Incorrect or missing API key: send 'Authorization: Bearer <key>'.")
+
+    def sampling_params(self, body, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+        if body.n > self.engine.config.max_num_seqs:
+            raise APIError(400, f"n: at most max_num_seqs ({self.engine.config.max_num_seqs}), got {body.n}", "n")
+        vocab = self.engine.model_config.vocab_size
+        if body.stop_token_ids and any(t >= vocab for t in body.stop_token_ids):
+            raise APIError(400, f"stop_token_ids: token ids must be in [0, {vocab})", "stop_token_ids")
+        if body.logit_bias:
+            raise APIError(400, "logit_bias: not supported", "logit_bias")
+        try:
+            return SamplingParams(
+                n=body.n,
+                temperature=1.0 if body.temperature is None else body.temperature,
+                top_p=1.0 if body.top_p is None else body.top_p,
+                top_k=0 if body.top_k is None else body.top_k,
+                min_p=0.0 if body.min_p is None else body.min_p,
+                presence_penalty=body.presence_penalty or 0.0,
+                frequency_penalty=body.frequency_penalty or 0.0,
+                repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
+                seed=body.seed,
+                stop=body.stop,
+                stop_token_ids=body.stop_token_ids,
+                include_stop_str_in_output=body.include_stop_str_in_output,
+                ignore_eos=body.ignore_eos,
+                max_tokens=max_tokens,
+                min_tokens=body.min_tokens,
+                logprobs=logprobs,
+                skip_special_tokens=body.skip_special_tokens,
+            )
+        except ValueError as e:
+            raise bad_request(e) from None
+
+    def validate(self, prompts: list[_Prompt], params: SamplingParams) -> None:
+        for p in prompts:
+            try:
+                self.engine.validate_request(p.token_ids, params)
+            except ValueError as e:
+                raise bad_request(e) from None
+
+    def tokenize_text(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        tokenizer = self.engine.tokenizer
+        if tokenizer is None:
+            raise APIError(400, "prompt: this model has no tokenizer; send token ids instead", "prompt")
+        return list(tokenizer(text, add_special_tokens=add_special_tokens).input_ids)
+
+    def decode(self, token_ids: list[int]) -> str:
+        tokenizer = self.engine.tokenizer
+        return "" if tokenizer is None else tokenizer.decode(token_ids)
+
+    def completion_prompts(self, prompt) -> list[_Prompt]:
+        if isinstance(prompt, str):
+            return [_Prompt(prompt, self.tokenize_text(prompt))]
+        if not prompt:
+            raise APIError(400, "prompt: must not be empty", "prompt")
+        if all(isinstance(x, int) for x in prompt):
+            return [_Prompt(None, list(prompt))]
+        if all(isinstance(x, str) for x in prompt):
+            return [_Prompt(x, self.tokenize_text(x)) for x in prompt]
+        return [_Prompt(None, list(x)) for x in prompt]
+
+    def chat_prompt(self, messages: list[ChatMessage], add_generation_prompt: bool,
+                    continue_final_message: bool = False, kwargs: dict | None = None) -> _Prompt:
+        tokenizer = self.engine.tokenizer
+        if tokenizer is None or not getattr(tokenizer, "chat_template", None):
+            raise APIError(400, "messages: this model has no chat template; use /v1/completions with a prompt",
+                           "messages")
+        if not messages:
+            raise APIError(400, "messages: must hold at least one message", "messages")
+        conversation = []
+        for m in messages:
+            if isinstance(m.content, list):
+                if any(part.type != "text" for part in m.content):
+                    raise APIError(400, "messages: only text content parts are supported", "messages")
+                content = "".join(part.text or "" for part in m.content)
+            else:
+                content = m.content or ""
+            conversation.append({"role": m.role, "content": content})
+        reserved = {"conversation", "messages", "tokenize", "add_generation_prompt", "continue_final_message",
+                    "return_dict", "return_tensors", "chat_template", "tools", "documents", "tokenizer_kwargs",
+                    "padding", "truncation", "max_length", "return_assistant_tokens_mask"}
+        extra = {k: v for k, v in (kwargs or {}).items() if k not in reserved}
+        try:
+            text = tokenizer.apply_chat_template(conversation, tokenize=False,
+                                                 add_generation_prompt=add_generation_prompt,
+                                                 continue_final_message=continue_final_message, **extra)
+        except Exception as e:  # noqa: BLE001 - a template error is the request's fault
+            raise APIError(400, f"messages: the chat template failed: {e}", "messages") from None
+        if not isinstance(text, str):
+            raise APIError(400, "messages: the chat template did not produce text", "messages")
+        return _Prompt(text, self.tokenize_text(text, add_special_tokens=False))
+
+    # -- running requests ------------------------------------------------------------
+    def submit(self, base_id: str, prompts: list[_Prompt], params: SamplingParams,
+               priority: int) -> tuple[asyncio.Queue, list[str]]:
+        ids = [base_id if len(prompts) == 1 else f"{base_id}-{i}" for i in range(len(prompts))]
+        try:
+            queue = self.async_engine.submit_batch([(rid, p.token_ids) for rid, p in zip(ids, prompts)], params,
+                                                   priority)
+        except EngineOverloaded as e:
+            raise APIError(503, str(e), headers={"Retry-After": str(RETRY_AFTER_SECONDS)}) from None
+        except EngineDead as e:
+            raise APIError(503, str(e)) from None
+        return queue, ids
+
+    async def results(self, queue: asyncio.Queue, ids: list[str]) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """(prompt index, output) until every request is finished; aborts the rest if stopped early."""
+        index = {rid: i for i, rid in enumerate(ids)}
+        unfinished = set(ids)
+        try:
+            while unfinished:
+                rid, item = await queue.get()
+                if isinstance(item, BaseException):
+                    unfinished.discard(rid)
+                    if isinstance(item, ValueError):
+                        raise bad_request(item)
+                    if isinstance(item, EngineDead):
+                        raise APIError(503, str(item))
+                    raise APIError(500, f"request failed: {type(item).__name__}: {item}")
+                if item.finished:
+                    unfinished.discard(rid)
+                yield index[rid], item
+        finally:
+            for rid in unfinished:
+                self.async_engine.abort(rid)
+
+    # -- logprobs --------------------------------------------------------------------
+    def _token_text(self, token_id: int) -> str:
+        return self.decode([token_id])
+
+    @staticmethod
+    def _lp(value: float) -> float:
+        return value if math.isfinite(value) else _LOGPROB_FLOOR
+
+    def completion_logprobs(self, logprobs: list, offset: int) -> dict:
+        tokens, token_lps, tops, offsets = [], [], [], []
+        for lp in logprobs:
+            text = self._token_text(lp.token_id)
+            tokens.append(text)
+            token_lps.append(self._lp(lp.logprob))
+            top = {text: self._lp(lp.logprob)}
+            for tid, v in lp.top:
+                top.setdefault(self._token_text(tid), self._lp(v))
+            tops.append(top)
+            offsets.append(offset)
+            offset += len(text)
+        return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
+
+    def chat_logprobs(self, logprobs: list, top_n: int) -> dict:
+        content = []
+        for lp in logprobs:
+            text = self._token_text(lp.token_id)
+            content.append({
+                "token": text, "logprob": self._lp(lp.logprob), "bytes": list(text.encode()),
+                "top_logprobs": [{"token": (t := self._token_text(tid)), "logprob": self._lp(v),
+                                  "bytes": list(t.encode())} for tid, v in lp.top[:top_n]],
+            })
+        return {"content": content}
+
+    # -- /v1/completions -------------------------------------------------------------
+    def prepare_completion(self, body: CompletionRequest):
+        self.check_model(body.model)
+        if body.best_of is not None and body.best_of != body.n:
+            raise APIError(400, "best_of: only best_of == n is supported", "best_of")
+        if body.suffix:
+            raise APIError(400, "suffix: not supported", "suffix")
+        if body.echo and body.logprobs is not None:
+            raise APIError(400, "echo: prompt logprobs are not supported; drop echo or logprobs", "echo")
+        params = self.sampling_params(body, body.max_tokens, body.logprobs)
+        prompts = self.completion_prompts(body.prompt)
+        self.validate(prompts, params)
+        return prompts, params
+
+    def _echo(self, body, prompt: _Prompt) -> str:
+        if not body.echo:
+            return ""
+        return prompt.text if prompt.text is not None else self.decode(prompt.token_ids)
+
+    async def completion(self, body: CompletionRequest, prompts: list[_Prompt], params: SamplingParams) -> dict:
+        rid = f"cmpl-{uuid.uuid4().hex}"
+        queue, ids = self.submit(rid, prompts, params, body.priority)
+        final: dict[int, RequestOutput] = {}
+        async for i, out in self.results(queue, ids):
+            final[i] = out
+        choices = []
+        num_generated = 0
+        for i, prompt in enumerate(prompts):
+            for comp in final[i].outputs:
+                prefix = self._echo(body, prompt)
+                num_generated += len(comp.token_ids)
+                choices.append({
+                    "index": i * params.n + comp.index,
+                    "text": prefix + comp.text,
+                    "logprobs": (self.completion_logprobs(comp.logprobs, len(prefix))
+                                 if comp.logprobs is not None else None),
+                    "finish_reason": comp.finish_reason,
+                    "stop_reason": comp.stop_reason,
+                })
+        return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": self.model_name,
+                "choices": choices, "usage": self._usage(prompts, num_generated)}
+
+    @staticmethod
+    def _usage(prompts: list[_Prompt], num_generated: int) -> dict:
+        num_prompt = sum(len(p.token_ids) for p in prompts)
+        return {"prompt_tokens": num_prompt, "completion_tokens": num_generated,
+                "total_tokens": num_prompt + num_generated}
+
+    async def completion_stream(self, body: CompletionRequest, prompts: list[_Prompt], params: SamplingParams,
+                                queue: asyncio.Queue, ids: list[str]) -> AsyncIterator[str]:
+        rid = ids[0] if len(ids) == 1 else ids[0].rsplit("-", 1)[0]
+        created = int(time.time())
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        sent_text: dict[tuple[int, int], int] = {}
+        sent_tokens: dict[tuple[int, int], int] = {}
+        num_generated = 0
+
+        def chunk(choices: list[dict], usage=None) -> str:
+            payload = {"id": rid, "object": "text_completion", "created": created, "model": self.model_name,
+                       "choices": choices}
+            if include_usage:
+                payload["usage"] = usage
+            return f"data: {json.dumps(payload)}\n\n"
+
+        try:
+            if body.echo:
+                yield chunk([{"index": i * params.n + j, "text": self._echo(body, p), "logprobs": None,
+                              "finish_reason": None, "stop_reason": None}
+                             for i, p in enumerate(prompts) for j in range(params.n)])
+            async for i, out in self.results(queue, ids):
+                choices = []
+                for comp in out.outputs:
+                    key = (i, comp.index)
+                    text_from, tok_from = sent_text.get(key, 0), sent_tokens.get(key, 0)
+                    delta = comp.text[text_from:]
+                    if not delta and comp.finish_reason is None:
+                        continue
+                    new_lps = comp.logprobs[tok_from:] if comp.logprobs is not None else None
+                    choices.append({
+                        "index": i * params.n + comp.index, "text": delta,
+                        "logprobs": self.completion_logprobs(new_lps, text_from) if new_lps is not None else None,
+                        "finish_reason": comp.finish_reason, "stop_reason": comp.stop_reason,
+                    })
+                    sent_text[key] = len(comp.text)
+                    sent_tokens[key] = len(comp.token_ids)
+                    if comp.finish_reason is not None:
+                        num_generated += len(comp.token_ids)
+                if choices:
+                    yield chunk(choices)
+            if include_usage:
+                yield chunk([], self._usage(prompts, num_generated))
+            yield "data: [DONE]\n\n"
+        except APIError as e:
+            yield f"data: {json.dumps(error_body(e.status, e.message, e.type, e.param))}\n\n"
+            yield "data: [DONE]\n\n"
+
+    # -- /v1/chat/completions --------------------------------------------------------
+    def prepare_chat(self, body: ChatCompletionRequest):
+        self.check_model(body.model)
+        top_n = 0
+        if body.top_logprobs is not None:
+            if not body.logprobs:
+                raise APIError(400, "top_logprobs: needs logprobs=true", "top_logprobs")
+            top_n = body.top_logprobs
+        logprobs = top_n if body.logprobs else None
+        max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+        params = self.sampling_params(body, max_tokens, logprobs)
+        prompt = self.chat_prompt(body.messages, body.add_generation_prompt, body.continue_final_message,
+                                  body.chat_template_kwargs)
+        self.validate([prompt], params)
+        return prompt, params, top_n
+
+    async def chat(self, body: ChatCompletionRequest, prompt: _Prompt, params: SamplingParams, top_n: int) -> dict:
+        rid = f"chatcmpl-{uuid.uuid4().hex}"
+        queue, ids = self.submit(rid, [prompt], params, body.priority)
+        final = None
+        async for _, out in self.results(queue, ids):
+            final = out
+        choices = [{
+            "index": comp.index,
+            "message": {"role": "assistant", "content": comp.text},
+            "logprobs": self.chat_logprobs(comp.logprobs, top_n) if comp.logprobs is not None else None,
+            "finish_reason": comp.finish_reason,
+            "stop_reason": comp.stop_reason,
+        } for comp in final.outputs]
+        num_generated = sum(len(c.token_ids) for c in final.outputs)
+        return {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": self.model_name,
+                "choices": choices, "usage": self._usage([prompt], num_generated)}
+
+    async def chat_stream(self, body: ChatCompletionRequest, prompt: _Prompt, params: SamplingParams, top_n: int,
+                          queue: asyncio.Queue, ids: list[str]) -> AsyncIterator[str]:
+        rid = ids[0]
+        created = int(time.time())
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        sent_text = [0] * params.n
+        sent_tokens = [0] * params.n
+        num_generated = 0
+
+        def chunk(choices: list[dict], usage=None) -> str:
+            payload = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": self.model_name,
+                       "choices": choices}
+            if include_usage:
+                payload["usage"] = usage
+            return f"data: {json.dumps(payload)}\n\n"
+
+        try:
+            yield chunk([{"index": j, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                          "finish_reason": None} for j in range(params.n)])
+            async for _, out in self.results(queue, ids):
+                choices = []
+                for comp in out.outputs:
+                    j = comp.index
+                    delta = comp.text[sent_text[j]:]
+                    if not delta and comp.finish_reason is None:
+                        continue
+                    new_lps = comp.logprobs[sent_tokens[j]:] if comp.logprobs is not None else None
+                    choices.append({
+                        "index": j, "delta": {"content": delta} if delta else {},
+                        "logprobs": self.chat_logprobs(new_lps, top_n) if new_lps is not None else None,
+                        "finish_reason": comp.finish_reason, "stop_reason": comp.stop_reason,
+                    })
+                    sent_text[j] = len(comp.text)
+                    sent_tokens[j] = len(comp.token_ids)
+                    if comp.finish_reason is not None:
+                        num_generated += len(comp.token_ids)
+                if choices:
+                    yield chunk(choices)
+            if include_usage:
+                yield chunk([], self._usage([prompt], num_generated))
+            yield "data: [DONE]\n\n"
+        except APIError as e:
+            yield f"data: {json.dumps(error_body(e.status, e.message, e.type, e.param))}\n\n"
+            yield "data: [DONE]\n\n"
+
+
+async def _wait_for_disconnect(request: Request) -> None:
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def _unless_disconnected(request: Request, coro):
+    """Run coro; if the client goes away first, cancel it (its finally aborts the engine requests)."""
+    work = asyncio.ensure_future(coro)
+    watcher = asyncio.ensure_future(_wait_for_disconnect(request))
+    try:
+        done, _ = await asyncio.wait({work, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+    if work in done:
+        return work.result()
+    work.cancel()
+    try:
+        await work
+    except (asyncio.CancelledError, Exception):  # noqa: BLE001
+        pass
+    return Response(status_code=499)
+
+
+class _EngineStream(StreamingResponse):
+    """SSE response that aborts its engine requests however it ends (also if the client leaves
+    before the first chunk, when the body generator never ran its own finally)."""
+
+    def __init__(self, gen: AsyncIterator[str], async_engine: AsyncEngine, ids: list[str]) -> None:
+        super().__init__(gen, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self._async_engine = async_engine
+        self._ids = ids
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            for rid in self._ids:  # a no-op for requests that finished
+                self._async_engine.abort(rid)
+
+
+def build_app(async_engine: AsyncEngine, api_key: str | None = None, manage_engine: bool = True) -> FastAPI:
+    """The FastAPI app. With manage_engine the engine thread starts and stops with the app."""
+    server = OpenAIServer(async_engine, api_key)
+    metrics = async_engine.metrics
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        if manage_engine:
+            async_engine.start()
+        try:
+            yield
+        finally:
+            if manage_engine:
+                async_engine.shutdown()
+
+    app = FastAPI(title="pagedserve", version=pagedserve.__version__, lifespan=lifespan)
+    app.state.server = server
+    app.state.async_engine = async_engine
+
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, e: APIError):
+        return JSONResponse(error_body(e.status, e.message, e.type, e.param), status_code=e.status,
+                            headers=e.headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(request: Request, e: RequestValidationError):
+        errors = e.errors()
+        first = errors[0] if errors else {}
+        loc = [str(x) for x in first.get("loc", ()) if x != "body"]
+        param = ".".join(loc) or "body"
+        if first.get("type") == "json_invalid":
+            message = f"body: malformed JSON ({first.get('msg', 'invalid')})"
+            param = "body"
+        else:
+            message = f"{param}: {first.get('msg', 'invalid value')}"
+        return JSONResponse(error_body(400, message, "BadRequestError", param), status_code=400)
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, e: Exception):
+        logger.exception("unhandled error in %s", request.url.path)
+        return JSONResponse(error_body(500, f"internal error: {type(e).__name__}: {e}", "InternalServerError",
+                                       None), status_code=500)
+
+    def auth(request: Request) -> None:
+        server.check_api_key(request)
+
+    guarded = [Depends(auth)]
+
+    @app.get("/health")
+    async def health():
+        if not async_engine.is_running:
+            return JSONResponse(error_body(503, "engine is not running", "ServiceUnavailableError", None),
+                                status_code=503)
+        return Response(status_code=200)
+
+    @app.get("/version")
+    async def version():
+        return {"version": pagedserve.__version__}
+
+    @app.get("/metrics")
+    async def prometheus_metrics():
+        if metrics is None:
+            return Response(b"", media_type=CONTENT_TYPE)
+        return Response(metrics.render(), media_type=CONTENT_TYPE)
+
+    @app.get("/v1/models", dependencies=guarded, responses=_ERROR_RESPONSES)
+    async def models():
+        engine = server.engine
+        return {"object": "list", "data": [{
+            "id": server.model_name, "object": "model", "created": server.created, "owned_by": "pagedserve",
+            "root": str(engine.config.model), "parent": None, "max_model_len": engine.config.max_model_len,
+        }]}
+
+    @app.post("/v1/completions", dependencies=guarded, responses=_ERROR_RESPONSES)
+    async def completions(body: CompletionRequest, request: Request):
+        prompts, params = server.prepare_completion(body)
+        if body.stream:
+            queue, ids = server.submit(f"cmpl-{uuid.uuid4().hex}", prompts, params, body.priority)
+            return _EngineStream(server.completion_stream(body, prompts, params, queue, ids), async_engine, ids)
+        return await _unless_disconnected(request, server.completion(body, prompts, params))
+
+    @app.post("/v1/chat/completions", dependencies=guarded, responses=_ERROR_RESPONSES)
+    async def chat_completions(body: ChatCompletionRequest, request: Request):
+        prompt, params, top_n = server.prepare_chat(body)
+        if body.stream:
+            queue, ids = server.submit(f"chatcmpl-{uuid.uuid4().hex}", [prompt], params, body.priority)
+            return _EngineStream(server.chat_stream(body, prompt, params, top_n, queue, ids), async_engine, ids)
+        return await _unless_disconnected(request, server.chat(body, prompt, params, top_n))
+
+    @app.post("/tokenize", dependencies=guarded, responses=_ERROR_RESPONSES)
+    async def tokenize(body: TokenizeRequest):
+        server.check_model(body.model)
+        if (body.prompt is None) == (body.messages is None):
+            raise APIError(400, "prompt: give exactly one of prompt or messages", "prompt")
+        if body.prompt is not None:
+            tokens = server.tokenize_text(body.prompt, body.add_special_tokens)
+        else:
+            tokens = server.chat_prompt(body.messages, body.add_generation_prompt).token_ids
+        return {"count": len(tokens), "max_model_len": server.engine.config.max_model_len, "tokens": tokens}
+
+    @app.post("/detokenize", dependencies=guarded, responses=_ERROR_RESPONSES)
+    async def detokenize(body: DetokenizeRequest):
+        server.check_model(body.model)
+        vocab = server.engine.model_config.vocab_size
+        if any(t < 0 or t >= vocab for t in body.tokens):
+            raise APIError(400, f"tokens: token ids must be in [0, {vocab})", "tokens")
+        if server.engine.tokenizer is None:
+            raise APIError(400, "tokens: this model has no tokenizer", "tokens")
+        return {"prompt": server.decode(body.tokens)}
+
+    return app

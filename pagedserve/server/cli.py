@@ -1,0 +1,70 @@
+"""`pagedserve serve`: every engine knob as a vLLM-named flag, plus the server's own."""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+
+import yaml
+
+logger = logging.getLogger("pagedserve.server")
+
+_SERVER_DEFAULTS = {"host": "127.0.0.1", "port": 8000, "api_key": None, "max_queue_len": None}
+
+
+def register(sub) -> None:
+    from pagedserve.engine_args import add_engine_args
+
+    p = sub.add_parser("serve", help="serve the OpenAI-compatible API over HTTP",
+                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    add_engine_args(p)
+    server = p.add_argument_group("server")
+    server.add_argument("--host", default=None, help="address to bind (default 127.0.0.1)")
+    server.add_argument("--port", type=int, default=None, help="port (default 8000)")
+    server.add_argument("--api-key", default=None,
+                        help="require 'Authorization: Bearer KEY' on /v1/* (or env PAGEDSERVE_API_KEY)")
+    server.add_argument("--max-queue-len", type=int, default=None,
+                        help="reject new requests with 503 + Retry-After while this many wait (default: no limit)")
+    server.add_argument("--log-interval", type=float, default=10.0,
+                        help="seconds between stats log lines (0 = off)")
+    server.add_argument("--uvicorn-log-level", default="info")
+    p.set_defaults(func=run)
+
+
+def server_settings(args) -> dict:
+    """Flags override the YAML file (same keys), which overrides the defaults."""
+    settings = dict(_SERVER_DEFAULTS)
+    if getattr(args, "config", None):
+        with open(args.config) as f:
+            loaded = yaml.safe_load(f) or {}
+        for key, value in loaded.items():
+            name = str(key).replace("-", "_")
+            if name in settings:
+                settings[name] = value
+    for name in settings:
+        value = getattr(args, name, None)
+        if value is not None:
+            settings[name] = value
+    if settings["api_key"] is None:
+        settings["api_key"] = os.environ.get("PAGEDSERVE_API_KEY") or None
+    port, queue = settings["port"], settings["max_queue_len"]
+    if not isinstance(port, int) or not 0 <= port <= 65535:
+        raise ValueError(f"port: must be an integer in [0, 65535], got {port!r}")
+    if queue is not None and (not isinstance(queue, int) or queue < 0):
+        raise ValueError(f"max_queue_len: must be an integer >= 0, got {queue!r}")
+    return settings
+
+
+def run(args) -> int:
+    import uvicorn
+
+    from pagedserve.engine_args import engine_config_from_args
+    from pagedserve.server.launcher import build_server
+
+    settings = server_settings(args)
+    config = engine_config_from_args(args)
+    app, async_engine = build_server(config, api_key=settings["api_key"],
+                                     max_queue_len=settings["max_queue_len"], log_interval=args.log_interval)
+    logger.info("serving %s on http://%s:%d", async_engine.engine.model_name, settings["host"], settings["port"])
+    uvicorn.run(app, host=settings["host"], port=settings["port"], log_level=args.uvicorn_log_level)
+    return 0

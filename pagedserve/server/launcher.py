@@ -1,0 +1,64 @@
+"""Build a server from an EngineConfig, and run uvicorn in a background thread (tests, notebooks)."""
+from __future__ import annotations
+
+import socket
+import threading
+import time
+
+import uvicorn
+
+from pagedserve.config import EngineConfig
+from pagedserve.metrics import EngineMetrics
+from pagedserve.server.app import build_app
+from pagedserve.server.async_engine import AsyncEngine
+
+
+def build_server(config: EngineConfig, api_key: str | None = None, max_queue_len: int | None = None,
+                 log_interval: float = 10.0):
+    """(app, async_engine) for a fresh Engine; the engine thread starts with the app."""
+    from pagedserve.engine import Engine
+
+    engine = Engine(config)
+    metrics = EngineMetrics(engine.model_name, engine.config.max_model_len, log_interval=log_interval)
+    async_engine = AsyncEngine(engine, metrics, max_queue_len=max_queue_len)
+    return build_app(async_engine, api_key=api_key), async_engine
+
+
+class ServerThread:
+    """uvicorn serving `app` on host:port (port 0 = a free one) in a daemon thread."""
+
+    def __init__(self, app, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning") -> None:
+        self.app = app
+        self.host = host
+        self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self._sock.bind((host, port))
+        self.port = self._sock.getsockname()[1]
+        config = uvicorn.Config(app, log_level=log_level, lifespan="on", timeout_graceful_shutdown=5)
+        self.server = uvicorn.Server(config)
+        self._thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self._sock]},
+                                        name="pagedserve-uvicorn", daemon=True)
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def start(self, timeout: float = 60.0) -> "ServerThread":
+        self._thread.start()
+        deadline = time.monotonic() + timeout
+        while not self.server.started:
+            if not self._thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError("the server did not start")
+            time.sleep(0.02)
+        return self
+
+    def stop(self, timeout: float = 15.0) -> None:
+        self.server.should_exit = True
+        self._thread.join(timeout)
+        self._sock.close()
+
+    def __enter__(self) -> "ServerThread":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

@@ -1,0 +1,110 @@
+"""OpenAI-compatible request bodies (pydantic), with vLLM's extra sampling fields.
+
+Only the shape is checked here (types, finite numbers); the values are checked by
+SamplingParams and Engine.validate_request, whose ValueErrors name the field. Unknown
+fields are ignored, as vLLM and OpenAI do.
+"""
+from __future__ import annotations
+
+from typing import Any, Literal, Union
+
+from pydantic import BaseModel, ConfigDict, Field
+
+# torch.Generator.manual_seed takes [-2**63, 2**64); n samples use seed + i.
+SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
+
+
+class _Base(BaseModel):
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+
+
+class StreamOptions(_Base):
+    include_usage: bool | None = False
+    continuous_usage_stats: bool | None = False
+
+
+class _SamplingFields(_Base):
+    """Sampling parameters shared by completions and chat (OpenAI's, then vLLM's extras)."""
+
+    model: str | None = None
+    n: int = 1
+    temperature: float | None = None
+    top_p: float | None = None
+    presence_penalty: float | None = 0.0
+    frequency_penalty: float | None = 0.0
+    seed: int | None = Field(default=None, ge=SEED_MIN, le=SEED_MAX)
+    stop: str | list[str] | None = None
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    # vLLM extras
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    skip_special_tokens: bool = True
+    priority: int = 0
+
+
+class CompletionRequest(_SamplingFields):
+    prompt: Union[str, list[str], list[int], list[list[int]]]
+    max_tokens: int | None = 16
+    logprobs: int | None = None
+    echo: bool | None = False
+    best_of: int | None = None
+    suffix: str | None = None
+    logit_bias: dict[str, float] | None = None
+
+
+class ChatContentPart(_Base):
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(_Base):
+    role: str
+    content: str | list[ChatContentPart] | None = None
+    name: str | None = None
+
+
+class ChatCompletionRequest(_SamplingFields):
+    messages: list[ChatMessage]
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool | None = False
+    top_logprobs: int | None = None
+    logit_bias: dict[str, float] | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+    echo: bool = False
+
+
+class TokenizeRequest(_Base):
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+
+
+class DetokenizeRequest(_Base):
+    model: str | None = None
+    tokens: list[int]
+
+
+class ErrorInfo(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: int
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorInfo
+
+
+FinishReason = Literal["stop", "length", "abort"]

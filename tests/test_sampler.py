@@ -1,0 +1,111 @@
+"""Sampler checks against HF transformers' logits processors (the reference), and the
+seed contract: the same seed gives the same text whatever else shares the batch."""
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers.generation.logits_process import (MinPLogitsWarper, RepetitionPenaltyLogitsProcessor,
+                                                    TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper)
+
+from pagedserve import LLM, SamplingParams
+from pagedserve.core.scheduler import ScheduledRequest
+from pagedserve.worker.sampler import Sampler, processed_probs
+
+
+def hf_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    scores = logits[None].clone()
+    ids = torch.zeros((1, 1), dtype=torch.long)
+    scores = TemperatureLogitsWarper(params.temperature)(ids, scores)
+    if params.top_k:
+        scores = TopKLogitsWarper(params.top_k)(ids, scores)
+    if params.top_p < 1:
+        scores = TopPLogitsWarper(params.top_p)(ids, scores)
+    if params.min_p > 0:
+        scores = MinPLogitsWarper(params.min_p)(ids, scores)
+    return torch.softmax(scores, dim=-1)[0]
+
+
+@pytest.mark.parametrize("kw", [
+    dict(temperature=0.7), dict(temperature=1.3, top_k=5), dict(temperature=1.0, top_p=0.8),
+    dict(temperature=0.9, min_p=0.1), dict(temperature=0.8, top_k=20, top_p=0.9, min_p=0.05),
+])
+def test_filtered_distribution_matches_hf(kw):
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(20):
+        logits = torch.randn(200, generator=gen) * 3
+        params = SamplingParams(**kw)
+        torch.testing.assert_close(processed_probs(logits, params), hf_probs(logits, params), atol=1e-6, rtol=1e-5)
+
+
+def _sched(rid, params, prompt=(1, 2, 3), output=()):
+    return ScheduledRequest(rid, 0, [1], [0], True, params, list(prompt), list(output))
+
+
+def test_repetition_penalty_matches_hf():
+    logits = torch.randn(1, 50, generator=torch.Generator().manual_seed(2))
+    params = SamplingParams(temperature=0, repetition_penalty=1.7, logprobs=50)
+    prompt, output = [3, 4, 4, 9], [9, 11]
+    sampler = Sampler(frozenset(), seed=0, device=torch.device("cpu"))
+    work = logits.clone()
+    sampler._apply_penalties(work, [_sched("a", params, prompt, output)])
+    ref = RepetitionPenaltyLogitsProcessor(1.7)(torch.tensor([prompt + output]), logits.clone())
+    torch.testing.assert_close(work, ref)
+
+
+def test_frequency_presence_penalty_arithmetic():
+    logits = torch.zeros(1, 10)
+    params = SamplingParams(frequency_penalty=0.5, presence_penalty=0.25)
+    sampler = Sampler(frozenset(), seed=0, device=torch.device("cpu"))
+    sampler._apply_penalties(logits, [_sched("a", params, prompt=[1], output=[2, 2, 2, 5])])
+    expected = torch.zeros(10)
+    expected[2] = -(3 * 0.5 + 0.25)
+    expected[5] = -(0.5 + 0.25)
+    torch.testing.assert_close(logits[0], expected)  # prompt token 1 is not penalised
+
+
+def test_min_tokens_masks_eos():
+    logits = torch.zeros(1, 10)
+    logits[0, 7] = 100.0  # EOS would win
+    sampler = Sampler(frozenset({7}), seed=0, device=torch.device("cpu"))
+    tokens, _ = sampler(logits, [_sched("a", SamplingParams(temperature=0, min_tokens=3), output=[1])])
+    assert tokens[0] != 7
+    tokens, _ = sampler(logits, [_sched("a", SamplingParams(temperature=0, min_tokens=3), output=[1, 2, 3])])
+    assert tokens[0] == 7
+
+
+def test_logprobs_are_raw_log_softmax():
+    logits = torch.randn(1, 30, generator=torch.Generator().manual_seed(3))
+    sampler = Sampler(frozenset(), seed=0, device=torch.device("cpu"))
+    tokens, lps = sampler(logits.clone(), [_sched("a", SamplingParams(temperature=0, logprobs=3))])
+    ref = torch.log_softmax(logits[0], -1)
+    assert lps[0].token_id == tokens[0] == int(ref.argmax())
+    assert lps[0].rank == 1
+    assert lps[0].logprob == pytest.approx(float(ref.max()), abs=1e-6)
+    assert [t for t, _ in lps[0].top] == ref.topk(3).indices.tolist()
+
+
+def test_sampling_follows_the_distribution():
+    """Exponential-race draws land on tokens with the filtered probabilities."""
+    logits = torch.tensor([2.0, 1.0, 0.0, -1.0, -5.0])
+    params = SamplingParams(temperature=1.0, top_k=3, seed=5)
+    sampler = Sampler(frozenset(), seed=0, device=torch.device("cpu"))
+    counts = torch.zeros(5)
+    for _ in range(4000):
+        tok, _ = sampler(logits[None].clone(), [_sched("s", params)])
+        counts[tok[0]] += 1
+    freq = counts / counts.sum()
+    torch.testing.assert_close(freq, processed_probs(logits, params), atol=0.03, rtol=0)
+    assert counts[3] == counts[4] == 0
+
+
+def test_same_seed_same_text_whatever_the_batch(tiny_llama):
+    llm = LLM(str(tiny_llama), num_kv_blocks=256)
+    seeded = SamplingParams(temperature=1.0, top_p=0.9, seed=1234, max_tokens=24, ignore_eos=True)
+    alone = llm.generate([[5, 6, 7, 8]], seeded, use_tqdm=False)[0].outputs[0].token_ids
+    others = [SamplingParams(temperature=1.0, max_tokens=n, ignore_eos=True) for n in (5, 30, 12)]
+    crowd = llm.generate([[9, 9, 9], [5, 6, 7, 8], [11] * 50, [40, 41]], [others[0], seeded, others[1], others[2]],
+                         use_tqdm=False)
+    assert crowd[1].outputs[0].token_ids == alone
+    different = llm.generate([[5, 6, 7, 8]], SamplingParams(temperature=1.0, top_p=0.9, seed=99, max_tokens=24,
+                                                            ignore_eos=True), use_tqdm=False)
+    assert different[0].outputs[0].token_ids != alone

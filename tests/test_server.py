@@ -1,0 +1,276 @@
+"""A real server on 127.0.0.1 over a tiny random Llama, driven by the official openai client."""
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+import httpx
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from pagedserve.config import EngineConfig
+from pagedserve.engine import LLM
+from pagedserve.sampling import SamplingParams
+from pagedserve.server.launcher import ServerThread, build_server
+
+PROMPTS = ["def fibonacci(n):", "The quick brown fox", "import os\nimport sys"]
+
+
+@pytest.fixture(scope="module")
+def server(tiny_llama):
+    config = EngineConfig(model=str(tiny_llama), num_kv_blocks=512, max_model_len=256, max_num_seqs=32)
+    app, async_engine = build_server(config)
+    with ServerThread(app) as st:
+        st.async_engine = async_engine
+        yield st
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_llama):
+    return LLM(str(tiny_llama), num_kv_blocks=512, max_model_len=256)
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def model(server):
+    return server.async_engine.engine.model_name
+
+
+def scrape(server) -> dict[str, float]:
+    """Every sample on /metrics as {'name{label=value,...}': value}."""
+    text = httpx.get(server.url + "/metrics").text
+    samples = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()) if k != "model_name")
+            samples[f"{s.name}{{{labels}}}"] = s.value
+    return samples
+
+
+def wait_idle(server, deadline_s: float = 60.0) -> dict[str, float]:
+    """Poll /metrics until nothing runs or waits and no block is held (a wait, not a timing assert)."""
+    end = time.monotonic() + deadline_s
+    while True:
+        m = scrape(server)
+        idle = (m["pagedserve:num_requests_running{}"] == 0 and m["pagedserve:num_requests_waiting{}"] == 0
+                and m["pagedserve:kv_cache_used_tokens{}"] == 0)
+        if idle or time.monotonic() > end:
+            return m
+        time.sleep(0.05)
+
+
+def test_models_health_version(server, client, model):
+    assert [m.id for m in client.models.list().data] == [model]
+    assert httpx.get(server.url + "/health").status_code == 200
+    assert httpx.get(server.url + "/version").json()["version"]
+
+
+def test_greedy_completions_equal_llm_generate(client, model, llm):
+    expected = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=12), use_tqdm=False)
+    for prompt, exp in zip(PROMPTS, expected):
+        r = client.completions.create(model=model, prompt=prompt, max_tokens=12, temperature=0)
+        assert r.choices[0].text == exp.outputs[0].text
+        assert r.choices[0].finish_reason == exp.outputs[0].finish_reason
+        assert r.usage.prompt_tokens == len(exp.prompt_token_ids)
+        assert r.usage.completion_tokens == len(exp.outputs[0].token_ids)
+        assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
+
+
+def test_several_prompts_in_one_request(client, model, llm):
+    expected = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=6), use_tqdm=False)
+    r = client.completions.create(model=model, prompt=PROMPTS, max_tokens=6, temperature=0)
+    assert [c.index for c in r.choices] == [0, 1, 2]
+    assert [c.text for c in r.choices] == [e.outputs[0].text for e in expected]
+    assert r.usage.prompt_tokens == sum(len(e.prompt_token_ids) for e in expected)
+    assert r.usage.completion_tokens == sum(len(e.outputs[0].token_ids) for e in expected)
+
+
+def test_token_id_prompt(client, model, llm):
+    ids = llm.get_tokenizer()(PROMPTS[0]).input_ids
+    r = client.completions.create(model=model, prompt=ids, max_tokens=5, temperature=0)
+    exp = llm.generate([ids], SamplingParams(temperature=0, max_tokens=5), use_tqdm=False)[0]
+    assert r.choices[0].text == exp.outputs[0].text
+
+
+def test_streaming_completion_with_usage(client, model):
+    full = client.completions.create(model=model, prompt=PROMPTS[1], max_tokens=20, temperature=0)
+    stream = client.completions.create(model=model, prompt=PROMPTS[1], max_tokens=20, temperature=0, stream=True,
+                                       stream_options={"include_usage": True})
+    chunks = list(stream)
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert text == full.choices[0].text
+    assert all(c.usage is None for c in chunks[:-1])
+    assert chunks[-1].choices == [] and chunks[-1].usage.model_dump(include={"prompt_tokens", "completion_tokens",
+                                                                             "total_tokens"}) == \
+        full.usage.model_dump(include={"prompt_tokens", "completion_tokens", "total_tokens"})
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finishes == [full.choices[0].finish_reason]
+
+
+def test_raw_sse_ends_with_done(server, model):
+    with httpx.stream("POST", server.url + "/v1/completions",
+                      json={"model": model, "prompt": "abc", "max_tokens": 4, "stream": True}) as r:
+        assert r.headers["content-type"].startswith("text/event-stream")
+        lines = [line for line in r.iter_lines() if line]
+    assert lines[-1] == "data: [DONE]"
+    assert all(line.startswith("data: ") for line in lines)
+    for line in lines[:-1]:
+        json.loads(line[len("data: "):])
+
+
+def _chat_expected(llm, messages, max_tokens):
+    tok = llm.get_tokenizer()
+    text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    ids = tok(text, add_special_tokens=False).input_ids
+    return llm.generate([ids], SamplingParams(temperature=0, max_tokens=max_tokens), use_tqdm=False)[0]
+
+
+def test_chat_greedy_equals_llm_generate_streaming_and_not(client, model, llm):
+    messages = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Write fibonacci."}]
+    exp = _chat_expected(llm, messages, 15)
+    r = client.chat.completions.create(model=model, messages=messages, max_tokens=15, temperature=0)
+    assert r.choices[0].message.role == "assistant"
+    assert r.choices[0].message.content == exp.outputs[0].text
+    assert r.usage.prompt_tokens == len(exp.prompt_token_ids)
+    assert r.usage.completion_tokens == len(exp.outputs[0].token_ids)
+
+    chunks = list(client.chat.completions.create(model=model, messages=messages, max_tokens=15, temperature=0,
+                                                 stream=True, stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == exp.outputs[0].text
+    assert chunks[-1].usage.completion_tokens == r.usage.completion_tokens
+    assert chunks[-1].usage.prompt_tokens == r.usage.prompt_tokens
+
+
+def test_n2_sampled_and_streamed(client, model):
+    r = client.completions.create(model=model, prompt=PROMPTS[0], max_tokens=8, temperature=1.0, n=2, seed=7)
+    assert sorted(c.index for c in r.choices) == [0, 1]
+    assert r.usage.completion_tokens == 16  # random weights rarely sample EOS; see the assert below
+    again = client.completions.create(model=model, prompt=PROMPTS[0], max_tokens=8, temperature=1.0, n=2, seed=7)
+    assert [c.text for c in again.choices] == [c.text for c in r.choices]  # seeded: reproducible
+    chunks = list(client.completions.create(model=model, prompt=PROMPTS[0], max_tokens=8, temperature=1.0, n=2,
+                                            seed=7, stream=True, stream_options={"include_usage": True}))
+    texts = {0: "", 1: ""}
+    for c in chunks:
+        for choice in c.choices:
+            texts[choice.index] += choice.text
+    assert [texts[0], texts[1]] == [c.text for c in r.choices]
+    assert chunks[-1].usage.completion_tokens == r.usage.completion_tokens
+
+    chat = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "hi"}], n=2,
+                                          max_tokens=5, temperature=0)
+    assert [c.index for c in chat.choices] == [0, 1]
+    assert chat.choices[0].message.content == chat.choices[1].message.content  # greedy: the same
+
+
+def _boundary_stop(client, model, prompt, max_tokens):
+    """A stop string made of the last char of one token and the first of the next, first found there."""
+    r = client.completions.create(model=model, prompt=prompt, max_tokens=max_tokens, temperature=0, logprobs=0,
+                                  extra_body={"ignore_eos": True})
+    text = r.choices[0].text
+    tokens, offsets = r.choices[0].logprobs.tokens, r.choices[0].logprobs.text_offset
+    for i in range(2, len(tokens) - 1):
+        if tokens[i] and tokens[i + 1] and "\ufffd" not in tokens[i] + tokens[i + 1]:
+            stop = tokens[i][-1] + tokens[i + 1][0]
+            at = offsets[i + 1] - 1
+            if text.find(stop) == at:
+                return text, stop, at
+    pytest.skip("no clean token boundary in this random output")
+
+
+def test_stop_string_across_token_boundary(client, model):
+    text, stop, at = _boundary_stop(client, model, PROMPTS[2], 30)
+    r = client.completions.create(model=model, prompt=PROMPTS[2], max_tokens=30, temperature=0, stop=[stop],
+                                  extra_body={"ignore_eos": True})
+    assert r.choices[0].text == text[:at]
+    assert r.choices[0].finish_reason == "stop"
+    assert r.choices[0].model_extra["stop_reason"] == stop
+    r = client.completions.create(model=model, prompt=PROMPTS[2], max_tokens=30, temperature=0, stop=[stop],
+                                  extra_body={"ignore_eos": True, "include_stop_str_in_output": True})
+    assert r.choices[0].text == text[:at + len(stop)]
+    streamed = "".join(c.choices[0].text for c in client.completions.create(
+        model=model, prompt=PROMPTS[2], max_tokens=30, temperature=0, stop=stop, stream=True,
+        extra_body={"ignore_eos": True}) if c.choices)
+    assert streamed == text[:at]
+
+
+def test_logprobs(client, model):
+    r = client.completions.create(model=model, prompt=PROMPTS[0], max_tokens=4, temperature=0, logprobs=3)
+    lp = r.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 4
+    assert all(len(top) >= 3 for top in lp.top_logprobs)
+    assert all(v <= 0 for v in lp.token_logprobs)
+    assert lp.token_logprobs[0] == max(lp.top_logprobs[0].values())  # greedy took the most likely
+    chat = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "x"}], max_tokens=3,
+                                          temperature=0, logprobs=True, top_logprobs=2)
+    content = chat.choices[0].logprobs.content
+    assert len(content) == 3 and all(len(c.top_logprobs) == 2 for c in content)
+
+
+def test_tokenize_detokenize(server, llm):
+    r = httpx.post(server.url + "/tokenize", json={"prompt": PROMPTS[0]}).json()
+    assert r["tokens"] == llm.get_tokenizer()(PROMPTS[0]).input_ids and r["count"] == len(r["tokens"])
+    assert r["max_model_len"] == 256
+    back = httpx.post(server.url + "/detokenize", json={"tokens": r["tokens"]}).json()
+    assert back["prompt"] == PROMPTS[0]
+    chat = httpx.post(server.url + "/tokenize", json={"messages": [{"role": "user", "content": "hi"}]}).json()
+    assert chat["count"] > 0
+
+
+def test_twenty_streaming_clients_disconnect_mid_stream(server, model):
+    before = scrape(server)
+
+    async def one(i: int) -> int:
+        async with httpx.AsyncClient(timeout=60) as c:
+            async with c.stream("POST", server.url + "/v1/completions",
+                                json={"model": model, "prompt": f"{i} {PROMPTS[i % 3]}", "max_tokens": 230,
+                                      "ignore_eos": True, "temperature": 0, "stream": True}) as r:
+                got = 0
+                async for line in r.aiter_lines():
+                    if line.startswith("data: "):
+                        got += 1
+                        if got == 2:
+                            break  # leave mid-stream: the connection closes
+                return got
+
+    async def all_of_them():
+        return await asyncio.gather(*(one(i) for i in range(20)))
+
+    assert asyncio.run(all_of_them()) == [2] * 20
+    after = wait_idle(server)
+    assert after["pagedserve:num_requests_running{}"] == 0
+    assert after["pagedserve:kv_cache_used_tokens{}"] == 0
+    assert after["pagedserve:kv_cache_usage_perc{}"] == 0
+    aborted = (after["pagedserve:request_success_total{finished_reason=abort}"]
+               - before["pagedserve:request_success_total{finished_reason=abort}"])
+    assert aborted == 20
+    engine = server.async_engine.engine
+    assert engine.kv_cache_manager.num_used_blocks == 0 and not engine.has_unfinished_requests()
+
+
+def test_non_streaming_client_that_leaves_is_aborted(server, model):
+    """The engine is held while the client gives up, so the abort is certain, not a race."""
+    ae = server.async_engine
+    before = scrape(server)
+    ae.pause()
+    try:
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(server.url + "/v1/completions", timeout=httpx.Timeout(30, read=0.5),
+                       json={"model": model, "prompt": "hello", "max_tokens": 100, "ignore_eos": True})
+        # the abort reaches the command queue once the server sees the disconnect
+        end = time.monotonic() + 30
+        while not any(c[0] == "abort" for c in list(ae._commands)) and time.monotonic() < end:
+            time.sleep(0.02)
+    finally:
+        ae.resume()
+    after = wait_idle(server)
+    assert after["pagedserve:request_success_total{finished_reason=abort}"] == \
+        before["pagedserve:request_success_total{finished_reason=abort}"] + 1
+    assert not ae.engine.has_unfinished_requests()
