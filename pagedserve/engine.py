@@ -17,9 +17,7 @@ from pathlib import Path
 from typing import Iterable, Sequence
 
 from pagedserve.config import EngineConfig
-from pagedserve.core.block_pool import BlockPool
-from pagedserve.core.kv_cache import KVCacheManager
-from pagedserve.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput, SchedulerStats
+from pagedserve.core.scheduler import Scheduler, SchedulerOutput, SchedulerStats
 from pagedserve.detokenizer import IncrementalDetokenizer
 from pagedserve.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from pagedserve.plan.kv_budget import (KVPoolSize, ModelShape, blocks_per_request, dtype_bytes,
@@ -98,17 +96,9 @@ class Engine:
         logger.info("KV cache pool: %.3f GiB, %d bytes per token", self.pool_sizing.num_bytes / 2**30,
                     self.pool_sizing.bytes_per_token)
 
-        self.block_pool = BlockPool(self.pool_sizing.num_blocks, enable_caching=config.enable_prefix_caching)
-        self.kv_cache_manager = KVCacheManager(self.block_pool, config.block_size)
-        self.scheduler = Scheduler(SchedulerConfig(
-            max_num_seqs=config.max_num_seqs,
-            max_num_batched_tokens=config.max_num_batched_tokens,
-            max_model_len=config.max_model_len,
-            enable_chunked_prefill=config.enable_chunked_prefill,
-            long_prefill_token_threshold=config.long_prefill_token_threshold,
-            scheduling_policy=config.scheduling_policy,
-            preemption_mode=config.preemption_mode,
-        ), self.kv_cache_manager)
+        self.scheduler = Scheduler.from_config(config, self.pool_sizing.num_blocks)
+        self.kv_cache_manager = self.scheduler.kv
+        self.block_pool = self.kv_cache_manager.pool
         if executor is None:
             from pagedserve.worker.model_runner import ModelRunner
             executor = ModelRunner(self.model_config, self.dtype, config.device, self.pool_sizing.num_blocks,

@@ -102,6 +102,23 @@ class Scheduler:
         self.total_preemptions = 0
         self.total_partial_prefills = 0  # prompt chunks that did not reach the end (chunked prefill)
 
+    @classmethod
+    def from_config(cls, config, num_blocks: int, clock: Callable[[], float] = time.monotonic) -> "Scheduler":
+        """Build pool + block tables + scheduler from an EngineConfig: the engine and the
+        simulator both come through here, so they run the very same policy."""
+        from pagedserve.core.block_pool import BlockPool
+
+        pool = BlockPool(num_blocks, enable_caching=config.enable_prefix_caching)
+        return cls(SchedulerConfig(
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            max_model_len=config.max_model_len,
+            enable_chunked_prefill=config.enable_chunked_prefill,
+            long_prefill_token_threshold=config.long_prefill_token_threshold,
+            scheduling_policy=config.scheduling_policy,
+            preemption_mode=config.preemption_mode,
+        ), KVCacheManager(pool, config.block_size), clock=clock)
+
     # -- queue order -------------------------------------------------------------------
     def _queue_key(self, req: Request) -> tuple:
         order = self._order[req.request_id]

@@ -63,6 +63,7 @@ class AsyncEngine:
         self._paused = False  # tests: hold the thread so queue states can be set up exactly
         self._last_batched_tokens = 0
         self._wrap_scheduler()
+        self._refresh_gauges()  # the pool size is known before the first request
 
     def _wrap_scheduler(self) -> None:
         # The engine keeps only the step's stats; the token count of the batch is on the

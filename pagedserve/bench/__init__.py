@@ -1,0 +1,1 @@
+"""Load generation: workloads shared by `pagedserve bench` (real servers) and `pagedserve simulate`."""

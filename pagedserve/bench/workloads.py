@@ -1,0 +1,149 @@
+"""Workloads: what requests arrive, when, and how long they are.
+
+The same generators feed the HTTP load test (`pagedserve bench`) and the simulator
+(`pagedserve simulate`), so a simulated run and a real one see the same traffic for the
+same seed. Torch-free and numpy-light on purpose.
+"""
+from __future__ import annotations
+
+import json
+import math
+import random
+from dataclasses import dataclass, field
+from pathlib import Path
+
+DATASETS = ("random", "sharegpt", "long-context", "prefix-repetition")
+
+
+@dataclass
+class WorkloadRequest:
+    prompt_token_ids: list[int] | None  # exact tokens (random datasets) ...
+    prompt: str | None                  # ... or text (ShareGPT)
+    prompt_len: int
+    output_len: int
+    arrival_time: float = 0.0           # seconds after the run starts
+    ignore_eos: bool = True             # synthetic data: generate exactly output_len tokens
+    tags: dict = field(default_factory=dict)
+
+
+def arrival_times(n: int, request_rate: float, burstiness: float = 1.0, seed: int = 0) -> list[float]:
+    """Inter-arrival gaps ~ Gamma(shape=burstiness, mean=1/rate): burstiness 1 is Poisson,
+    below 1 burstier, above 1 more regular. rate=inf sends everything at t=0."""
+    if request_rate <= 0:
+        raise ValueError(f"request_rate: must be > 0 (or inf), got {request_rate}")
+    if burstiness <= 0:
+        raise ValueError(f"burstiness: must be > 0, got {burstiness}")
+    if math.isinf(request_rate):
+        return [0.0] * n
+    rng = random.Random(seed)
+    t, out = 0.0, []
+    for _ in range(n):
+        t += rng.gammavariate(burstiness, 1.0 / (request_rate * burstiness))
+        out.append(t)
+    return out
+
+
+def _length(rng: random.Random, mean: int, range_ratio: float) -> int:
+    lo, hi = max(1, int(mean * (1 - range_ratio))), max(1, int(mean * (1 + range_ratio)))
+    return rng.randint(lo, hi)
+
+
+def _tokens(rng: random.Random, n: int, vocab_size: int) -> list[int]:
+    # Skip the lowest ids, where special tokens usually live.
+    low = min(16, vocab_size - 1)
+    return [rng.randrange(low, vocab_size) for _ in range(n)]
+
+
+def random_dataset(n: int, input_len: int = 1024, output_len: int = 128, range_ratio: float = 0.0,
+                   vocab_size: int = 32000, seed: int = 0) -> list[WorkloadRequest]:
+    if not 0 <= range_ratio < 1:
+        raise ValueError(f"random_range_ratio: must be in [0, 1), got {range_ratio}")
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        p, o = _length(rng, input_len, range_ratio), _length(rng, output_len, range_ratio)
+        out.append(WorkloadRequest(_tokens(rng, p, vocab_size), None, p, o))
+    return out
+
+
+def long_context_dataset(n: int, long_fraction: float = 0.05, long_input_len: int = 16384,
+                         short_input_len: int = 256, output_len: int = 128, range_ratio: float = 0.25,
+                         vocab_size: int = 32000, seed: int = 0) -> list[WorkloadRequest]:
+    """A few very long prompts among many short ones: the source articles' hard case.
+    Long ones are spread evenly through the run so they keep landing on running decodes."""
+    if not 0 <= long_fraction <= 1:
+        raise ValueError(f"long_fraction: must be in [0, 1], got {long_fraction}")
+    rng = random.Random(seed)
+    num_long = round(n * long_fraction)
+    long_slots = {round((i + 0.5) * n / num_long) for i in range(num_long)} if num_long else set()
+    out = []
+    for i in range(n):
+        is_long = i in long_slots
+        p = _length(rng, long_input_len if is_long else short_input_len, range_ratio)
+        o = _length(rng, output_len, range_ratio)
+        out.append(WorkloadRequest(_tokens(rng, p, vocab_size), None, p, o, tags={"long": is_long}))
+    return out
+
+
+def prefix_repetition_dataset(n: int, prefix_len: int = 512, suffix_len: int = 128, num_prefixes: int = 4,
+                              output_len: int = 128, vocab_size: int = 32000, seed: int = 0) -> list[WorkloadRequest]:
+    """Requests sharing one of `num_prefixes` long prefixes (system prompts, few-shot headers)."""
+    rng = random.Random(seed)
+    prefixes = [_tokens(rng, prefix_len, vocab_size) for _ in range(num_prefixes)]
+    out = []
+    for _ in range(n):
+        k = rng.randrange(num_prefixes)
+        ids = prefixes[k] + _tokens(rng, suffix_len, vocab_size)
+        out.append(WorkloadRequest(ids, None, len(ids), output_len, tags={"prefix": k}))
+    return out
+
+
+def sharegpt_dataset(path: str | Path, n: int, tokenizer=None, seed: int = 0,
+                     max_prompt_len: int | None = None, max_output_len: int | None = None) -> list[WorkloadRequest]:
+    """First human turn as the prompt, the reply's length as the output length (ShareGPT JSON).
+
+    Without a tokenizer, lengths are estimated at 4 characters a token."""
+    data = json.loads(Path(path).read_text())
+    rng = random.Random(seed)
+    rng.shuffle(data)
+
+    def count(text: str) -> int:
+        return len(tokenizer(text).input_ids) if tokenizer is not None else max(1, len(text) // 4)
+
+    out = []
+    for item in data:
+        conv = item.get("conversations") or item.get("conversation") or []
+        if len(conv) < 2:
+            continue
+        prompt, reply = conv[0].get("value", ""), conv[1].get("value", "")
+        p, o = count(prompt), count(reply)
+        if p < 4 or o < 4 or (max_prompt_len and p > max_prompt_len) or (max_output_len and o > max_output_len):
+            continue
+        out.append(WorkloadRequest(None, prompt, p, o, ignore_eos=False))
+        if len(out) == n:
+            break
+    if not out:
+        raise ValueError(f"dataset_path: no usable ShareGPT conversations in {path}")
+    return out
+
+
+def make_workload(dataset: str, num_prompts: int, *, request_rate: float = math.inf, burstiness: float = 1.0,
+                  seed: int = 0, dataset_path: str | None = None, tokenizer=None, **kw) -> list[WorkloadRequest]:
+    """One entry point for both bench and simulate; kw are the dataset's own options."""
+    if num_prompts < 1:
+        raise ValueError(f"num_prompts: must be >= 1, got {num_prompts}")
+    if dataset == "random":
+        reqs = random_dataset(num_prompts, seed=seed, **kw)
+    elif dataset == "long-context":
+        reqs = long_context_dataset(num_prompts, seed=seed, **kw)
+    elif dataset == "prefix-repetition":
+        reqs = prefix_repetition_dataset(num_prompts, seed=seed, **kw)
+    elif dataset == "sharegpt":
+        if not dataset_path:
+            raise ValueError("dataset_path: the sharegpt dataset needs --dataset-path FILE.json")
+        reqs = sharegpt_dataset(dataset_path, num_prompts, tokenizer=tokenizer, seed=seed, **kw)
+    else:
+        raise ValueError(f"dataset: must be one of {DATASETS}, got {dataset!r}")
+    for req, t in zip(reqs, arrival_times(len(reqs), request_rate, burstiness, seed + 1)):
+        req.arrival_time = t
+    return reqs

@@ -1,0 +1,185 @@
+"""/metrics: parses with prometheus_client, counters and histograms move by known amounts."""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from pagedserve.config import EngineConfig
+from pagedserve.engine import LLM
+from pagedserve.metrics import EngineMetrics, build_1_2_5_buckets
+from pagedserve.sampling import SamplingParams
+from pagedserve.server.launcher import ServerThread, build_server
+
+EXPECTED = {
+    "num_requests_running": "gauge", "num_requests_waiting": "gauge", "num_requests_swapped": "gauge",
+    "kv_cache_usage_perc": "gauge", "kv_cache_total_tokens": "gauge", "kv_cache_used_tokens": "gauge",
+    "engine_busy_ratio": "gauge",
+    "num_preemptions": "counter", "prompt_tokens": "counter", "generation_tokens": "counter",
+    "request_success": "counter", "prefix_cache_queries": "counter", "prefix_cache_hits": "counter",
+    "recomputed_tokens": "counter", "swapped_blocks": "counter",
+    "time_to_first_token_seconds": "histogram", "inter_token_latency_seconds": "histogram",
+    "e2e_request_latency_seconds": "histogram", "request_queue_time_seconds": "histogram",
+    "request_prompt_tokens": "histogram", "request_generation_tokens": "histogram",
+    "iteration_tokens_total": "histogram", "request_num_preemptions": "histogram",
+    "engine_step_seconds": "histogram",
+}
+# Small pool on purpose: 8 blocks of 16, and one request may need 4 (max_model_len 64).
+CONFIG = dict(num_kv_blocks=8, block_size=16, max_model_len=64, max_num_seqs=4, enable_prefix_caching=True)
+
+
+@pytest.fixture(scope="module")
+def server(tiny_llama):
+    app, async_engine = build_server(EngineConfig(model=str(tiny_llama), **CONFIG), log_interval=0.2)
+    with ServerThread(app) as st:
+        st.async_engine = async_engine
+        yield st
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def model(server):
+    return server.async_engine.engine.model_name
+
+
+def families(server):
+    return {f.name: f for f in text_string_to_metric_families(httpx.get(server.url + "/metrics").text)}
+
+
+def scrape(server) -> dict[str, float]:
+    samples = {}
+    for family in families(server).values():
+        for s in family.samples:
+            labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()) if k != "model_name")
+            samples[f"{s.name}{{{labels}}}"] = s.value
+    return samples
+
+
+def wait_idle(server, deadline_s: float = 60.0) -> dict[str, float]:
+    end = time.monotonic() + deadline_s
+    while True:
+        m = scrape(server)
+        if (m["pagedserve:num_requests_running{}"] == 0 and m["pagedserve:num_requests_waiting{}"] == 0
+                and m["pagedserve:kv_cache_used_tokens{}"] == 0) or time.monotonic() > end:
+            return m
+        time.sleep(0.05)
+
+
+def delta(after: dict, before: dict, key: str) -> float:
+    return after[key] - before.get(key, 0.0)
+
+
+def test_every_metric_is_exposed_with_its_type(server):
+    fams = families(server)
+    for name, kind in EXPECTED.items():
+        assert fams["pagedserve:" + name].type == kind, name
+    m = scrape(server)
+    assert m["pagedserve:kv_cache_total_tokens{}"] == 8 * 16
+    assert "pagedserve:num_preemptions_total{mode=recompute}" in m
+    # vLLM's buckets
+    ttft = sorted(float(k.split("le=")[1].rstrip("}")) for k in m
+                  if k.startswith("pagedserve:time_to_first_token_seconds_bucket"))
+    assert ttft[:3] == [0.001, 0.005, 0.01] and ttft[-2:] == [2560.0, float("inf")]
+    prompt_buckets = [k for k in m if k.startswith("pagedserve:request_prompt_tokens_bucket")]
+    assert len(prompt_buckets) == len(build_1_2_5_buckets(64)) + 1
+
+
+def test_counters_and_histograms_move_by_known_amounts(server, client, model):
+    before = wait_idle(server)
+    r = client.completions.create(model=model, prompt="The quick brown fox", max_tokens=7, temperature=0,
+                                  extra_body={"ignore_eos": True})
+    n_prompt, n_gen = r.usage.prompt_tokens, r.usage.completion_tokens
+    assert n_gen == 7
+    after = wait_idle(server)
+    assert delta(after, before, "pagedserve:prompt_tokens_total{}") == n_prompt
+    assert delta(after, before, "pagedserve:generation_tokens_total{}") == n_gen
+    assert delta(after, before, "pagedserve:request_success_total{finished_reason=length}") == 1
+    assert delta(after, before, "pagedserve:request_success_total{finished_reason=stop}") == 0
+    for h in ("time_to_first_token_seconds", "e2e_request_latency_seconds", "request_queue_time_seconds",
+              "request_prompt_tokens", "request_generation_tokens", "request_num_preemptions"):
+        assert delta(after, before, f"pagedserve:{h}_count{{}}") == 1, h
+    assert delta(after, before, "pagedserve:request_prompt_tokens_sum{}") == n_prompt
+    assert delta(after, before, "pagedserve:request_generation_tokens_sum{}") == n_gen
+    assert delta(after, before, "pagedserve:inter_token_latency_seconds_count{}") == n_gen - 1
+    # one prefill step plus one step per further token, each a batch of this request alone
+    assert delta(after, before, "pagedserve:iteration_tokens_total_count{}") == n_gen
+    assert delta(after, before, "pagedserve:iteration_tokens_total_sum{}") == n_prompt + n_gen - 1
+    assert delta(after, before, "pagedserve:engine_step_seconds_count{}") == n_gen
+    assert delta(after, before, "pagedserve:prefix_cache_queries_total{}") == n_prompt
+    assert 0 <= after["pagedserve:engine_busy_ratio{}"] <= 1
+    assert after["pagedserve:kv_cache_usage_perc{}"] == 0
+
+
+def test_prefix_cache_hits(server, client, model):
+    prompt = "Paged attention keeps the KV cache in fixed-size blocks handed out as tokens grow."
+    client.completions.create(model=model, prompt=prompt, max_tokens=2, temperature=0)
+    before = wait_idle(server)
+    r = client.completions.create(model=model, prompt=prompt, max_tokens=2, temperature=0)
+    after = wait_idle(server)
+    assert r.usage.prompt_tokens > 16
+    assert delta(after, before, "pagedserve:prefix_cache_queries_total{}") == r.usage.prompt_tokens
+    assert delta(after, before, "pagedserve:prefix_cache_hits_total{}") >= 16
+    assert after["pagedserve:kv_cache_usage_perc{}"] == 0  # cached blocks are free (evictable)
+
+
+def test_preemption_counters_and_output_unchanged(server, client, model, tiny_llama):
+    """Four requests of ~50 tokens need 16 blocks from a pool of 8: some are preempted (recompute)."""
+    prompts = ["def fibonacci(n):", "The quick brown fox", "import os", "class Scheduler:"]
+    before = wait_idle(server)
+    results: dict[int, str] = {}
+
+    def call(i: int) -> None:
+        r = client.completions.create(model=model, prompt=prompts[i], max_tokens=44, temperature=0,
+                                      extra_body={"ignore_eos": True})
+        results[i] = r.choices[0].text
+
+    threads = [threading.Thread(target=call, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    after = wait_idle(server)
+    preempted = delta(after, before, "pagedserve:num_preemptions_total{mode=recompute}")
+    assert preempted > 0
+    assert delta(after, before, "pagedserve:recomputed_tokens_total{}") > 0
+    # every preemption belongs to a request that then finished
+    assert delta(after, before, "pagedserve:request_num_preemptions_sum{}") == preempted
+    assert after["pagedserve:kv_cache_usage_perc{}"] == 0 and after["pagedserve:num_requests_running{}"] == 0
+    llm = LLM(str(tiny_llama), num_kv_blocks=64, max_model_len=64)
+    expected = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=44, ignore_eos=True), use_tqdm=False)
+    assert [results[i] for i in range(4)] == [e.outputs[0].text for e in expected]
+
+
+def test_periodic_log_line(server, client, model, caplog):
+    with caplog.at_level(logging.INFO, logger="pagedserve.metrics"):
+        client.completions.create(model=model, prompt="abc", max_tokens=30, temperature=0,
+                                  extra_body={"ignore_eos": True})
+        end = time.monotonic() + 30
+        while not any("Avg prompt throughput" in r.getMessage() for r in caplog.records):
+            assert time.monotonic() < end, "no stats line was logged"
+            time.sleep(0.05)
+    line = next(r.getMessage() for r in caplog.records if "Avg prompt throughput" in r.getMessage())
+    for part in ("generation throughput", "Running:", "Waiting:", "Swapped:", "KV cache usage:",
+                 "Prefix cache hit rate:", "Preemptions:"):
+        assert part in line
+
+
+def test_busy_ratio_window_and_buckets():
+    m = EngineMetrics("m", 100, log_interval=0, busy_window=1.0)
+    from pagedserve.core.scheduler import SchedulerStats
+    m._window_start = 0.0
+    m.record_step(SchedulerStats(), duration=0.5, forward_time=0.25, num_batched_tokens=3)
+    m.tick(now=1.0)
+    assert m.engine_busy_ratio._value.get() == 0.25
+    m.tick(now=2.0)  # an idle window
+    assert m.engine_busy_ratio._value.get() == 0.0
+    assert build_1_2_5_buckets(100) == [1, 2, 5, 10, 20, 50, 100]
