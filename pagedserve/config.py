@@ -43,9 +43,9 @@ class EngineConfig:
     kv_cache_memory: int | str | None = None
     num_kv_blocks: int | None = None
     gpu_memory_utilization: float = 0.9
-    preemption_mode: str = "recompute"
-    swap_space: int | str = 0
-    enable_prefix_caching: bool = False
+    preemption_mode: str = "auto"
+    swap_space: int | str = "4GiB"  # vLLM's default host swap space
+    enable_prefix_caching: bool = True
     scheduling_policy: str = "fcfs"
     max_logprobs: int = 20
     served_model_name: str | None = None

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Iterable, Sequence
 
 from pagedserve.config import EngineConfig
-from pagedserve.core.scheduler import Scheduler, SchedulerOutput, SchedulerStats
+from pagedserve.core.scheduler import PreemptionCosts, Scheduler, SchedulerOutput, SchedulerStats
 from pagedserve.detokenizer import IncrementalDetokenizer
 from pagedserve.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from pagedserve.plan.kv_budget import (KVPoolSize, ModelShape, blocks_per_request, dtype_bytes,
@@ -96,14 +96,29 @@ class Engine:
         logger.info("KV cache pool: %.3f GiB, %d bytes per token", self.pool_sizing.num_bytes / 2**30,
                     self.pool_sizing.bytes_per_token)
 
-        self.scheduler = Scheduler.from_config(config, self.pool_sizing.num_blocks)
-        self.kv_cache_manager = self.scheduler.kv
-        self.block_pool = self.kv_cache_manager.pool
+        num_host_blocks = 0
+        if config.preemption_mode != "recompute":
+            num_host_blocks = config.swap_space // self.pool_sizing.bytes_per_block
+            logger.info("swap space: %d blocks (%.2f GiB host memory)", num_host_blocks,
+                        num_host_blocks * self.pool_sizing.bytes_per_block / 2**30)
         if executor is None:
             from pagedserve.worker.model_runner import ModelRunner
             executor = ModelRunner(self.model_config, self.dtype, config.device, self.pool_sizing.num_blocks,
-                                   config.block_size, self.eos_token_ids, config.seed)
+                                   config.block_size, self.eos_token_ids, config.seed, num_host_blocks)
         self.executor = executor
+        self.preemption_costs = None
+        if config.preemption_mode == "auto" and num_host_blocks and hasattr(executor, "measure_host_bandwidth"):
+            self.preemption_costs = PreemptionCosts(
+                bytes_per_block=self.pool_sizing.bytes_per_block,
+                host_bandwidth=executor.measure_host_bandwidth(),
+                prefill_seconds_per_token=executor.profile_prefill(min(256, config.max_num_batched_tokens)))
+            logger.info("auto preemption: host copy %.2f GB/s, prefill %.1f us/token",
+                        self.preemption_costs.host_bandwidth / 1e9,
+                        self.preemption_costs.prefill_seconds_per_token * 1e6)
+        self.scheduler = Scheduler.from_config(config, self.pool_sizing.num_blocks, num_host_blocks=num_host_blocks,
+                                               costs=self.preemption_costs)
+        self.kv_cache_manager = self.scheduler.kv
+        self.block_pool = self.kv_cache_manager.pool
         self.groups: dict[str, _Group] = {}
         self._sample_to_group: dict[str, tuple[_Group, _Sample]] = {}
         self._ids = itertools.count()
@@ -162,6 +177,10 @@ class Engine:
                              f"{params.max_tokens} for the completion)")
         if params.logprobs is not None and params.logprobs > self.config.max_logprobs:
             raise ValueError(f"logprobs: at most {self.config.max_logprobs}, got {params.logprobs}")
+        if any(t >= vocab for t in params.stop_token_ids):
+            raise ValueError(f"stop_token_ids: token ids must be below the vocabulary size {vocab}")
+        if params.seed is not None and not -2**63 <= params.seed < 2**63:
+            raise ValueError(f"seed: must fit a signed 64-bit integer, got {params.seed}")
         if params.stop and self.tokenizer is None:
             raise ValueError("stop: stop strings need a tokenizer; use stop_token_ids")
 
@@ -217,6 +236,11 @@ class Engine:
         updated, finished = self.scheduler.update_from_output(sched_out, result.sampled)
         self.last_stats = sched_out.stats
         self.last_step_result = result
+        if self.preemption_costs is not None and sched_out.num_batched_tokens >= 64:
+            # Keep the recompute estimate current: prefill-heavy steps tell us the per-token cost.
+            per_token = result.forward_time / sched_out.num_batched_tokens
+            c = self.preemption_costs
+            c.prefill_seconds_per_token = 0.8 * c.prefill_seconds_per_token + 0.2 * per_token
         self.num_steps += 1
         if self._trace is not None:
             self._write_trace(sched_out, result)

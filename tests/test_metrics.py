@@ -30,7 +30,8 @@ EXPECTED = {
     "engine_step_seconds": "histogram",
 }
 # Small pool on purpose: 8 blocks of 16, and one request may need 4 (max_model_len 64).
-CONFIG = dict(num_kv_blocks=8, block_size=16, max_model_len=64, max_num_seqs=4, enable_prefix_caching=True)
+CONFIG = dict(num_kv_blocks=8, block_size=16, max_model_len=64, max_num_seqs=4, enable_prefix_caching=True,
+              preemption_mode="recompute")
 
 
 @pytest.fixture(scope="module")
@@ -131,32 +132,73 @@ def test_prefix_cache_hits(server, client, model):
     assert after["pagedserve:kv_cache_usage_perc{}"] == 0  # cached blocks are free (evictable)
 
 
-def test_preemption_counters_and_output_unchanged(server, client, model, tiny_llama):
-    """Four requests of ~50 tokens need 16 blocks from a pool of 8: some are preempted (recompute)."""
-    prompts = ["def fibonacci(n):", "The quick brown fox", "import os", "class Scheduler:"]
+CONTENDED = ["def fibonacci(n):", "The quick brown fox", "import os", "class Scheduler:"]
+
+
+def run_contended(server, client, model) -> tuple[list[str], dict, dict]:
+    """Four requests of ~50 tokens need 16 blocks from a pool of 8: some must be preempted."""
     before = wait_idle(server)
     results: dict[int, str] = {}
 
     def call(i: int) -> None:
-        r = client.completions.create(model=model, prompt=prompts[i], max_tokens=44, temperature=0,
+        r = client.completions.create(model=model, prompt=CONTENDED[i], max_tokens=44, temperature=0,
                                       extra_body={"ignore_eos": True})
         results[i] = r.choices[0].text
 
+    ae = server.async_engine
+    ae.pause()  # all four arrive before the first step, so they really compete for the pool
     threads = [threading.Thread(target=call, args=(i,)) for i in range(4)]
-    for t in threads:
-        t.start()
+    try:
+        for t in threads:
+            t.start()
+        end = time.monotonic() + 30
+        while ae.num_waiting < 4 and time.monotonic() < end:
+            time.sleep(0.02)
+    finally:
+        ae.resume()
     for t in threads:
         t.join()
-    after = wait_idle(server)
+    return [results[i] for i in range(4)], before, wait_idle(server)
+
+
+@pytest.fixture(scope="module")
+def expected_contended(tiny_llama):
+    llm = LLM(str(tiny_llama), num_kv_blocks=64, max_model_len=64)
+    outs = llm.generate(CONTENDED, SamplingParams(temperature=0, max_tokens=44, ignore_eos=True), use_tqdm=False)
+    return [o.outputs[0].text for o in outs]
+
+
+def test_recompute_preemption_counters_and_output_unchanged(server, client, model, expected_contended):
+    texts, before, after = run_contended(server, client, model)
     preempted = delta(after, before, "pagedserve:num_preemptions_total{mode=recompute}")
     assert preempted > 0
+    assert delta(after, before, "pagedserve:num_preemptions_total{mode=swap}") == 0
     assert delta(after, before, "pagedserve:recomputed_tokens_total{}") > 0
     # every preemption belongs to a request that then finished
     assert delta(after, before, "pagedserve:request_num_preemptions_sum{}") == preempted
     assert after["pagedserve:kv_cache_usage_perc{}"] == 0 and after["pagedserve:num_requests_running{}"] == 0
-    llm = LLM(str(tiny_llama), num_kv_blocks=64, max_model_len=64)
-    expected = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=44, ignore_eos=True), use_tqdm=False)
-    assert [results[i] for i in range(4)] == [e.outputs[0].text for e in expected]
+    assert texts == expected_contended
+
+
+@pytest.fixture(scope="module")
+def swap_server(tiny_llama):
+    config = EngineConfig(model=str(tiny_llama), **{**CONFIG, "preemption_mode": "swap", "swap_space": "1MiB"})
+    app, async_engine = build_server(config)
+    with ServerThread(app) as st:
+        st.async_engine = async_engine
+        yield st
+
+
+def test_swap_preemption_counters_and_output_unchanged(swap_server, model, expected_contended):
+    client = openai.OpenAI(base_url=swap_server.url + "/v1", api_key="unused", max_retries=0)
+    texts, before, after = run_contended(swap_server, client, model)
+    preempted = delta(after, before, "pagedserve:num_preemptions_total{mode=swap}")
+    assert preempted > 0
+    out = delta(after, before, "pagedserve:swapped_blocks_total{direction=out}")
+    assert out > 0 and delta(after, before, "pagedserve:swapped_blocks_total{direction=in}") == out
+    assert delta(after, before, "pagedserve:request_num_preemptions_sum{}") == preempted
+    assert after["pagedserve:num_requests_swapped{}"] == 0 and after["pagedserve:kv_cache_used_tokens{}"] == 0
+    assert texts == expected_contended
 
 
 def test_periodic_log_line(server, client, model, caplog):
@@ -183,3 +225,19 @@ def test_busy_ratio_window_and_buckets():
     m.tick(now=2.0)  # an idle window
     assert m.engine_busy_ratio._value.get() == 0.0
     assert build_1_2_5_buckets(100) == [1, 2, 5, 10, 20, 50, 100]
+
+
+def test_grafana_dashboard_uses_only_exposed_metrics(server):
+    import json
+    import pathlib
+    import re
+
+    path = pathlib.Path(__file__).resolve().parent.parent / "deploy" / "grafana-dashboard.json"
+    dashboard = json.loads(path.read_text())
+    exprs = [t["expr"] for p in dashboard["panels"] for t in p.get("targets", [])]
+    used = {m for e in exprs for m in re.findall(r"pagedserve:[a-z0-9_]+", e)}
+    exposed = set(scrape(server)) | {k.split("{")[0] for k in scrape(server)}
+    assert used and used <= exposed, used - exposed
+    for name in ("kv_cache_usage_perc", "num_preemptions_total", "time_to_first_token_seconds_bucket",
+                 "inter_token_latency_seconds_bucket", "engine_busy_ratio"):
+        assert "pagedserve:" + name in used

@@ -21,16 +21,36 @@ def make_workload(seed: int = 0):
     rng = random.Random(seed)
     lengths = [1, 2, 15, 16, 17, 400] + [rng.randint(1, 400) for _ in range(NUM_PROMPTS - 6)]
     prompts = [[rng.randrange(2, 384) for _ in range(n)] for n in lengths]
+    # A third of the prompts share a 70-token system prompt, so prefix caching has hits.
+    system = [rng.randrange(2, 384) for _ in range(70)]
+    for i in range(6, NUM_PROMPTS, 3):
+        prompts[i] = (system + prompts[i])[:400]
     max_tokens = [rng.randint(1, 40) for _ in lengths]
     return prompts, max_tokens
 
 
+_CASES: dict = {}
+
+
+def _case(arch, tmp_path_factory):
+    """Checkpoint + HF reference, built once per architecture for the whole module."""
+    if arch not in _CASES:
+        path = make_checkpoint(tmp_path_factory.mktemp(arch), arch, **ARCHS[arch])
+        prompts, max_tokens = make_workload()
+        _CASES[arch] = (arch, path, prompts, max_tokens, hf_greedy(path, prompts, max_tokens))
+    return _CASES[arch]
+
+
 @pytest.fixture(scope="module", params=list(ARCHS))
 def arch_case(request, tmp_path_factory):
-    arch = request.param
-    path = make_checkpoint(tmp_path_factory.mktemp(arch), arch, **ARCHS[arch])
-    prompts, max_tokens = make_workload()
-    return arch, path, prompts, max_tokens, hf_greedy(path, prompts, max_tokens)
+    return _case(request.param, tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def llama_case(tmp_path_factory):
+    """The full mode x caching matrix runs on Llama; the other architectures get one
+    representative run of each mechanism (their differences are in the model, not the core)."""
+    return _case("llama", tmp_path_factory)
 
 
 def run(path, prompts, max_tokens, **engine_args):
@@ -46,25 +66,67 @@ def assert_same(got, want):
         assert g == w, f"prompt {i}: first divergence at token {next(j for j in range(len(w)) if j >= len(g) or g[j] != w[j])}"
 
 
-def test_roomy_pool(arch_case):
-    _, path, prompts, max_tokens, ref = arch_case
-    got, sched = run(path, prompts, max_tokens, num_kv_blocks=1024, max_num_batched_tokens=4096)
+def assert_prefix_caching(sched, enabled: bool):
+    if enabled:
+        assert sched.kv.prefix_hits > 0, "prefix caching is on but no prompt token was served from cache"
+    else:
+        assert sched.kv.prefix_hits == 0
+
+
+@pytest.mark.parametrize("caching", [True, False])
+def test_roomy_pool(llama_case, caching):
+    _, path, prompts, max_tokens, ref = llama_case
+    got, sched = run(path, prompts, max_tokens, num_kv_blocks=1024, max_num_batched_tokens=1024,
+                     enable_prefix_caching=caching)
     assert sched.total_preemptions == 0
+    assert_prefix_caching(sched, caching)
     assert_same(got, ref)
 
 
-def test_preemption(arch_case):
+def test_every_mechanism_at_once(arch_case):
+    """Preemption (auto), prefix caching and chunked prefill together, per architecture."""
     _, path, prompts, max_tokens, ref = arch_case
+    got, sched = run(path, prompts, max_tokens, num_kv_blocks=40, max_num_batched_tokens=96,
+                     preemption_mode="auto", enable_prefix_caching=True, swap_space="64MiB")
+    assert sched.total_preemptions > 0 and sched.total_partial_prefills > 0
+    assert_prefix_caching(sched, True)
+    assert_same(got, ref)
+
+
+@pytest.mark.parametrize("caching", [True, False])
+@pytest.mark.parametrize("mode", ["recompute", "swap", "auto"])
+def test_preemption(llama_case, mode, caching):
+    _, path, prompts, max_tokens, ref = llama_case
     # 40 blocks = 640 tokens for 24 prompts of up to 440 tokens: the pool runs dry often.
-    got, sched = run(path, prompts, max_tokens, num_kv_blocks=40, max_num_batched_tokens=1024)
+    got, sched = run(path, prompts, max_tokens, num_kv_blocks=40, max_num_batched_tokens=1024,
+                     preemption_mode=mode, enable_prefix_caching=caching, swap_space="64MiB")
+    by_mode = sched.total_preemptions_by_mode
     assert sched.total_preemptions > 0
+    if mode == "recompute":
+        assert by_mode["swap"] == 0 and sched.total_recomputed_tokens > 0
+    if mode == "swap":
+        assert by_mode["swap"] > 0 and sched.total_blocks_swapped["in"] > 0
+    assert sched.total_blocks_swapped["in"] == sched.total_blocks_swapped["out"]
+    assert sched.host_pool is None or sched.host_pool.num_free_blocks == sched.host_pool.num_blocks
     assert_same(got, ref)
 
 
-def test_chunked_prefill(arch_case):
-    _, path, prompts, max_tokens, ref = arch_case
-    got, sched = run(path, prompts, max_tokens, num_kv_blocks=1024, max_num_batched_tokens=64, max_num_seqs=8)
+def test_swap_falls_back_to_recompute_when_host_pool_is_full(llama_case):
+    _, path, prompts, max_tokens, ref = llama_case
+    # 2 host blocks cannot hold most victims, so most preemptions must recompute.
+    got, sched = run(path, prompts, max_tokens, num_kv_blocks=40, max_num_batched_tokens=1024,
+                     preemption_mode="swap", swap_space=2 * 16 * 2 * 2 * 2 * 16 * 4 * 2)
+    assert sched.total_preemptions_by_mode["recompute"] > 0
+    assert_same(got, ref)
+
+
+@pytest.mark.parametrize("caching", [True, False])
+def test_chunked_prefill(llama_case, caching):
+    _, path, prompts, max_tokens, ref = llama_case
+    got, sched = run(path, prompts, max_tokens, num_kv_blocks=1024, max_num_batched_tokens=64, max_num_seqs=8,
+                     enable_prefix_caching=caching)
     assert sched.total_partial_prefills > 0
+    assert_prefix_caching(sched, caching)
     assert_same(got, ref)
 
 
@@ -73,4 +135,12 @@ def test_no_chunking_whole_prompts(arch_case):
     got, sched = run(path, prompts, max_tokens, num_kv_blocks=1024, enable_chunked_prefill=False,
                      max_num_batched_tokens=512)
     assert sched.total_partial_prefills == 0
+    assert_same(got, ref)
+
+
+def test_long_prefill_threshold_and_priority(llama_case):
+    _, path, prompts, max_tokens, ref = llama_case
+    got, sched = run(path, prompts, max_tokens, num_kv_blocks=40, max_num_batched_tokens=1024,
+                     long_prefill_token_threshold=48, scheduling_policy="priority")
+    assert sched.total_partial_prefills > 0 and sched.total_preemptions > 0
     assert_same(got, ref)

@@ -274,3 +274,55 @@ def test_non_streaming_client_that_leaves_is_aborted(server, model):
     assert after["pagedserve:request_success_total{finished_reason=abort}"] == \
         before["pagedserve:request_success_total{finished_reason=abort}"] + 1
     assert not ae.engine.has_unfinished_requests()
+
+
+def test_cli_flags_and_yaml(tmp_path, tiny_llama):
+    from pagedserve.cli import build_parser
+    from pagedserve.engine_args import engine_config_from_args
+    from pagedserve.server.cli import server_settings
+
+    cfg = tmp_path / "serve.yaml"
+    cfg.write_text("port: 9100\nmax-queue-len: 7\nmax_num_seqs: 3\nhost: 127.0.0.1\n")
+    args = build_parser().parse_args(["serve", "--model", str(tiny_llama), "--config", str(cfg),
+                                      "--api-key", "k", "--max-num-seqs", "5", "--served-model-name", "tiny"])
+    settings = server_settings(args)
+    assert settings == {"host": "127.0.0.1", "port": 9100, "api_key": "k", "max_queue_len": 7}
+    config = engine_config_from_args(args)
+    assert config.max_num_seqs == 5 and config.served_model_name == "tiny"
+    args = build_parser().parse_args(["serve"])
+    assert server_settings(args)["port"] == 8000 and server_settings(args)["host"] == "127.0.0.1"
+    assert engine_config_from_args(args).model is None  # the built-in default model
+
+
+def test_pagedserve_serve_subprocess(tiny_llama):
+    """`pagedserve serve` end to end, as an operator starts it."""
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen([sys.executable, "-m", "pagedserve.cli", "serve", "--model", str(tiny_llama),
+                             "--port", str(port), "--num-kv-blocks", "32", "--max-model-len", "64",
+                             "--served-model-name", "tiny", "--uvicorn-log-level", "warning"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        end = time.monotonic() + 120
+        while True:
+            assert proc.poll() is None, proc.stderr.read().decode()
+            try:
+                if httpx.get(url + "/health").status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < end, "server did not come up"
+            time.sleep(0.2)
+        c = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
+        assert [m.id for m in c.models.list().data] == ["tiny"]
+        r = c.completions.create(model="tiny", prompt="hello", max_tokens=3, temperature=0)
+        assert r.usage.prompt_tokens > 0 and r.choices[0].finish_reason in ("length", "stop")
+    finally:
+        proc.terminate()
+        proc.wait(30)

@@ -13,13 +13,35 @@ from __future__ import annotations
 
 import bisect
 import itertools
+import logging
 import time
 from dataclasses import dataclass, field
 from typing import Callable
 
+from pagedserve.core.block_pool import BlockPool, KVBlock
 from pagedserve.core.kv_cache import KVCacheManager
 from pagedserve.request import Request, RequestStatus
 from pagedserve.sampling import SamplingParams
+
+
+logger = logging.getLogger("pagedserve.scheduler")
+
+
+@dataclass
+class PreemptionCosts:
+    """What `auto` preemption weighs per victim. The engine measures these (host copy
+    bandwidth once at start-up, prefill seconds per token as it runs); the simulator
+    takes them from its cost model."""
+
+    bytes_per_block: int
+    host_bandwidth: float              # bytes/s, device <-> host
+    prefill_seconds_per_token: float
+
+    def swap_seconds(self, num_blocks: int) -> float:
+        return 2 * num_blocks * self.bytes_per_block / self.host_bandwidth  # out now, in later
+
+    def recompute_seconds(self, num_tokens: int) -> float:
+        return num_tokens * self.prefill_seconds_per_token
 
 
 @dataclass
@@ -57,6 +79,7 @@ class ScheduledRequest:
 
 @dataclass
 class SchedulerStats:
+    num_batched_tokens: int = 0  # tokens computed this step (prefill chunks + decodes)
     num_running: int = 0
     num_waiting: int = 0
     num_swapped: int = 0
@@ -89,13 +112,21 @@ class SchedulerOutput:
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, kv: KVCacheManager,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, host_pool: BlockPool | None = None,
+                 costs: PreemptionCosts | None = None) -> None:
         self.config = config
         self.kv = kv
         self.clock = clock
+        self.host_pool = host_pool        # swap space; None = recompute only
+        self.costs = costs
         self.requests: dict[str, Request] = {}
         self.waiting: list[Request] = []  # kept sorted by _queue_key
         self.running: list[Request] = []  # kept sorted by _queue_key; victims come off the end
+        self.swapped: list[Request] = []  # kept sorted by _queue_key; they hold host blocks only
+        self.host_tables: dict[str, list[KVBlock]] = {}
+        self.total_preemptions_by_mode = {"recompute": 0, "swap": 0}
+        self.total_recomputed_tokens = 0
+        self.total_blocks_swapped = {"out": 0, "in": 0}
         self._seq = itertools.count()
         self._order: dict[str, int] = {}
         self._finished_since_step: list[str] = []
@@ -103,12 +134,12 @@ class Scheduler:
         self.total_partial_prefills = 0  # prompt chunks that did not reach the end (chunked prefill)
 
     @classmethod
-    def from_config(cls, config, num_blocks: int, clock: Callable[[], float] = time.monotonic) -> "Scheduler":
+    def from_config(cls, config, num_blocks: int, clock: Callable[[], float] = time.monotonic,
+                    num_host_blocks: int = 0, costs: PreemptionCosts | None = None) -> "Scheduler":
         """Build pool + block tables + scheduler from an EngineConfig: the engine and the
         simulator both come through here, so they run the very same policy."""
-        from pagedserve.core.block_pool import BlockPool
-
         pool = BlockPool(num_blocks, enable_caching=config.enable_prefix_caching)
+        host_pool = BlockPool(num_host_blocks) if num_host_blocks > 0 and config.preemption_mode != "recompute" else None
         return cls(SchedulerConfig(
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,
@@ -117,7 +148,7 @@ class Scheduler:
             long_prefill_token_threshold=config.long_prefill_token_threshold,
             scheduling_policy=config.scheduling_policy,
             preemption_mode=config.preemption_mode,
-        ), KVCacheManager(pool, config.block_size), clock=clock)
+        ), KVCacheManager(pool, config.block_size), clock=clock, host_pool=host_pool, costs=costs)
 
     # -- queue order -------------------------------------------------------------------
     def _queue_key(self, req: Request) -> tuple:
@@ -147,6 +178,9 @@ class Scheduler:
             self.running.remove(req)
         elif req.status == RequestStatus.WAITING:
             self.waiting.remove(req)
+        elif req.status == RequestStatus.SWAPPED:
+            self.swapped.remove(req)
+            self.host_pool.free(self.host_tables.pop(request_id))
         self._release(req)
         req.status = status
         req.stop_reason = stop_reason if stop_reason is not None else req.stop_reason
@@ -169,6 +203,10 @@ class Scheduler:
     def num_running(self) -> int:
         return len(self.running)
 
+    @property
+    def num_swapped(self) -> int:
+        return len(self.swapped)
+
     # -- one step ---------------------------------------------------------------------
     def _grant(self, req: Request, budget: int) -> int:
         num_new = req.num_tokens - req.num_computed_tokens
@@ -176,16 +214,60 @@ class Scheduler:
             num_new = min(num_new, self.config.long_prefill_token_threshold)
         return min(num_new, budget)
 
-    def _preempt(self, victim: Request, stats: SchedulerStats) -> None:
-        """Recompute preemption: drop its KV, rewind, and requeue it in arrival order."""
+    def _choose_mode(self, victim: Request) -> str:
+        mode = self.config.preemption_mode
+        if mode == "recompute" or self.host_pool is None:
+            return "recompute"
+        num_blocks = self.kv.num_blocks_held(victim.request_id)
+        if self.host_pool.num_free_blocks < num_blocks:
+            return "recompute"  # host pool full: this victim is recomputed
+        if mode == "swap" or self.costs is None:
+            return "swap"
+        swap_s = self.costs.swap_seconds(num_blocks)
+        recompute_s = self.costs.recompute_seconds(victim.num_computed_tokens)
+        choice = "swap" if swap_s <= recompute_s else "recompute"
+        logger.debug("preempt %s: swap %d blocks %.2f ms vs recompute %d tokens %.2f ms -> %s",
+                     victim.request_id, num_blocks, swap_s * 1e3, victim.num_computed_tokens,
+                     recompute_s * 1e3, choice)
+        return choice
+
+    def _preempt(self, victim: Request, stats: SchedulerStats, swap_out: list[tuple[int, int]]) -> None:
+        """Swap: its blocks go to the host pool and it keeps its progress. Recompute: its
+        KV is dropped and it is rewound. Either way it is requeued in arrival order."""
+        mode = self._choose_mode(victim)
+        victim.num_preemptions += 1
+        self.total_preemptions += 1
+        self.total_preemptions_by_mode[mode] += 1
+        stats.num_preempted[mode] = stats.num_preempted.get(mode, 0) + 1
+        if mode == "swap":
+            device_blocks = self.kv.take_blocks(victim)
+            host_blocks = self.host_pool.allocate(len(device_blocks))
+            swap_out.extend((d.block_id, h.block_id) for d, h in zip(device_blocks, host_blocks))
+            self.kv.pool.free(list(reversed(device_blocks)))  # the copy runs before any reuse
+            self.host_tables[victim.request_id] = host_blocks
+            stats.num_blocks_swapped_out += len(device_blocks)
+            self.total_blocks_swapped["out"] += len(device_blocks)
+            victim.status = RequestStatus.SWAPPED
+            self._insert(self.swapped, victim)
+            return
         stats.num_recomputed_tokens += victim.num_computed_tokens
+        self.total_recomputed_tokens += victim.num_computed_tokens
         self.kv.free(victim)
         victim.num_computed_tokens = 0
         victim.status = RequestStatus.WAITING
-        victim.num_preemptions += 1
-        self.total_preemptions += 1
-        stats.num_preempted["recompute"] = stats.num_preempted.get("recompute", 0) + 1
         self._insert(self.waiting, victim)
+
+    def _swap_in(self, req: Request, num_new: int, swap_in: list[tuple[int, int]], stats: SchedulerStats) -> bool:
+        """Give a swapped request device blocks for its saved KV plus its next grant."""
+        host_blocks = self.host_tables[req.request_id]
+        if not self.kv.allocate_slots(req, num_new):
+            return False
+        device_blocks = self.kv.block_tables[req.request_id][: len(host_blocks)]
+        swap_in.extend((h.block_id, d.block_id) for h, d in zip(host_blocks, device_blocks))
+        self.host_pool.free(self.host_tables.pop(req.request_id))
+        stats.num_blocks_swapped_in += len(host_blocks)
+        self.total_blocks_swapped["in"] += len(host_blocks)
+        return True
 
     def schedule(self) -> SchedulerOutput:
         cfg = self.config
@@ -193,6 +275,8 @@ class Scheduler:
         stats = SchedulerStats()
         scheduled: list[tuple[Request, int]] = []
         preempted: list[str] = []
+        swap_out: list[tuple[int, int]] = []
+        swap_in: list[tuple[int, int]] = []
         now = self.clock()
 
         # 1. Running requests first, in queue order; victims come off the end.
@@ -205,7 +289,7 @@ class Scheduler:
                 continue
             while not self.kv.allocate_slots(req, num_new):
                 victim = self.running.pop()
-                self._preempt(victim, stats)
+                self._preempt(victim, stats, swap_out)
                 preempted.append(victim.request_id)
                 if victim is req:
                     break
@@ -214,8 +298,20 @@ class Scheduler:
                 budget -= num_new
                 i += 1
 
-        # 2. Waiting requests, only in a step that preempted nobody.
-        while (not preempted and self.waiting and budget > 0
+        # 2. Swapped requests come back before anyone new is admitted.
+        while not preempted and self.swapped and budget > 0 and len(self.running) < cfg.max_num_seqs:
+            req = self.swapped[0]
+            num_new = self._grant(req, budget)
+            if not self._swap_in(req, num_new, swap_in, stats):
+                break
+            self.swapped.pop(0)
+            req.status = RequestStatus.RUNNING
+            self._insert(self.running, req)
+            scheduled.append((req, num_new))
+            budget -= num_new
+
+        # 3. Waiting requests, only in a step that preempted nobody and left nobody swapped.
+        while (not preempted and not self.swapped and self.waiting and budget > 0
                and len(self.running) < cfg.max_num_seqs):
             req = self.waiting[0]
             cached = self.kv.find_cached_prefix(req) if req.num_computed_tokens == 0 else []
@@ -247,9 +343,12 @@ class Scheduler:
             num_batched_tokens=cfg.max_num_batched_tokens - budget,
             preempted_ids=preempted,
             finished_ids=self._finished_since_step,
+            blocks_to_swap_out=swap_out,
+            blocks_to_swap_in=swap_in,
             stats=stats,
         )
         self._finished_since_step = []
+        stats.num_batched_tokens = out.num_batched_tokens
         self._fill_stats(stats)
         return out
 
@@ -269,6 +368,7 @@ class Scheduler:
     def _fill_stats(self, stats: SchedulerStats) -> None:
         stats.num_running = len(self.running)
         stats.num_waiting = len(self.waiting)
+        stats.num_swapped = len(self.swapped)
         stats.kv_usage = self.kv.usage
         stats.num_used_blocks = self.kv.num_used_blocks
         stats.num_total_blocks = self.kv.pool.num_blocks

@@ -61,22 +61,7 @@ class AsyncEngine:
         self._thread: threading.Thread | None = None
         self._stop = False
         self._paused = False  # tests: hold the thread so queue states can be set up exactly
-        self._last_batched_tokens = 0
-        self._wrap_scheduler()
         self._refresh_gauges()  # the pool size is known before the first request
-
-    def _wrap_scheduler(self) -> None:
-        # The engine keeps only the step's stats; the token count of the batch is on the
-        # SchedulerOutput, so remember it as it passes (see the report: an engine field would do).
-        scheduler = self.engine.scheduler
-        schedule = scheduler.schedule
-
-        def schedule_and_count():
-            out = schedule()
-            self._last_batched_tokens = out.num_batched_tokens
-            return out
-
-        scheduler.schedule = schedule_and_count
 
     # -- life cycle ---------------------------------------------------------------------
     def start(self) -> None:
@@ -176,11 +161,15 @@ class AsyncEngine:
                     break
                 commands = list(self._commands)
                 self._commands.clear()
-            for command in commands:
-                self._apply(command)
-            if engine.has_unfinished_requests():
-                self._step()
-            self._refresh_gauges()
+            try:
+                for command in commands:
+                    self._apply(command)
+                if engine.has_unfinished_requests():
+                    self._step()
+                self._refresh_gauges()
+            except Exception as e:  # noqa: BLE001 - the thread must outlive any one bad moment
+                logger.exception("engine loop error; failing the requests in flight")
+                self._fail_all(e)
         self._fail_all(EngineDead("the server is shutting down"))
 
     def _apply(self, command) -> None:
@@ -216,7 +205,7 @@ class AsyncEngine:
         result = engine.last_step_result
         if self.metrics is not None:
             self.metrics.record_step(engine.last_stats, getattr(result, "duration", 0.0),
-                                     getattr(result, "forward_time", 0.0), self._last_batched_tokens)
+                                     getattr(result, "forward_time", 0.0), self.engine.last_stats.num_batched_tokens)
         for out in outputs:
             tracked = self._tracked.get(out.request_id)
             if tracked is None:
@@ -263,7 +252,10 @@ class AsyncEngine:
 
     def _fail_all(self, error: BaseException) -> None:
         for request_id, tracked in list(self._tracked.items()):
-            self.engine.abort(request_id)
+            try:
+                self.engine.abort(request_id)
+            except Exception:  # noqa: BLE001 - still tell the client
+                logger.exception("abort of %s failed", request_id)
             self._deliver(tracked, request_id, error)
         self._tracked.clear()
         with self._cond:

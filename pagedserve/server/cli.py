@@ -1,7 +1,6 @@
 """`pagedserve serve`: every engine knob as a vLLM-named flag, plus the server's own."""
 from __future__ import annotations
 
-import argparse
 import logging
 import os
 
@@ -16,7 +15,8 @@ def register(sub) -> None:
     from pagedserve.engine_args import add_engine_args
 
     p = sub.add_parser("serve", help="serve the OpenAI-compatible API over HTTP",
-                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                       description="Serve the OpenAI-compatible API (and /metrics) over HTTP. Without --model "
+                                   "the built-in default model is served.")
     add_engine_args(p)
     server = p.add_argument_group("server")
     server.add_argument("--host", default=None, help="address to bind (default 127.0.0.1)")

@@ -42,7 +42,7 @@ def allocate_zeroed(shape: tuple, dtype: torch.dtype, device: torch.device) -> t
 
 class ModelRunner:
     def __init__(self, model_config: ModelConfig, dtype: str, device: str, num_blocks: int, block_size: int,
-                 eos_token_ids: frozenset[int], seed: int) -> None:
+                 eos_token_ids: frozenset[int], seed: int, num_host_blocks: int = 0) -> None:
         self.model_config = model_config
         self.device = torch.device(device)
         self.dtype = TORCH_DTYPES[dtype]
@@ -52,12 +52,68 @@ class ModelRunner:
         self.model = load_model(model_config, dtype, device)
         shape = (model_config.num_layers, 2, num_blocks * block_size, model_config.num_kv_heads, model_config.head_dim)
         self.kv_cache = allocate_zeroed(shape, self.dtype, self.device)
+        # Swap space: same layout in host memory (pinned on CUDA so copies can be asynchronous).
+        host_shape = shape[:2] + (num_host_blocks * block_size,) + shape[3:]
+        self.host_cache = allocate_zeroed(host_shape, self.dtype, torch.device("cpu")) if num_host_blocks else None
+        if self.host_cache is not None and self.device.type == "cuda":
+            self.host_cache = self.host_cache.pin_memory()
         self.sampler = Sampler(eos_token_ids, seed, self.device)
+
+    def _blocks(self, cache: torch.Tensor) -> torch.Tensor:
+        """View a pool as [layers, 2, blocks, block_size, kv_heads, head_dim]."""
+        l, two, slots, kv, hd = cache.shape
+        return cache.view(l, two, slots // self.block_size, self.block_size, kv, hd)
+
+    def copy_blocks(self, pairs: list[tuple[int, int]], src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Copy whole blocks (all layers, K and V) src[a] -> dst[b] for each (a, b)."""
+        if not pairs:
+            return
+        src_ids = torch.tensor([a for a, _ in pairs], device=src.device)
+        dst_ids = torch.tensor([b for _, b in pairs], device=dst.device)
+        moved = self._blocks(src).index_select(2, src_ids).to(dst.device, non_blocking=True)
+        self._blocks(dst).index_copy_(2, dst_ids, moved)
+
+    def measure_host_bandwidth(self, max_blocks: int = 64) -> float:
+        """Bytes/s of a device -> host block copy, timed once at start-up."""
+        if self.host_cache is None:
+            return 0.0
+        n = min(max_blocks, self.num_blocks, self.host_cache.shape[2] // self.block_size)
+        pairs = [(i, i) for i in range(n)]
+        self.copy_blocks(pairs, self.kv_cache, self.host_cache)  # warm-up (first touch of pages)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        self.copy_blocks(pairs, self.kv_cache, self.host_cache)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+        bytes_per_block = self.kv_cache[:, :, : self.block_size].numel() * self.kv_cache.element_size()
+        return n * bytes_per_block / max(time.perf_counter() - t0, 1e-9)
+
+    @torch.inference_mode()
+    def profile_prefill(self, num_tokens: int) -> float:
+        """Seconds per token of one dummy prefill forward (written into blocks nobody holds)."""
+        num_tokens = max(1, min(num_tokens, self.num_blocks * self.block_size))
+        blocks = np.arange(-(-num_tokens // self.block_size), dtype=np.int64)
+        meta, positions = build_metadata([], [(blocks, 0, num_tokens)], self.block_size,
+                                         self.model_config.sliding_window, self.device)
+        ids = torch.zeros(num_tokens, dtype=torch.long, device=self.device)
+        pos = torch.from_numpy(positions).to(self.device)
+        self.model(ids, pos, self.kv_cache, meta)  # warm-up
+        t0 = time.perf_counter()
+        self.model(ids, pos, self.kv_cache, meta)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+        return (time.perf_counter() - t0) / num_tokens
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> StepResult:
         t0 = time.perf_counter()
         self.sampler.forget(out.finished_ids)
+        # Swap-outs first: their device blocks may be handed to others in this very step.
+        if out.blocks_to_swap_out:
+            self.copy_blocks(out.blocks_to_swap_out, self.kv_cache, self.host_cache)
+        if out.blocks_to_swap_in:
+            self.copy_blocks(out.blocks_to_swap_in, self.host_cache, self.kv_cache)
         result = StepResult()
         if not out.scheduled:
             result.duration = time.perf_counter() - t0

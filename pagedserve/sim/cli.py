@@ -1,0 +1,202 @@
+"""`pagedserve simulate`: predict a deployment's serving report without the hardware.
+
+    pagedserve simulate --model llama-3.1-70b --gpu H100-SXM --tp 4 --gpu-memory-utilization 0.9 \\
+        --max-num-seqs 64 --max-num-batched-tokens 8192 --workload long-context --request-rate 2 \\
+        --num-prompts 2000
+    pagedserve simulate calibrate --trace steps.jsonl --model CKPT_DIR --out cost.json
+    pagedserve simulate --device cpu --model CKPT_DIR --cost-model cost.json --kv-cache-memory 64MiB ...
+
+The engine's own scheduler and KV-cache manager run on a virtual clock; a cost model
+(roofline of the GPU preset, or constants calibrated on a real engine's step trace)
+stands in for the model. Every engine knob takes the same flag as `serve`; the workload
+flags are `pagedserve bench`'s.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from pathlib import Path
+
+from pagedserve.bench.workloads import DATASETS
+
+
+def _add_workload_args(p: argparse.ArgumentParser) -> None:
+    d = p.add_argument_group("workload (as pagedserve bench)")
+    d.add_argument("--workload", "--dataset", "--dataset-name", dest="dataset", choices=DATASETS, default="random")
+    d.add_argument("--dataset-path", default=None, help="ShareGPT JSON file (for --workload sharegpt)")
+    d.add_argument("--workload-trace", default=None, metavar="FILE",
+                   help="arrivals from a file instead: JSON lines / CSV with timestamp, prompt_len, output_len")
+    d.add_argument("--num-prompts", type=int, default=1000)
+    d.add_argument("--random-input-len", type=int, default=1024)
+    d.add_argument("--random-output-len", type=int, default=128, help="output length (every synthetic dataset)")
+    d.add_argument("--random-range-ratio", type=float, default=None)
+    d.add_argument("--long-input-len", type=int, default=16384, help="long-context: the long prompts")
+    d.add_argument("--short-input-len", type=int, default=256, help="long-context: the short prompts")
+    d.add_argument("--long-fraction", type=float, default=0.05, help="long-context: share of long prompts")
+    d.add_argument("--prefix-len", type=int, default=512, help="prefix-repetition: shared prefix tokens")
+    d.add_argument("--suffix-len", type=int, default=128, help="prefix-repetition: unique suffix tokens")
+    d.add_argument("--num-prefixes", type=int, default=4, help="prefix-repetition: distinct prefixes")
+    lo = p.add_argument_group("load")
+    lo.add_argument("--request-rate", type=float, default=math.inf, help="requests/s (Poisson; inf = all at t=0)")
+    lo.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of inter-arrival gaps; 1 = Poisson")
+    lo.add_argument("--max-concurrency", type=int, default=None, help="closed loop: at most N requests in flight")
+    lo.add_argument("--goodput", nargs="+", default=None, metavar="KEY:MS", help="SLOs, e.g. ttft:500 tpot:50")
+
+
+def _add_deployment_args(p: argparse.ArgumentParser, engine_flags: bool = True) -> None:
+    if engine_flags:
+        from pagedserve.engine_args import add_engine_args
+        add_engine_args(p)
+    g = p.add_argument_group("simulated hardware")
+    g.add_argument("--gpu", default=None, help="GPU preset (H100-SXM, A100-80GB, H200, L40S, ...); omit with --device cpu")
+    g.add_argument("--tensor-parallel-size", "-tp", "--tp", dest="tp", type=int, default=1)
+    g.add_argument("--cost-model", default=None, metavar="COST.json",
+                   help="cost constants from `simulate calibrate` (default: the GPU preset's stated defaults)")
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser("simulate", help="predict a deployment's serving report (virtual clock, real scheduler)",
+                              description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    _add_deployment_args(p)
+    _add_workload_args(p)
+    o = p.add_argument_group("output")
+    o.add_argument("--result-json", "--result-file", dest="result_json", default=None,
+                   help="write the report, timelines and per-request preemptions as JSON")
+    o.add_argument("--plot", "--plot-dir", dest="plot", default=None, metavar="DIR", help="write PNG plots here")
+    o.add_argument("--save-records", action="store_true", help="include every request's timings in the JSON")
+    p.set_defaults(func=run)
+
+    sub = p.add_subparsers(dest="sim_command", required=False)
+    c = sub.add_parser("calibrate", help="fit the cost model to a real engine's step trace (--step-trace-path)")
+    c.add_argument("--trace", required=True, help="JSON lines written by the engine (EngineConfig.step_trace_path)")
+    c.add_argument("--model", required=True, help="the checkpoint directory (config.json) or preset the trace ran")
+    c.add_argument("--out", required=True, help="where to write the cost model JSON")
+    c.add_argument("--gpu", default=None, help="the GPU the trace ran on (its peaks scale the efficiencies); omit for CPU")
+    c.add_argument("--tensor-parallel-size", "-tp", "--tp", dest="tp", type=int, default=1)
+    c.add_argument("--dtype", default="auto", help="the dtype the engine ran (auto: float32 on CPU, checkpoint's on GPU)")
+    c.add_argument("--block-size", type=int, default=16)
+    c.add_argument("--attention-layout", choices=("paged", "padded"), default=None,
+                   help="how the engine's attention backend spends work: padded = pagedserve's torch "
+                        "backend (default on CPU), paged = FlashAttention-style kernels (default on GPU)")
+    c.set_defaults(func=run_calibrate)
+
+
+def build_workload(args, vocab_size: int):
+    from pagedserve.bench.workloads import make_workload
+    from pagedserve.sim.simulator import load_trace_workload
+
+    if args.workload_trace:
+        return load_trace_workload(args.workload_trace)
+    ratio = args.random_range_ratio
+    kw: dict = {}
+    if args.dataset == "random":
+        kw = dict(input_len=args.random_input_len, output_len=args.random_output_len,
+                  range_ratio=0.0 if ratio is None else ratio, vocab_size=vocab_size)
+    elif args.dataset == "long-context":
+        kw = dict(long_fraction=args.long_fraction, long_input_len=args.long_input_len,
+                  short_input_len=args.short_input_len, output_len=args.random_output_len, vocab_size=vocab_size)
+        if ratio is not None:
+            kw["range_ratio"] = ratio
+    elif args.dataset == "prefix-repetition":
+        kw = dict(prefix_len=args.prefix_len, suffix_len=args.suffix_len, num_prefixes=args.num_prefixes,
+                  output_len=args.random_output_len, vocab_size=vocab_size)
+    return make_workload(args.dataset, args.num_prompts, request_rate=args.request_rate, burstiness=args.burstiness,
+                         seed=args.seed or 0, dataset_path=args.dataset_path, **kw)
+
+
+def _json_safe(value):
+    if isinstance(value, float):
+        if math.isnan(value):
+            return None
+        if math.isinf(value):
+            return "inf" if value > 0 else "-inf"
+        return value
+    if isinstance(value, dict):
+        return {str(k): _json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_json_safe(v) for v in value]
+    return value
+
+
+def run(args) -> int:
+    from pagedserve.engine_args import engine_config_from_args
+    from pagedserve.sim.report import format_report, parse_goodput
+    from pagedserve.sim.simulator import build_deployment, simulate
+
+    if args.num_prompts < 1:
+        raise ValueError(f"num_prompts: must be >= 1, got {args.num_prompts}")
+    if args.tp < 1:
+        raise ValueError(f"tensor_parallel_size: must be >= 1, got {args.tp}")
+    slos = parse_goodput(args.goodput)
+    config = engine_config_from_args(args)
+    if args.model is None:
+        raise ValueError("model: give a preset (e.g. llama-3.1-8b) or a checkpoint directory")
+    if args.gpu is None and args.device != "cpu":
+        raise ValueError("gpu: give a GPU preset (--gpu H100-SXM), or --device cpu with --cost-model")
+    gpu = None if args.device == "cpu" else args.gpu
+    dep = build_deployment(config, args.model, gpu=gpu, tp=args.tp, cost_params=args.cost_model)
+    workload = build_workload(args, dep.vocab_size)
+    rate = "inf" if math.isinf(args.request_rate) else f"{args.request_rate:g}"
+    cfg = dep.config
+    print(f"pagedserve simulate: {dep.model_name} on {dep.device} x{dep.tp}; KV pool {dep.pool_note}; "
+          f"max_num_seqs={cfg.max_num_seqs} max_num_batched_tokens={cfg.max_num_batched_tokens} "
+          f"max_model_len={cfg.max_model_len}; cost model: {dep.cost_model.params.source}", flush=True)
+    print(f"workload: {args.workload_trace or args.dataset} x {len(workload)}, request rate {rate}, "
+          f"burstiness {args.burstiness:g}, max concurrency {args.max_concurrency}", flush=True)
+    result = simulate(dep, workload, max_concurrency=args.max_concurrency, goodput_slos=slos, seed=args.seed or 0)
+    print(format_report(result.metrics, "Simulated Serving Result"))
+    print(f"KV usage: max {max(result.timeline.kv_usage, default=0):.1%}, "
+          f"preemptions {result.num_preemptions} ({result.metrics['num_preempted_requests']} requests), "
+          f"recomputed tokens {result.num_recomputed_tokens}, blocks swapped out/in "
+          f"{result.num_blocks_swapped_out}/{result.num_blocks_swapped_in}; "
+          f"{result.num_steps} steps simulated in {result.sim_wall_s:.1f} s")
+    if args.result_json:
+        payload = result.to_dict(dep)
+        if args.save_records:
+            payload["requests"] = [
+                {"request_id": r.request_id, "arrival": r.arrival, "prompt_len": r.prompt_len,
+                 "output_len": r.output_len, "ttft": r.ttft, "e2el": r.e2el, "num_preemptions": r.num_preemptions,
+                 "failed": r.failed} for r in result.records]
+        path = Path(args.result_json)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(_json_safe(payload), indent=2))
+        print(f"wrote {path}")
+    if args.plot:
+        from pagedserve.sim.plots import plot_run
+        for path in plot_run(result, args.plot):
+            print(f"wrote {path}")
+    return 0
+
+
+def run_calibrate(args) -> int:
+    from pagedserve.plan.models import load_model
+    from pagedserve.sim.cost_model import (CPU_NOMINAL_BANDWIDTH, CPU_NOMINAL_FLOPS, CostModel, CostParams,
+                                           ModelCost, fit, read_trace)
+    from pagedserve.sim.simulator import cpu_dtype
+
+    info = load_model(args.model)
+    if args.gpu:
+        from pagedserve.plan.gpus import get_gpu
+        spec = get_gpu(args.gpu)
+        base = CostParams.for_gpu(spec)
+        base.attention_layout = args.attention_layout or "paged"
+        dtype = info.checkpoint_dtype if args.dtype == "auto" else args.dtype
+    else:
+        base = CostParams(peak_flops=CPU_NOMINAL_FLOPS, mem_bandwidth=CPU_NOMINAL_BANDWIDTH,
+                          attention_layout=args.attention_layout or "padded")
+        dtype = cpu_dtype(args.dtype, info.checkpoint_dtype)
+    mcost = ModelCost.from_shape(info.shape, dtype, None, args.tp)
+    records = read_trace(args.trace)
+    params, report = fit(records, mcost, base, block_size=args.block_size)
+    CostModel(mcost, params, args.block_size).save(args.out, {"fit": report, "model": info.name,
+                                                               "trace": str(args.trace), "dtype": dtype})
+    print(json.dumps({"params": params.to_dict(), "fit": report}, indent=2))
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":  # python -m pagedserve.sim.cli ...
+    from pagedserve.cli import main
+    sys.exit(main(["simulate", *sys.argv[1:]]))
