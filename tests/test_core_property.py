@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from pagedserve.core.block_pool import BlockPool
 from pagedserve.core.kv_cache import KVCacheManager, cdiv
-from pagedserve.core.scheduler import Scheduler, SchedulerConfig
+from pagedserve.core.scheduler import PreemptionCosts, Scheduler, SchedulerConfig
 from pagedserve.request import Request, RequestStatus
 from pagedserve.sampling import SamplingParams
 
@@ -34,6 +34,19 @@ def check_invariants(sched: Scheduler, pool: BlockPool, out=None) -> None:
     # Cached hashes point at blocks that carry that hash.
     for h, b in pool.hash_to_block.items():
         assert b.block_hash == h
+    # Host pool: swapped requests (and only they) hold host blocks, one per computed block.
+    host = sched.host_pool
+    if host is not None:
+        held = [b for t in sched.host_tables.values() for b in t]
+        assert len(held) == len({b.block_id for b in held})
+        assert host.num_used_blocks == len(held)
+        assert all(b.ref_cnt == 1 for b in held)
+        assert set(sched.host_tables) == {r.request_id for r in sched.swapped}
+        for r in sched.swapped:
+            assert r.status == RequestStatus.SWAPPED and r.request_id not in kv.block_tables
+            assert len(sched.host_tables[r.request_id]) == cdiv(r.num_computed_tokens, kv.block_size)
+    else:
+        assert not sched.swapped
     # Only running requests hold blocks, and no more than their tokens need.
     for rid, table in kv.block_tables.items():
         req = sched.requests[rid]
@@ -48,23 +61,29 @@ def check_invariants(sched: Scheduler, pool: BlockPool, out=None) -> None:
             assert len(r.block_ids) >= cdiv(r.context_len, kv.block_size)
 
 
-ops = st.lists(st.tuples(st.sampled_from(["add", "step", "step", "step", "abort"]),
-                         st.integers(1, 120), st.integers(1, 30), st.integers(0, 10**6)),
-               min_size=1, max_size=60)
+ops = st.lists(st.tuples(st.sampled_from(["add", "add", "step", "step", "step", "abort"]),
+                         st.integers(1, 120), st.integers(1, 80), st.integers(0, 10**6)),
+               min_size=1, max_size=80)
 
 
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(ops=ops, num_blocks=st.integers(8, 40), block_size=st.sampled_from([1, 4, 16]),
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(ops=ops, num_blocks=st.integers(4, 24), block_size=st.sampled_from([1, 4, 16]),
        budget=st.integers(8, 256), max_seqs=st.integers(1, 8), chunked=st.booleans(),
-       caching=st.booleans(), policy=st.sampled_from(["fcfs", "priority"]))
-def test_random_interleavings_keep_invariants(ops, num_blocks, block_size, budget, max_seqs, chunked, caching, policy):
+       caching=st.booleans(), policy=st.sampled_from(["fcfs", "priority"]),
+       mode=st.sampled_from(["recompute", "swap", "auto"]), host_blocks=st.integers(0, 30),
+       prefill_cost=st.sampled_from([1e-9, 1e-3]))
+def test_random_interleavings_keep_invariants(ops, num_blocks, block_size, budget, max_seqs, chunked, caching, policy,
+                                             mode, host_blocks, prefill_cost):
     max_model_len = num_blocks * block_size
     if not chunked:
         budget = max(budget, max_model_len)
     pool = BlockPool(num_blocks, enable_caching=caching)
+    host = BlockPool(host_blocks) if host_blocks and mode != "recompute" else None
+    costs = PreemptionCosts(bytes_per_block=1000, host_bandwidth=1e9, prefill_seconds_per_token=prefill_cost)
     sched = Scheduler(SchedulerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=budget,
                                       max_model_len=max_model_len, enable_chunked_prefill=chunked,
-                                      scheduling_policy=policy), KVCacheManager(pool, block_size))
+                                      scheduling_policy=policy, preemption_mode=mode),
+                      KVCacheManager(pool, block_size), host_pool=host, costs=costs)
     rng = random.Random(0)
     next_id = 0
     shared_prefix = [7] * 40  # lets prefix caching find hits
@@ -98,3 +117,5 @@ def test_random_interleavings_keep_invariants(ops, num_blocks, block_size, budge
     assert not sched.has_unfinished()
     assert pool.num_free_blocks == pool.num_blocks
     assert not sched.kv.block_tables
+    if host is not None:
+        assert host.num_free_blocks == host.num_blocks and not sched.host_tables
