@@ -41,3 +41,80 @@ def write_result(name: str, result: dict) -> Path:
     path = out / f"{name}.json"
     path.write_text(json.dumps(result, indent=2))
     return path
+
+
+def percentile(values: list[float], q: float) -> float:
+    import numpy as np
+    return float(np.percentile(values, q)) if values else float("nan")
+
+
+def run_in_process(engine, workload, params_for) -> dict:
+    """Replay `workload` (WorkloadRequests with arrival_time) against an Engine in wall-clock
+    time: each request is added once its arrival time has passed, the engine steps in
+    between. Returns per-request timings measured when step() hands tokens back.
+    """
+    import time
+
+    pending = sorted(range(len(workload)), key=lambda i: workload[i].arrival_time)
+    records: dict[str, dict] = {}
+    start = time.perf_counter()
+    nxt = 0
+    while nxt < len(pending) or engine.has_unfinished_requests():
+        now = time.perf_counter() - start
+        while nxt < len(pending) and workload[pending[nxt]].arrival_time <= now:
+            i = pending[nxt]
+            w = workload[i]
+            rid = f"r{i}"
+            engine.add_request(rid, w.prompt_token_ids or w.prompt, params_for(w))
+            records[rid] = {"arrival": w.arrival_time, "prompt_len": w.prompt_len, "token_times": [],
+                            "tags": w.tags}
+            nxt += 1
+        if not engine.has_unfinished_requests():
+            time.sleep(max(0.0, workload[pending[nxt]].arrival_time - now))
+            continue
+        outs = engine.step()
+        t = time.perf_counter() - start
+        for o in outs:
+            rec = records[o.request_id]
+            n = len(o.outputs[0].token_ids)
+            rec["token_times"].extend([t] * (n - len(rec["token_times"])))
+            if o.finished:
+                rec["finish"] = t
+                rec["num_preemptions"] = o.metrics[0].num_preemptions
+    return {"records": records, "duration": time.perf_counter() - start}
+
+
+def summarize(run: dict, only=None) -> dict:
+    """Throughput and latency percentiles (ms) from run_in_process records."""
+    recs = [r for r in run["records"].values() if only is None or only(r)]
+    all_recs = list(run["records"].values())
+    itl = [(b - a) * 1e3 for r in recs for a, b in zip(r["token_times"], r["token_times"][1:])]
+    ttft = [(r["token_times"][0] - r["arrival"]) * 1e3 for r in recs if r["token_times"]]
+    e2e = [(r["finish"] - r["arrival"]) * 1e3 for r in recs]
+    out_tokens = sum(len(r["token_times"]) for r in all_recs)
+    return {
+        "duration_s": run["duration"],
+        "output_tokens": out_tokens,
+        "output_throughput": out_tokens / run["duration"],
+        "request_throughput": len(all_recs) / run["duration"],
+        "mean_ttft_ms": sum(ttft) / len(ttft), "p99_ttft_ms": percentile(ttft, 99),
+        "median_itl_ms": percentile(itl, 50), "p99_itl_ms": percentile(itl, 99),
+        "max_itl_ms": max(itl) if itl else float("nan"),
+        "p99_e2el_ms": percentile(e2e, 99), "mean_e2el_ms": sum(e2e) / len(e2e),
+        "preemptions": sum(r.get("num_preemptions", 0) for r in all_recs),
+    }
+
+
+def print_side_by_side(title: str, columns: dict[str, dict], keys: list[str], ratio_of: tuple[str, str] | None = None):
+    names = list(columns)
+    print(title)
+    header = f"{'':24}" + "".join(f"{n:>16}" for n in names)
+    if ratio_of:
+        header += f"{ratio_of[0] + '/' + ratio_of[1]:>22}"
+    print(header)
+    for k in keys:
+        row = f"{k:24}" + "".join(f"{columns[n][k]:>16.2f}" for n in names)
+        if ratio_of:
+            a, b = columns[ratio_of[0]][k], columns[ratio_of[1]][k]
+            row += f"{(a / b if b else float('nan')):>21.2f}x"
+        print(row)

@@ -42,6 +42,7 @@ class Case:
     engine_kw: dict = field(default_factory=dict)
     burstiness: float = 1.0
     seed: int = 0
+    then: "Case | None" = None  # a second phase, starting 1 s after this one's last arrival
 
 
 BASE_ENGINE = dict(max_num_seqs=16, max_num_batched_tokens=256, max_model_len=1024, kv_cache_memory="64MiB",
@@ -49,8 +50,12 @@ BASE_ENGINE = dict(max_num_seqs=16, max_num_batched_tokens=256, max_model_len=10
 
 
 def cases(vocab: int) -> tuple[Case, list[Case]]:
-    calib = Case("calibration", "random", 56, 6.0, dict(input_len=256, output_len=40, range_ratio=0.9),
-                 burstiness=0.5, seed=11)
+    # Calibration: a light phase (batches of 1-4: small GEMMs have their own speed on a
+    # CPU) then a bursty heavy one (full batches, chunked prompts), different seeds and
+    # length mixes from every test case below.
+    calib = Case("calibration", "random", 24, 1.0, dict(input_len=256, output_len=40, range_ratio=0.9), seed=11,
+                 then=Case("calibration, heavy phase", "random", 48, 6.0,
+                           dict(input_len=256, output_len=40, range_ratio=0.9), burstiness=0.5, seed=12))
     tests = [
         Case("chat, 2 req/s", "random", 48, 2.0, dict(input_len=128, output_len=48, range_ratio=0.5), seed=1),
         Case("long-context mix, 3 req/s", "long-context", 48, 3.0,
@@ -59,14 +64,21 @@ def cases(vocab: int) -> tuple[Case, list[Case]]:
         Case("burst into a small pool (preemption)", "random", 40, math.inf,
              dict(input_len=160, output_len=64, range_ratio=0.3), engine_kw=dict(num_kv_blocks=48, max_model_len=512), seed=3),
     ]
-    for c in [calib, *tests]:
+    for c in [calib, calib.then, *tests]:
         c.dataset_kw["vocab_size"] = vocab
     return calib, tests
 
 
 def workload_for(case: Case):
-    return make_workload(case.dataset, case.num_prompts, request_rate=case.rate, burstiness=case.burstiness,
+    reqs = make_workload(case.dataset, case.num_prompts, request_rate=case.rate, burstiness=case.burstiness,
                          seed=case.seed, **case.dataset_kw)
+    if case.then is not None:
+        start = max(r.arrival_time for r in reqs) + 1.0
+        more = workload_for(case.then)
+        for r in more:
+            r.arrival_time += start
+        reqs += more
+    return reqs
 
 
 def engine_config(model: Path, case: Case, trace: Path | None = None) -> EngineConfig:
@@ -192,14 +204,28 @@ def error(sim: float, real: float) -> str:
     return f"{(sim - real) / real:+.1%}"
 
 
-def table(rows: list[tuple[Case, dict, dict]]) -> str:
-    head = "| workload | metric | real engine | simulator | error |\n|---|---|---:|---:|---:|"
+def spread(runs: list[dict], key: str, fmt: str) -> str:
+    values = sorted(r[key] for r in runs)
+    return f"{fmt.format(values[0])}-{fmt.format(values[-1])}" if len(values) > 1 else fmt.format(values[0])
+
+
+def table(rows: list[tuple[Case, dict, dict, list[dict]]]) -> str:
+    head = ("| workload | metric | real engine (median) | real, all runs | simulator | error vs median |\n"
+            "|---|---|---:|---:|---:|---:|")
     lines = [head]
-    for case, real, sim in rows:
+    for case, real, sim, runs in rows:
         for key, label, fmt in METRICS:
-            lines.append(f"| {case.name} | {label} | {fmt.format(real[key])} | {fmt.format(sim[key])} | "
-                         f"{error(sim[key], real[key])} |")
+            lines.append(f"| {case.name} | {label} | {fmt.format(real[key])} | {spread(runs, key, fmt)} | "
+                         f"{fmt.format(sim[key])} | {error(sim[key], real[key])} |")
     return "\n".join(lines)
+
+
+def median_run(runs: list[dict]) -> dict:
+    """Each metric's median over repeated real runs (the engine's own speed varies run to run)."""
+    import numpy as np
+
+    return {k: float(np.median([r[k] for r in runs])) if isinstance(runs[0][k], (int, float)) else runs[0][k]
+            for k in runs[0] if runs[0][k] is not None}
 
 
 def main() -> int:
@@ -208,6 +234,7 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--out", default=str(ROOT / "results" / "sim_vs_real.json"))
     ap.add_argument("--only", type=int, default=None, help="run only test case N (0-based), for debugging")
+    ap.add_argument("--repeats", type=int, default=3, help="real-engine runs per test case (median reported)")
     args = ap.parse_args()
 
     import logging
@@ -235,10 +262,11 @@ def main() -> int:
     rows = []
     selected = tests if args.only is None else [tests[args.only]]
     for case in selected:
-        real = run_real(model, case)
+        runs = [run_real(model, case) for _ in range(args.repeats)]
+        real = median_run(runs)
         sim = run_sim(model, case, cost_json)
-        rows.append((case, real, sim))
-        print(f"{case.name}: real {real['steps']} steps, sim {sim['steps']} steps; "
+        rows.append((case, real, sim, runs))
+        print(f"{case.name}: real {real['steps']:.0f} steps, sim {sim['steps']} steps; "
               + ", ".join(f"{label} {fmt.format(real[k])} vs {fmt.format(sim[k])} ({error(sim[k], real[k])})"
                           for k, label, fmt in METRICS), flush=True)
     print()
@@ -248,7 +276,7 @@ def main() -> int:
               "calibration_run": real_calib,
               "cases": [{"name": c.name, "dataset": c.dataset, "num_prompts": c.num_prompts, "rate": c.rate,
                          "dataset_kw": c.dataset_kw, "engine": {**BASE_ENGINE, **c.engine_kw},
-                         "real": real, "sim": sim} for c, real, sim in rows]}
+                         "real_median": real, "real_runs": runs, "sim": sim} for c, real, sim, runs in rows]}
     Path(args.out).write_text(json.dumps(result, indent=2, default=str))
     print(f"wrote {args.out}")
     return 0

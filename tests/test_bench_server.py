@@ -137,3 +137,23 @@ def test_bench_reports_failures_and_bad_args(server, tmp_path, capsys):
     assert main(["bench", "--base-url", server.url, "--goodput", "ttft"]) == 2
     assert main(["bench", "--base-url", server.url, "--request-rate", "1,2", "--max-concurrency", "1,2"]) == 2
     assert "one knob" in capsys.readouterr().err
+
+
+def test_bench_sharegpt_and_long_context(server, tiny_llama, tmp_path):
+    conversations = [{"conversations": [{"from": "human", "value": f"def fibonacci(n): # variant {i}"},
+                                        {"from": "gpt", "value": "return n if n < 2 else fib(n - 1) + fib(n - 2)"}]}
+                     for i in range(5)]
+    path = tmp_path / "sharegpt.json"
+    path.write_text(json.dumps(conversations))
+    data = bench(server.url, tmp_path, "--dataset", "sharegpt", "--dataset-path", str(path), "--tokenizer",
+                 str(tiny_llama), "--num-prompts", "3", "--max-concurrency", "2")
+    s, reqs = data["summary"], data["requests"]
+    assert s["successful_requests"] == 3
+    assert s["total_output_tokens"] == sum(r["output_tokens"] for r in reqs) > 0
+    data = bench(server.url, tmp_path, "--dataset", "long-context", "--num-prompts", "8", "--long-fraction", "0.25",
+                 "--long-input-len", "160", "--short-input-len", "16", "--random-output-len", "8",
+                 "--random-range-ratio", "0")
+    s, reqs = data["summary"], data["requests"]
+    assert s["successful_requests"] == 8 and s["total_output_tokens"] == 8 * 8
+    assert sorted(r["prompt_len"] for r in reqs) == [16] * 6 + [160] * 2
+    assert sum(r["tags"]["long"] for r in reqs) == 2

@@ -94,6 +94,10 @@ class CostParams:
     # torch reference backend (CPU): decodes are padded to the longest decode context in the
     # step, and a chunk after a cached prefix computes its full chunk x context rectangle.
     attention_layout: str = "paged"
+    # Measured step time / model, by the step's token count (small counts only). A CPU
+    # picks GEMM kernels by shape: here 3 decode rows took 20% longer than 4. Vidur
+    # profiles every batch size for the same reason; `fit` fills this from the trace.
+    token_count_factors: dict = field(default_factory=dict)
     source: str = "defaults"
 
     def to_dict(self) -> dict:
@@ -248,6 +252,7 @@ class CostModel:
         self._inv_link = 1.0 / link if link > 0 else 0.0
         host = p.host_bandwidth * p.host_link_efficiency
         self._inv_host = 1.0 / host if host > 0 else 0.0
+        self._factors = {int(k): float(v) for k, v in (p.token_count_factors or {}).items()}
 
     def breakdown(self, f: StepFeatures) -> StepTime:
         if f.num_reqs == 0 and f.swap_bytes == 0:
@@ -262,6 +267,9 @@ class CostModel:
         overhead = (p.step_overhead_s + p.per_request_overhead_s * f.num_reqs
                     + p.per_prefill_overhead_s * f.num_prefills)
         swap = f.swap_bytes * self._inv_host
+        factor = self._factors.get(f.num_tokens) if self._factors else None
+        if factor is not None:
+            linear, attention, overhead = linear * factor, attention * factor, overhead * factor
         return StepTime(linear, attention, allreduce, overhead, swap)
 
     def predict(self, new_tokens: Sequence[int], context_lens: Sequence[int], num_swap_blocks: int = 0) -> float:
@@ -321,7 +329,8 @@ def _nnls(a, b, iters: int = 50):
 
 
 def fit(records: Iterable[dict], model: ModelCost, base: CostParams, *, block_size: int = 16,
-        iterations: int = 20, trim: float = 3.0) -> tuple[CostParams, dict]:
+        iterations: int = 20, trim: float = 3.0, max_factor_tokens: int = 64,
+        min_factor_steps: int = 5) -> tuple[CostParams, dict]:
     """Fit MFU/MBU of both parts and the CPU overheads to logged step durations.
 
     The model ``t = c0 + c1*R + c2*P + max(aF_lin, bB_lin) + max(cF_attn, dB_attn)`` (R
@@ -331,19 +340,22 @@ def fit(records: Iterable[dict], model: ModelCost, base: CostParams, *, block_si
     alternates: pick branches with the current constants, solve a non-negative least
     squares on the relative error (fast steps count as much as slow ones: they make the
     ITL), repeat. Steps whose residual exceeds `trim` x the median absolute residual
-    (another process took the CPU) are dropped once and the fit is redone.
+    (another process took the CPU) are dropped once and the fit is redone. Finally, for
+    each small token count with at least `min_factor_steps` steps, the median ratio of
+    measured to modelled time becomes a `token_count_factors` entry.
     Peaks (peak_flops, mem_bandwidth) stay as given; the efficiencies absorb the scale.
     Returns (params, fit report).
     """
     import numpy as np
 
-    rows, y = [], []
+    rows, y, counts = [], [], []
     for r in records:
         if not r.get("num_reqs"):
             continue
         f = step_features(model, r["new_tokens"], r["context_lens"], 0, block_size, base.attention_layout)
         rows.append((1.0, f.num_reqs, f.linear_flops, f.linear_bytes, f.attn_flops, f.attn_bytes, f.num_prefills))
         y.append(float(r["duration"]))
+        counts.append(f.num_tokens)
     if len(rows) < 8:
         raise ValueError(f"trace: need at least 8 non-empty steps to calibrate, got {len(rows)}")
     X = np.asarray(rows, dtype=float)
@@ -383,15 +395,26 @@ def fit(records: Iterable[dict], model: ModelCost, base: CostParams, *, block_si
     keep = np.abs(rel - np.median(rel)) <= trim * mad * 1.4826 + 0.05
     coef, pred = solve(keep)
     k = coef / scale  # seconds per unit of each feature
+    # Per-token-count corrections where the trace has enough steps of that size.
+    counts_arr = np.asarray(counts)
+    factors: dict[str, float] = {}
+    for t in np.unique(counts_arr[keep]):
+        sel = keep & (counts_arr == t)
+        if t <= max_factor_tokens and sel.sum() >= min_factor_steps:
+            ratio = float(np.median(y[sel] / pred[sel]))
+            if abs(ratio - 1) > 0.03:
+                factors[str(int(t))] = ratio
+                pred[counts_arr == t] *= ratio
 
     def eff(inv_rate, peak):
-        return 1.0 / (inv_rate * peak) if inv_rate > 0 else 0.0
+        return float(1.0 / (inv_rate * peak)) if inv_rate > 0 else 0.0
 
     params = replace(
         base,
         step_overhead_s=float(k[0]), per_request_overhead_s=float(k[1]), per_prefill_overhead_s=float(k[6]),
         gemm_mfu=eff(k[2], base.peak_flops), gemm_mbu=eff(k[3], base.mem_bandwidth),
         attn_mfu=eff(k[4], base.peak_flops), attn_mbu=eff(k[5], base.mem_bandwidth),
+        token_count_factors=factors,
         source=f"calibrated on {int(keep.sum())} of {len(y)} steps",
     )
     rel = (pred - y) / y
@@ -401,4 +424,5 @@ def fit(records: Iterable[dict], model: ModelCost, base: CostParams, *, block_si
         "median_abs_rel_error": float(np.median(np.abs(rel[keep]))),
         "total_time_error": float(pred[keep].sum() / y[keep].sum() - 1),
     }
+    report["token_count_factors"] = factors
     return params, report
