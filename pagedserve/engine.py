@@ -89,23 +89,27 @@ class Engine:
         self.dtype = resolve_dtype(config.dtype, self.model_config.checkpoint_dtype, config.device)
         self.tokenizer = tokenizer if tokenizer is not None else self._load_tokenizer()
         self.eos_token_ids = self._eos_token_ids()
+        if executor is None:
+            from pagedserve.worker.model_runner import ModelRunner
+            executor = ModelRunner(self.model_config, self.dtype, config.device, config.block_size,
+                                   self.eos_token_ids, config.seed)
+        self.executor = executor
+        if config.kv_cache_memory is None and config.num_kv_blocks is None:  # CUDA: measure, then subtract
+            config.kv_cache_memory = executor.profile_gpu_kv_budget(
+                config.gpu_memory_utilization, config.max_num_batched_tokens, config.max_num_seqs)
         shape = ModelShape.from_hf_config(self.model_config.hf_config)
         self.pool_sizing = size_pool(config, shape, self.dtype)
         for line in kv_cache_log_lines(self.pool_sizing, config.max_model_len, device=config.device.upper()):
             logger.info(line)
         logger.info("KV cache pool: %.3f GiB, %d bytes per token", self.pool_sizing.num_bytes / 2**30,
                     self.pool_sizing.bytes_per_token)
-
         num_host_blocks = 0
         if config.preemption_mode != "recompute":
             num_host_blocks = config.swap_space // self.pool_sizing.bytes_per_block
             logger.info("swap space: %d blocks (%.2f GiB host memory)", num_host_blocks,
                         num_host_blocks * self.pool_sizing.bytes_per_block / 2**30)
-        if executor is None:
-            from pagedserve.worker.model_runner import ModelRunner
-            executor = ModelRunner(self.model_config, self.dtype, config.device, self.pool_sizing.num_blocks,
-                                   config.block_size, self.eos_token_ids, config.seed, num_host_blocks)
-        self.executor = executor
+        if hasattr(executor, "allocate_kv_cache"):
+            executor.allocate_kv_cache(self.pool_sizing.num_blocks, num_host_blocks)
         self.preemption_costs = None
         if config.preemption_mode == "auto" and num_host_blocks and hasattr(executor, "measure_host_bandwidth"):
             self.preemption_costs = PreemptionCosts(

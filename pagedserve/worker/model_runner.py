@@ -41,23 +41,60 @@ def allocate_zeroed(shape: tuple, dtype: torch.dtype, device: torch.device) -> t
 
 
 class ModelRunner:
-    def __init__(self, model_config: ModelConfig, dtype: str, device: str, num_blocks: int, block_size: int,
-                 eos_token_ids: frozenset[int], seed: int, num_host_blocks: int = 0) -> None:
+    def __init__(self, model_config: ModelConfig, dtype: str, device: str, block_size: int,
+                 eos_token_ids: frozenset[int], seed: int) -> None:
         self.model_config = model_config
         self.device = torch.device(device)
         self.dtype = TORCH_DTYPES[dtype]
         self.block_size = block_size
-        self.num_blocks = num_blocks
         torch.manual_seed(seed)
         self.model = load_model(model_config, dtype, device)
-        shape = (model_config.num_layers, 2, num_blocks * block_size, model_config.num_kv_heads, model_config.head_dim)
+        self.sampler = Sampler(eos_token_ids, seed, self.device)
+        self.num_blocks = 0
+        self.kv_cache = self.host_cache = None
+
+    def allocate_kv_cache(self, num_blocks: int, num_host_blocks: int = 0) -> None:
+        """The device pool, and swap space in the same layout in host memory (pinned on
+        CUDA so block copies can be asynchronous)."""
+        cfg = self.model_config
+        self.num_blocks = num_blocks
+        shape = (cfg.num_layers, 2, num_blocks * self.block_size, cfg.num_kv_heads, cfg.head_dim)
         self.kv_cache = allocate_zeroed(shape, self.dtype, self.device)
-        # Swap space: same layout in host memory (pinned on CUDA so copies can be asynchronous).
-        host_shape = shape[:2] + (num_host_blocks * block_size,) + shape[3:]
+        host_shape = shape[:2] + (num_host_blocks * self.block_size,) + shape[3:]
         self.host_cache = allocate_zeroed(host_shape, self.dtype, torch.device("cpu")) if num_host_blocks else None
         if self.host_cache is not None and self.device.type == "cuda":
             self.host_cache = self.host_cache.pin_memory()
-        self.sampler = Sampler(eos_token_ids, seed, self.device)
+
+    @torch.inference_mode()
+    def profile_gpu_kv_budget(self, gpu_memory_utilization: float, max_num_batched_tokens: int,
+                              max_num_seqs: int) -> int:
+        """CUDA: bytes left for the KV pool = total x utilization - weights - measured
+        activation peak (a dummy forward of max_num_batched_tokens, logits for max_num_seqs)
+        - non-torch memory. The same subtraction `pagedserve plan` makes with estimates."""
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(self.device)
+        before = torch.cuda.memory_allocated(self.device)
+        cfg = self.model_config
+        scratch = torch.zeros((cfg.num_layers, 2, max_num_batched_tokens + self.block_size, cfg.num_kv_heads,
+                               cfg.head_dim), dtype=self.dtype, device=self.device)
+        blocks = np.arange(-(-max_num_batched_tokens // self.block_size), dtype=np.int64)
+        meta, positions = build_metadata([], [(blocks, 0, max_num_batched_tokens)], self.block_size,
+                                         cfg.sliding_window, self.device)
+        ids = torch.zeros(max_num_batched_tokens, dtype=torch.long, device=self.device)
+        hidden = self.model(ids, torch.from_numpy(positions).to(self.device), scratch, meta)
+        rows = hidden[-min(max_num_seqs, max_num_batched_tokens):]
+        torch.log_softmax(self.model.compute_logits(rows), dim=-1)
+        torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device) - before - scratch.numel() * scratch.element_size()
+        del scratch, hidden, rows
+        free, total = torch.cuda.mem_get_info(self.device)
+        non_torch = max(total - free - torch.cuda.memory_reserved(self.device), 0)
+        weights = torch.cuda.memory_allocated(self.device)
+        budget = int(total * gpu_memory_utilization) - weights - peak - non_torch
+        logger.info("memory profile: total %.2f GiB x %.2f, weights %.2f GiB, activation peak %.2f GiB, "
+                    "non-torch %.2f GiB -> KV cache %.2f GiB", total / 2**30, gpu_memory_utilization,
+                    weights / 2**30, peak / 2**30, non_torch / 2**30, budget / 2**30)
+        return budget
 
     def _blocks(self, cache: torch.Tensor) -> torch.Tensor:
         """View a pool as [layers, 2, blocks, block_size, kv_heads, head_dim]."""
