@@ -48,10 +48,8 @@ def test_tokenizer_and_chat_template_load_with_transformers():
 
 @pytest.fixture(scope="module")
 def llm():
-    try:
-        from pagedserve import LLM
-    except Exception as exc:  # the engine API is not there yet
-        pytest.skip(f"pagedserve.LLM not importable: {exc}")
+    from pagedserve import LLM
+
     return LLM(model=str(DEFAULT_MODEL_DIR), dtype="float32", kv_cache_memory="64MiB")
 
 
@@ -90,3 +88,22 @@ def test_greedy_tokens_equal_hf_transformers(llm):
         ours = list(out.outputs[0].token_ids)
         assert ours[: len(hf_new)] == hf_new, (prompt, tokenizer.decode(ours), tokenizer.decode(hf_new))
         assert len(ours) >= len(hf_new)
+
+
+def test_serve_without_model_uses_the_default_and_writes_python():
+    """What the README's first command does: serve with no --model, ask for a completion."""
+    import openai
+
+    from pagedserve.config import EngineConfig
+    from pagedserve.server.launcher import ServerThread, build_server
+
+    app, _ = build_server(EngineConfig(kv_cache_memory="64MiB"))
+    with ServerThread(app) as st:
+        assert st.url.startswith("http://127.0.0.1:")
+        client = openai.OpenAI(base_url=st.url + "/v1", api_key="unused", max_retries=0)
+        assert [m.id for m in client.models.list().data] == [DEFAULT_MODEL_NAME]
+        out = client.completions.create(model=DEFAULT_MODEL_NAME, prompt="def fibonacci(n):", max_tokens=48,
+                                        temperature=0)
+    text = out.choices[0].text
+    assert "\n    " in text
+    assert set(text.replace("(", " ").replace(":", " ").split()) & PYTHON_KEYWORDS
