@@ -132,7 +132,9 @@ def llamacpp_peer(ckpt: Path, port: int, args) -> Peer:
            "--n_threads", str(args.threads), "--n_threads_batch", str(args.threads)]
     # llama-cpp-python's server ignores ignore_eos; keep EOS from ever being sampled instead.
     cfg = json.loads((ckpt / "config.json").read_text())
-    peer = Peer("llama.cpp", cmd, extra_body={"logit_bias": {str(cfg["eos_token_id"]): -100.0}}, startup_timeout=300)
+    # Its /v1/completions takes text prompts only (no token-id lists) and sends no usage in streams.
+    peer = Peer("llama.cpp", cmd, extra_body={"logit_bias": {str(cfg["eos_token_id"]): -100.0}}, startup_timeout=300,
+                text_prompts=True)
     if not python.exists():
         peer.skipped = f"no venv at {LLAMACPP_VENV} (run with --install, or see the module docstring)"
         return peer

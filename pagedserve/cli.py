@@ -45,6 +45,8 @@ def build_parser() -> argparse.ArgumentParser:
         ("pagedserve.plan.cli", "register"),
         ("pagedserve.bench.cli", "register"),
         ("pagedserve.sim.cli", "register"),
+        ("pagedserve.tune.advise_cli", "register"),
+        ("pagedserve.tune.cli", "register"),
     ]
     import importlib
     for module, fn in registrars:

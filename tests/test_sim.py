@@ -85,6 +85,29 @@ def test_tensor_parallel_and_swap_terms_by_hand():
     assert t.swap == pytest.approx(3 * 16 * 32 / 64)  # blocks x tokens/block x bytes/token / host link
 
 
+def test_padded_layout_and_token_count_factors_by_hand():
+    """pagedserve's torch backend pads decodes to the longest decode context and computes a
+    continuation chunk's full chunk x context rectangle; the 'padded' layout counts that."""
+    m = ModelCost.from_shape(SHAPE, "bfloat16", None, tp=1)
+    per_pair = 4 * 2 * 2 * 4  # 4 x layers x heads x head_dim
+    paged = step_features(m, [1, 1, 4, 4], [10, 30, 10, 4])
+    # paged: decodes 10 + 30; continuation 4x10 - 6 = 34; fresh causal 4x4 - 6 = 10
+    assert paged.attn_flops == per_pair * (10 + 30 + 34 + 10)
+    assert paged.attn_bytes == (10 + 30 + 10 + 4) * 32
+    assert paged.num_prefills == 2
+    padded = step_features(m, [1, 1, 4, 4], [10, 30, 10, 4], layout="padded")
+    # padded: 2 decodes x 30; continuation 4 x 10 = 40; fresh causal 10
+    assert padded.attn_flops == per_pair * (2 * 30 + 40 + 10)
+    assert padded.attn_bytes == (2 * 30 + 10 + 4) * 32
+    base = unit_params(per_prefill_overhead_s=0.3)
+    t = CostModel(m, base).breakdown(padded)
+    assert t.overhead == pytest.approx(0.5 + 4 * 0.1 + 2 * 0.3)
+    scaled = CostModel(m, unit_params(per_prefill_overhead_s=0.3, token_count_factors={"10": 1.5})).breakdown(padded)
+    assert scaled.total == pytest.approx(1.5 * t.total)  # 10 tokens in the step: the factor applies
+    assert CostModel(m, unit_params(token_count_factors={"11": 1.5})).predict([3, 1], [3, 10]) == \
+        pytest.approx(CostModel(m, unit_params()).predict([3, 1], [3, 10]))
+
+
 def test_gpu_defaults_are_datasheet_times_efficiency():
     from pagedserve.plan.gpus import get_gpu
 
@@ -118,8 +141,10 @@ def test_fit_recovers_known_constants():
     for r in records[:50]:
         assert fitted.predict(r["new_tokens"], r["context_lens"]) == pytest.approx(r["duration"], rel=0.02)
     assert report["mean_abs_rel_error"] < 0.01
-    assert params.gemm_mfu == pytest.approx(0.3, rel=0.05)
-    assert params.step_overhead_s == pytest.approx(0.05, rel=0.1)
+    # Constants are near the truth; the per-prompt-chunk term is partly collinear with
+    # prefill FLOPs, so they are not exactly identifiable: predictions are what must match.
+    assert params.gemm_mfu == pytest.approx(0.3, rel=0.15)
+    assert params.attn_mbu == pytest.approx(0.5, rel=0.15)
 
 
 # -- report ---------------------------------------------------------------------------------

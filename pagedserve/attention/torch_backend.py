@@ -19,7 +19,7 @@ class PrefillChunk:
     q_start: int            # first row of this chunk in the step's token layout
     q_len: int
     start_pos: int          # tokens already in the cache before this chunk
-    ctx_slots: torch.Tensor | None  # [ctx_len] slots to gather K/V from; None = use the chunk's own K/V
+    ctx_blocks: torch.Tensor | None  # [n] blocks holding the context; None = use the chunk's own K/V
     mask: torch.Tensor | None       # [q_len, ctx_len] bool, True = attend; None = plain causal
 
 
@@ -27,9 +27,10 @@ class PrefillChunk:
 class AttentionMetadata:
     slot_mapping: torch.Tensor      # [T] where each new token's K/V is written
     num_decodes: int
-    decode_slots: torch.Tensor | None  # [D, C] slots of each decode's context (padded)
-    decode_mask: torch.Tensor | None   # [D, 1, 1, C] bool
+    decode_blocks: torch.Tensor | None  # [D, n] each decode's block table, padded with block 0
+    decode_mask: torch.Tensor | None    # [D, 1, 1, n * block_size] bool, True = a real context token
     prefills: list[PrefillChunk]
+    block_size: int = 16
 
 
 def slots_for(block_ids: np.ndarray, positions: np.ndarray, block_size: int) -> np.ndarray:
@@ -51,7 +52,7 @@ def build_metadata(decodes: list[tuple[np.ndarray, int]], prefills: list[tuple[n
     """
     positions: list[np.ndarray] = []
     slots: list[np.ndarray] = []
-    decode_slots = decode_mask = None
+    decode_blocks = decode_mask = None
     if decodes:
         pos = np.array([p for _, p in decodes], dtype=np.int64)
         ctx = pos + 1
@@ -61,10 +62,9 @@ def build_metadata(decodes: list[tuple[np.ndarray, int]], prefills: list[tuple[n
         for row, (blocks, _) in enumerate(decodes):
             n = min(len(blocks), max_blocks)
             table[row, :n] = blocks[:n]
-        key_pos = np.arange(max_ctx, dtype=np.int64)
-        gathered = table[:, key_pos // block_size] * block_size + key_pos % block_size
+        key_pos = np.arange(max_blocks * block_size, dtype=np.int64)
         mask = (key_pos[None, :] < ctx[:, None]) & (key_pos[None, :] >= window_floor(pos, sliding_window)[:, None])
-        decode_slots = torch.from_numpy(gathered).to(device)
+        decode_blocks = torch.from_numpy(table).to(device)
         decode_mask = torch.from_numpy(mask).to(device)[:, None, None, :]
         positions.append(pos)
         slots.append(table[np.arange(len(decodes)), pos // block_size] * block_size + pos % block_size)
@@ -77,18 +77,26 @@ def build_metadata(decodes: list[tuple[np.ndarray, int]], prefills: list[tuple[n
         ctx_len = start + q_len
         floor = window_floor(pos, sliding_window)
         needs_window = bool(floor.max() > 0)
-        ctx_slots = mask = None
+        ctx_blocks = mask = None
         if start > 0:
-            ctx_slots = torch.from_numpy(slots_for(blocks, np.arange(ctx_len, dtype=np.int64), block_size)).to(device)
+            ctx_blocks = torch.from_numpy(np.ascontiguousarray(blocks[: -(-ctx_len // block_size)])).to(device)
         if start > 0 or needs_window:
             key_pos = np.arange(ctx_len, dtype=np.int64)
             m = (key_pos[None, :] <= pos[:, None]) & (key_pos[None, :] >= floor[:, None])
             mask = torch.from_numpy(m).to(device)
-        chunks.append(PrefillChunk(row, q_len, start, ctx_slots, mask))
+        chunks.append(PrefillChunk(row, q_len, start, ctx_blocks, mask))
         row += q_len
     all_pos = np.concatenate(positions) if positions else np.zeros(0, dtype=np.int64)
     slot_mapping = torch.from_numpy(np.concatenate(slots) if slots else np.zeros(0, dtype=np.int64)).to(device)
-    return AttentionMetadata(slot_mapping, len(decodes), decode_slots, decode_mask, chunks), all_pos
+    return AttentionMetadata(slot_mapping, len(decodes), decode_blocks, decode_mask, chunks, block_size), all_pos
+
+
+def gather_blocks(cache: torch.Tensor, blocks: torch.Tensor, block_size: int) -> torch.Tensor:
+    """cache [slots, KV, D] -> [*blocks.shape[:-1], n * block_size, KV, D], whole blocks at a
+    time (one row copy per block instead of one per token)."""
+    slots, kv, d = cache.shape
+    rows = cache.view(slots // block_size, block_size * kv * d).index_select(0, blocks.reshape(-1))
+    return rows.view(*blocks.shape[:-1], blocks.shape[-1] * block_size, kv, d)
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -104,17 +112,19 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     gqa = q.shape[1] != k.shape[1]
     d = meta.num_decodes
     if d:
-        kd = k_cache[meta.decode_slots].transpose(1, 2)  # [D, KV, C, Dh]
-        vd = v_cache[meta.decode_slots].transpose(1, 2)
+        kd = gather_blocks(k_cache, meta.decode_blocks, meta.block_size).transpose(1, 2)  # [D, KV, C, Dh]
+        vd = gather_blocks(v_cache, meta.decode_blocks, meta.block_size).transpose(1, 2)
         qd = q[:d].unsqueeze(2)                           # [D, H, 1, Dh]
         o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=meta.decode_mask, scale=scale, enable_gqa=gqa)
         out[:d] = o.squeeze(2)
     for c in meta.prefills:
         rows = slice(c.q_start, c.q_start + c.q_len)
-        if c.ctx_slots is None:
+        if c.ctx_blocks is None:
             kc, vc = k[rows], v[rows]
         else:
-            kc, vc = k_cache[c.ctx_slots], v_cache[c.ctx_slots]
+            ctx_len = c.start_pos + c.q_len
+            kc = gather_blocks(k_cache, c.ctx_blocks, meta.block_size)[:ctx_len]
+            vc = gather_blocks(v_cache, c.ctx_blocks, meta.block_size)[:ctx_len]
         qc = q[rows].transpose(0, 1).unsqueeze(0)   # [1, H, L, Dh]
         kc = kc.transpose(0, 1).unsqueeze(0)        # [1, KV, C, Dh]
         vc = vc.transpose(0, 1).unsqueeze(0)

@@ -365,29 +365,43 @@ def fit(records: Iterable[dict], model: ModelCost, base: CostParams, *, block_si
     Xs = X / scale
     keep = np.ones(len(y), dtype=bool)
 
-    def solve(mask):
-        # Start with both branches active everywhere (a sum), then alternate.
-        lin_f = np.ones(len(y), dtype=bool)
-        att_f = np.ones(len(y), dtype=bool)
+    w = 1.0 / np.maximum(y, 1e-6)
+
+    def predict(coef):
+        return (coef[0] * Xs[:, 0] + coef[1] * Xs[:, 1] + np.maximum(coef[2] * Xs[:, 2], coef[3] * Xs[:, 3])
+                + np.maximum(coef[4] * Xs[:, 4], coef[5] * Xs[:, 5]) + coef[6] * Xs[:, 6])
+
+    def alternate(mask, lin_start: str, att_start: str):
+        """From a starting branch assignment ('sum': both terms, 'flops' or 'bytes' only),
+        alternate between solving and re-assigning branches until nothing moves."""
+        on, off = np.ones(len(y), dtype=bool), np.zeros(len(y), dtype=bool)
+        lin_f, lin_b = {"sum": (on, on), "flops": (on, off), "bytes": (off, on)}[lin_start]
+        att_f, att_b = {"sum": (on, on), "flops": (on, off), "bytes": (off, on)}[att_start]
         coef = None
         for _ in range(iterations):
-            cols = np.column_stack([
-                Xs[:, 0], Xs[:, 1],
-                Xs[:, 2] * lin_f, Xs[:, 3] * ~lin_f if coef is not None else Xs[:, 3],
-                Xs[:, 4] * att_f, Xs[:, 5] * ~att_f if coef is not None else Xs[:, 5],
-                Xs[:, 6],
-            ])
-            w = 1.0 / np.maximum(y, 1e-6)
+            cols = np.column_stack([Xs[:, 0], Xs[:, 1], Xs[:, 2] * lin_f, Xs[:, 3] * lin_b,
+                                    Xs[:, 4] * att_f, Xs[:, 5] * att_b, Xs[:, 6]])
             c = _nnls(cols[mask] * w[mask, None], y[mask] * w[mask])
             new_lin = Xs[:, 2] * c[2] >= Xs[:, 3] * c[3]
             new_att = Xs[:, 4] * c[4] >= Xs[:, 5] * c[5]
-            if coef is not None and (new_lin == lin_f).all() and (new_att == att_f).all():
-                coef = c
+            done = coef is not None and (new_lin == lin_f).all() and (new_att == att_f).all()
+            coef = c
+            lin_f, lin_b, att_f, att_b = new_lin, ~new_lin, new_att, ~new_att
+            if done:
                 break
-            coef, lin_f, att_f = c, new_lin, new_att
-        pred = (coef[0] * Xs[:, 0] + coef[1] * Xs[:, 1] + np.maximum(coef[2] * Xs[:, 2], coef[3] * Xs[:, 3])
-                + np.maximum(coef[4] * Xs[:, 4], coef[5] * Xs[:, 5]) + coef[6] * Xs[:, 6])
-        return coef, pred
+        pred = predict(coef)
+        return coef, pred, float(np.sum(((pred[mask] - y[mask]) * w[mask]) ** 2))
+
+    def solve(mask):
+        # The alternation can stall in a local optimum: start it from every branch
+        # assignment and keep the best fit.
+        best = None
+        for lin_start in ("sum", "flops", "bytes"):
+            for att_start in ("sum", "flops", "bytes"):
+                coef, pred, err = alternate(mask, lin_start, att_start)
+                if best is None or err < best[2]:
+                    best = (coef, pred, err)
+        return best[0], best[1]
 
     coef, pred = solve(keep)
     rel = (pred - y) / y

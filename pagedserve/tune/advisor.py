@@ -1,0 +1,449 @@
+"""Metrics over an interval → findings: symptom (with its numbers) → likely cause → knob to move first.
+
+The rules are the source articles' table, in the articles' order, followed by the signals their
+monitoring section reads (KV pinned at the top, TTFT, ITL):
+
+  1 low_utilisation  GPU utilisation low, KV pool idle       → raise max_num_seqs (then gpu_memory_utilization)
+  2 restart          counters fell: the server died (OOM)    → lower gpu_memory_utilization / max_num_batched_tokens
+  3 long_prompt_itl  P99 ITL over SLO with long prompts      → enable chunked prefill / smaller max_num_batched_tokens
+  4 preemptions      preemptions rising                      → lower max_num_seqs (or gpu_memory_utilization up)
+  5 kv_pinned        KV usage pinned at the top              → gpu_memory_utilization up (in margin), else max_num_seqs down
+  6 ttft_queueing    P99 TTFT over SLO while requests queue  → capacity: max_num_seqs up if KV has room, else replicas
+  7 ttft_prefill     P99 TTFT over SLO, no queue             → prefill blocks: chunked prefill
+  8 itl_overload     P99 ITL over SLO, prompts short         → decode squeezed: lower max_num_seqs
+
+Everything here is plain data and pure functions: the CLI scrapes, this module judges.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+from pagedserve.tune.prom import Snapshot, counter_delta, histogram_delta, histogram_quantile, naming_label
+
+
+@dataclass
+class Thresholds:
+    """Every number a rule compares against; each is a CLI option of the same name."""
+    ttft_p99_ms: float = 2000.0        # SLO on P99 time to first token
+    itl_p99_ms: float = 100.0          # SLO on P99 inter-token latency
+    kv_high: float = 0.95              # KV usage at or above this counts as "at the top"
+    kv_low: float = 0.5                # mean KV usage below this: the pool idles
+    kv_pinned_share: float = 0.5       # share of gauge samples at kv_high that counts as "pinned"
+    util_low: float = 0.6              # utilisation below this: the GPU is not fed
+    util_high: float = 0.95            # utilisation at or above this: saturated
+    preemptions_per_min: float = 0.0   # preemption rate above this is "rising"
+    long_prompt_tokens: float = 1024   # P90 prompt length at or above this: "long prompts"
+    queue_share: float = 0.5           # share of gauge samples with waiting > 0 that counts as queueing
+    gpu_memory_utilization_margin: float = 0.90  # the articles' safe top for gpu_memory_utilization
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass
+class Observations:
+    """What the interval showed; None = the scrape lacks the metric (or it saw no observations)."""
+    naming: str
+    interval_s: float
+    num_gauge_samples: int
+    gauges_sampled: bool                    # False: only the two snapshots were there (--from-files)
+    utilisation: float | None
+    utilisation_source: str                 # engine_busy_ratio | --gpu-util | unknown
+    kv_usage_mean: float | None
+    kv_usage_max: float | None
+    kv_high_share: float | None             # share of samples with KV usage ≥ kv_high
+    running_mean: float | None
+    running_max: float | None
+    waiting_mean: float | None
+    waiting_max: float | None
+    waiting_share: float | None             # share of samples with waiting > 0
+    swapped_mean: float | None
+    preemptions: float | None
+    preemptions_per_min: float | None
+    prompt_tokens_per_s: float | None
+    generation_tokens_per_s: float | None
+    requests_per_s: float | None
+    ttft_p50_ms: float | None
+    ttft_p99_ms: float | None
+    itl_p50_ms: float | None
+    itl_p99_ms: float | None
+    e2e_p99_s: float | None
+    queue_time_p99_ms: float | None
+    prompt_tokens_mean: float | None
+    prompt_tokens_p90: float | None
+    steps_per_s: float | None
+    tokens_per_step: float | None
+    counter_resets: list[str] = field(default_factory=list)
+
+    @property
+    def has_traffic(self) -> bool:
+        moved = any(v for v in (self.prompt_tokens_per_s, self.generation_tokens_per_s, self.requests_per_s))
+        busy = any(v for v in (self.running_max, self.waiting_max))
+        return bool(moved or busy)
+
+
+@dataclass
+class Finding:
+    rule: str
+    order: int
+    title: str
+    symptom: str                      # with the numbers that triggered it
+    cause: str
+    knob: str                         # the knob to move first
+    direction: str                    # raise | lower | enable | add
+    action: str                       # the move in words, with the fallback knob
+    watch: str                        # what to read after the change
+    numbers: dict[str, float | None]
+    thresholds: dict[str, float]
+
+
+@dataclass
+class Report:
+    verdict: str                      # balanced | needs_tuning | idle
+    summary: str
+    observations: Observations
+    findings: list[Finding]
+    thresholds: Thresholds
+    notes: list[str]
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+# -- observing ----------------------------------------------------------------------------------
+
+def _mean(values: list[float]) -> float | None:
+    return sum(values) / len(values) if values else None
+
+
+def _share(values: list[float], predicate) -> float | None:
+    return sum(1 for v in values if predicate(v)) / len(values) if values else None
+
+
+def _ms(seconds: float | None) -> float | None:
+    return None if seconds is None else seconds * 1000.0
+
+
+def observe(first: Snapshot, last: Snapshot, samples: list[Snapshot], interval_s: float,
+            thresholds: Thresholds, gpu_util: float | None = None, gauges_sampled: bool = True) -> Observations:
+    """Rates and percentiles between `first` and `last`; gauge statistics over `samples` (first..last)."""
+    if interval_s <= 0:
+        raise ValueError(f"interval must be > 0 seconds, got {interval_s}")
+    samples = samples or [first, last]
+    resets: list[str] = []
+
+    def gauge_series(name: str) -> list[float]:
+        return [s.gauges[name] for s in samples if name in s.gauges]
+
+    def delta(name: str) -> float | None:
+        d, reset = counter_delta(first.counters.get(name), last.counters.get(name))
+        if reset:
+            resets.append(name)
+        return d
+
+    def hist(name: str):
+        h, reset = histogram_delta(first.histograms.get(name), last.histograms.get(name))
+        if reset:
+            resets.append(name)
+        return h
+
+    def quantile(h, q: float) -> float | None:
+        return histogram_quantile(q, h.buckets) if h is not None else None
+
+    def rate(d: float | None) -> float | None:
+        return None if d is None else d / interval_s
+
+    kv = gauge_series("kv_cache_usage_perc")
+    running = gauge_series("num_requests_running")
+    waiting = gauge_series("num_requests_waiting")
+    swapped = gauge_series("num_requests_swapped")
+    busy = gauge_series("engine_busy_ratio")
+    if gpu_util is not None:
+        utilisation, source = gpu_util, "--gpu-util"
+    elif busy:
+        utilisation, source = _mean(busy), "engine_busy_ratio"
+    else:
+        utilisation, source = None, "unknown"
+
+    preemptions = delta("num_preemptions")
+    ttft, itl = hist("time_to_first_token_seconds"), hist("inter_token_latency_seconds")
+    e2e, queue = hist("e2e_request_latency_seconds"), hist("request_queue_time_seconds")
+    prompt_len, steps = hist("request_prompt_tokens"), hist("iteration_tokens_total")
+    finished = delta("request_success")
+    if finished is None and e2e is not None:
+        finished = e2e.count
+
+    return Observations(
+        naming=naming_label(first.naming | last.naming),
+        interval_s=interval_s,
+        num_gauge_samples=len(samples),
+        gauges_sampled=gauges_sampled,
+        utilisation=utilisation,
+        utilisation_source=source,
+        kv_usage_mean=_mean(kv),
+        kv_usage_max=max(kv) if kv else None,
+        kv_high_share=_share(kv, lambda v: v >= thresholds.kv_high),
+        running_mean=_mean(running),
+        running_max=max(running) if running else None,
+        waiting_mean=_mean(waiting),
+        waiting_max=max(waiting) if waiting else None,
+        waiting_share=_share(waiting, lambda v: v > 0),
+        swapped_mean=_mean(swapped),
+        preemptions=preemptions,
+        preemptions_per_min=None if preemptions is None else preemptions * 60.0 / interval_s,
+        prompt_tokens_per_s=rate(delta("prompt_tokens")),
+        generation_tokens_per_s=rate(delta("generation_tokens")),
+        requests_per_s=rate(finished),
+        ttft_p50_ms=_ms(quantile(ttft, 0.5)),
+        ttft_p99_ms=_ms(quantile(ttft, 0.99)),
+        itl_p50_ms=_ms(quantile(itl, 0.5)),
+        itl_p99_ms=_ms(quantile(itl, 0.99)),
+        e2e_p99_s=quantile(e2e, 0.99),
+        queue_time_p99_ms=_ms(quantile(queue, 0.99)),
+        prompt_tokens_mean=prompt_len.mean() if prompt_len is not None else None,
+        prompt_tokens_p90=quantile(prompt_len, 0.9),
+        steps_per_s=rate(steps.count) if steps is not None else None,
+        tokens_per_step=steps.mean() if steps is not None else None,
+        counter_resets=sorted(set(resets)),
+    )
+
+
+# -- judging ------------------------------------------------------------------------------------
+
+def _f(value: float | None, digits: int = 2) -> str:
+    return "n/a" if value is None else f"{value:.{digits}f}"
+
+
+def _pct(value: float | None) -> str:
+    return "n/a" if value is None else f"{100 * value:.0f}%"
+
+
+def _over(value: float | None, limit: float) -> bool:
+    return value is not None and value > limit
+
+
+def advise(obs: Observations, thresholds: Thresholds) -> Report:
+    """Apply the rules in the articles' order; `balanced` when none fires under load."""
+    t = thresholds
+    findings: list[Finding] = []
+    notes: list[str] = []
+
+    def add(rule: str, order: int, title: str, symptom: str, cause: str, knob: str, direction: str,
+            action: str, watch: str, numbers: dict, used: tuple[str, ...]) -> None:
+        findings.append(Finding(rule, order, title, symptom, cause, knob, direction, action, watch, numbers,
+                                {name: getattr(t, name) for name in used}))
+
+    if not obs.gauges_sampled:
+        notes.append("gauges (KV usage, running, waiting, swapped, busy ratio) come from the two snapshots only, "
+                     "not sampled through the interval: 'pinned' and 'queueing' are judged on 2 points")
+    if obs.utilisation is None:
+        notes.append("utilisation unknown (no engine_busy_ratio; pass --gpu-util PCT from nvidia-smi): "
+                     "the utilisation rule is judged on KV usage and running/waiting alone")
+    if obs.counter_resets:
+        notes.append("counters reset between scrapes (" + ", ".join(obs.counter_resets) + "): the second "
+                     "scrape's totals are used as the interval's, as Prometheus' rate() does")
+
+    traffic = obs.has_traffic
+    kv_mean, util = obs.kv_usage_mean, obs.utilisation
+    kv_pinned = obs.kv_high_share is not None and obs.kv_high_share >= t.kv_pinned_share
+    queueing = obs.waiting_share is not None and obs.waiting_share >= t.queue_share
+    long_prompts = next((v for v in (obs.prompt_tokens_p90, obs.prompt_tokens_mean) if v is not None), None)
+    prompts_are_long = long_prompts is not None and long_prompts >= t.long_prompt_tokens
+
+    # 1. GPU utilisation low, throughput not rising → KV pool too small / max_num_seqs too conservative.
+    util_low = util is not None and util < t.util_low
+    kv_idle = kv_mean is not None and kv_mean < t.kv_low
+    if traffic and not kv_pinned and ((util_low and (kv_mean is None or kv_mean < t.kv_high)) or
+                                      (util is None and kv_idle)):
+        load_hint = ("" if queueing else " No request waited through the interval, so the offered load may be "
+                     "the limit too: raise the load test's concurrency as you raise the knob.")
+        add("low_utilisation", 1, "GPU utilisation low, throughput not rising",
+            f"utilisation {_f(util)} ({obs.utilisation_source}) < util_low {t.util_low}, KV usage mean "
+            f"{_f(kv_mean)} (kv_low {t.kv_low}), running mean {_f(obs.running_mean, 1)}, "
+            f"waiting mean {_f(obs.waiting_mean, 1)}",
+            "max_num_seqs is too conservative: the KV pool has room the scheduler may not use." + load_hint,
+            "max_num_seqs", "raise",
+            "raise max_num_seqs one step (e.g. ×1.5); once KV usage nears kv_high, raise "
+            f"gpu_memory_utilization toward {t.gpu_memory_utilization_margin}",
+            "utilisation and KV usage rise; stop and back off one step when P99 TTFT/ITL near the SLO "
+            "or preemptions appear",
+            dict(utilisation=util, kv_usage_mean=kv_mean, running_mean=obs.running_mean,
+                 waiting_mean=obs.waiting_mean),
+            ("util_low", "kv_low", "kv_high"))
+
+    # 2. OOM at high concurrency → KV pool or batch too large. Metrics cannot show an OOM, but the
+    #    restart that follows it resets every counter.
+    if obs.counter_resets:
+        add("restart", 2, "server restarted between scrapes (OOM?)",
+            "counters fell between the scrapes: " + ", ".join(obs.counter_resets),
+            "the server process restarted; under high concurrency that is most often a CUDA OOM: the KV pool "
+            "or the batch is too large for what weights and activations leave",
+            "gpu_memory_utilization", "lower",
+            "check the server log for OOM; lower gpu_memory_utilization by 0.05, or lower "
+            "max_num_batched_tokens",
+            "no further restarts under the same load test; then preemptions and KV usage",
+            dict(counters_reset=float(len(obs.counter_resets))), ())
+
+    # 3. P99 latency soars with long prompts → no chunked prefill.
+    if _over(obs.itl_p99_ms, t.itl_p99_ms) and prompts_are_long:
+        add("long_prompt_itl", 3, "P99 inter-token latency soars, prompts are long",
+            f"ITL P99 {_f(obs.itl_p99_ms, 1)} ms > itl_p99 SLO {t.itl_p99_ms:g} ms with prompt length P90 "
+            f"{_f(obs.prompt_tokens_p90, 0)} (mean {_f(obs.prompt_tokens_mean, 0)}) ≥ long_prompt_tokens "
+            f"{t.long_prompt_tokens:g}",
+            "long prefills hold whole steps, so every running decode waits for them: chunked prefill is off "
+            "or its chunk (max_num_batched_tokens) is too large",
+            "enable_chunked_prefill", "enable",
+            "enable chunked prefill; if it is on, lower max_num_batched_tokens (e.g. halve it) so a prefill "
+            "chunk costs less per step",
+            "ITL P99 falls under the SLO; TTFT P99 may rise a little; throughput should hold",
+            dict(itl_p99_ms=obs.itl_p99_ms, prompt_tokens_p90=obs.prompt_tokens_p90,
+                 prompt_tokens_mean=obs.prompt_tokens_mean),
+            ("itl_p99_ms", "long_prompt_tokens"))
+
+    # 4. Frequent preemption, some requests very slow → concurrency beyond what the KV pool carries.
+    if _over(obs.preemptions_per_min, t.preemptions_per_min):
+        add("preemptions", 4, "preemptions rising, some requests very slow",
+            f"{obs.preemptions:g} preemptions in {obs.interval_s:g} s = {_f(obs.preemptions_per_min, 1)}/min > "
+            f"{t.preemptions_per_min:g}/min; KV usage mean {_f(kv_mean)} max {_f(obs.kv_usage_max)}, "
+            f"swapped mean {_f(obs.swapped_mean, 1)}",
+            "concurrency exceeds what the KV pool carries: sequences grow, the pool runs dry and the "
+            "scheduler evicts (swap or recompute)",
+            "max_num_seqs", "lower",
+            "lower max_num_seqs one step (e.g. ×0.75); or raise gpu_memory_utilization, but only within "
+            f"margin (≤ {t.gpu_memory_utilization_margin})",
+            "preemptions back to 0 per minute; throughput and P99 should improve, KV usage stays below the top",
+            dict(preemptions=obs.preemptions, preemptions_per_min=obs.preemptions_per_min,
+                 kv_usage_mean=kv_mean, kv_usage_max=obs.kv_usage_max, swapped_mean=obs.swapped_mean),
+            ("preemptions_per_min",))
+
+    # 5. KV usage pinned at 100% → concurrency is at the top.
+    if kv_pinned:
+        add("kv_pinned", 5, "KV-cache usage pinned at the top",
+            f"KV usage ≥ kv_high {t.kv_high} in {_pct(obs.kv_high_share)} of {obs.num_gauge_samples} samples "
+            f"(≥ kv_pinned_share {_pct(t.kv_pinned_share)}); mean {_f(kv_mean)}, max {_f(obs.kv_usage_max)}",
+            "concurrency is at the top: the pool holds all it can, any more load queues or preempts",
+            "gpu_memory_utilization", "raise",
+            f"raise gpu_memory_utilization within margin (≤ {t.gpu_memory_utilization_margin}) to enlarge "
+            "the pool; if it is already there, lower max_num_seqs",
+            "KV usage drops below kv_high; no OOM; preemptions stay at 0",
+            dict(kv_high_share=obs.kv_high_share, kv_usage_mean=kv_mean, kv_usage_max=obs.kv_usage_max),
+            ("kv_high", "kv_pinned_share"))
+
+    # 6/7. TTFT over SLO: with a queue it is capacity, without one it is prefill blocking.
+    if _over(obs.ttft_p99_ms, t.ttft_p99_ms):
+        numbers = dict(ttft_p99_ms=obs.ttft_p99_ms, waiting_mean=obs.waiting_mean,
+                       waiting_share=obs.waiting_share, queue_time_p99_ms=obs.queue_time_p99_ms,
+                       kv_usage_max=obs.kv_usage_max)
+        queue_text = (f"TTFT P99 {_f(obs.ttft_p99_ms, 0)} ms > ttft_p99 SLO {t.ttft_p99_ms:g} ms; waiting > 0 in "
+                      f"{_pct(obs.waiting_share)} of samples (mean {_f(obs.waiting_mean, 1)}, max "
+                      f"{_f(obs.waiting_max, 0)}), queue time P99 {_f(obs.queue_time_p99_ms, 0)} ms")
+        if queueing:
+            room = not kv_pinned and (obs.kv_usage_max is None or obs.kv_usage_max < t.kv_high)
+            if room:
+                knob, direction = "max_num_seqs", "raise"
+                action = ("raise max_num_seqs: the KV pool has room to run what waits; if KV then pins or "
+                          "preemptions start, the server is at capacity: add replicas")
+            else:
+                knob, direction = "replicas", "add"
+                action = ("add capacity (replicas / GPUs): the KV pool is full, so more concurrency would only "
+                          "preempt; meanwhile cap the queue (--max-queue-len) to fail fast")
+            add("ttft_queueing", 6, "high TTFT with requests queueing", queue_text,
+                "requests wait for a slot: the offered load exceeds the server's capacity", knob, direction,
+                action, "waiting falls to ~0 and TTFT P99 under the SLO; ITL P99 must stay within its SLO",
+                numbers, ("ttft_p99_ms", "queue_share", "kv_high"))
+        else:
+            add("ttft_prefill", 7, "high TTFT without a queue", queue_text,
+                "prefill is blocked behind other prefills (whole long prompts per step)",
+                "enable_chunked_prefill", "enable",
+                "enable chunked prefill and check max_num_batched_tokens is not far above the common prompt "
+                "length",
+                "TTFT P99 under the SLO; ITL P99 unchanged", numbers, ("ttft_p99_ms", "queue_share"))
+
+    # 8. ITL over SLO with short prompts → decode squeezed by too large a batch.
+    # With the GPU underfed a smaller batch would not help ITL: rule 1 already says to raise concurrency.
+    if _over(obs.itl_p99_ms, t.itl_p99_ms) and not prompts_are_long and not util_low:
+        saturated = util is not None and util >= t.util_high
+        add("itl_overload", 8, "high ITL: decode squeezed",
+            f"ITL P99 {_f(obs.itl_p99_ms, 1)} ms > itl_p99 SLO {t.itl_p99_ms:g} ms, prompts short (P90 "
+            f"{_f(obs.prompt_tokens_p90, 0)} < {t.long_prompt_tokens:g}), running mean "
+            f"{_f(obs.running_mean, 1)}, utilisation {_f(util)}" + (" ≥ util_high " + str(t.util_high)
+                                                                   if saturated else ""),
+            "the decode batch is too large for the latency target" + (": the GPU is saturated (overload)"
+                                                                      if saturated else ""),
+            "max_num_seqs", "lower",
+            "lower max_num_seqs one step (e.g. ×0.75) and re-run the same load test",
+            "ITL P99 under the SLO; throughput drops only a little; waiting should not grow",
+            dict(itl_p99_ms=obs.itl_p99_ms, running_mean=obs.running_mean, utilisation=util),
+            ("itl_p99_ms", "long_prompt_tokens", "util_high"))
+
+    findings.sort(key=lambda f: f.order)
+    directions: dict[str, set[str]] = {}
+    for f in findings:
+        directions.setdefault(f.knob, set()).add(f.direction)
+    for knob, ways in directions.items():
+        if {"raise", "lower"} <= ways:
+            notes.append(f"findings disagree on {knob}: follow the first one, re-run the load test, advise again")
+    if findings:
+        verdict = "needs_tuning"
+        summary = f"{len(findings)} finding(s); move the first knob first, one change per load-test run: " + \
+            ", ".join(f"{f.knob} ({f.direction})" for f in findings)
+    elif not traffic:
+        verdict = "idle"
+        summary = ("no traffic in the interval (no tokens, nothing running or waiting): run a load test "
+                   "while advising")
+    else:
+        verdict = "balanced"
+        summary = (f"utilisation {_f(util)} ({obs.utilisation_source}), KV usage mean {_f(kv_mean)} "
+                   f"max {_f(obs.kv_usage_max)}, preemptions {_f(obs.preemptions_per_min, 1)}/min, TTFT P99 "
+                   f"{_f(obs.ttft_p99_ms, 0)} ms (SLO {t.ttft_p99_ms:g}), ITL P99 {_f(obs.itl_p99_ms, 1)} ms "
+                   f"(SLO {t.itl_p99_ms:g}); more concurrency now only adds latency risk")
+        if obs.ttft_p99_ms is None and obs.itl_p99_ms is None:
+            notes.append("no TTFT/ITL observations in the interval: latency could not be judged")
+    return Report(verdict, summary, obs, findings, thresholds, notes)
+
+
+# -- rendering ----------------------------------------------------------------------------------
+
+def format_report(report: Report, source: str) -> str:
+    """The human-readable report: what was measured, then each finding, then notes."""
+    o, t = report.observations, report.thresholds
+    lines = [
+        f"pagedserve advise — {source}",
+        f"  naming: {o.naming}; interval {o.interval_s:g} s; {o.num_gauge_samples} gauge samples"
+        + ("" if o.gauges_sampled else " (the two snapshots only)"),
+        f"  throughput: prompt {_f(o.prompt_tokens_per_s, 1)} tok/s, generation {_f(o.generation_tokens_per_s, 1)} "
+        f"tok/s, finished {_f(o.requests_per_s, 2)} req/s",
+        f"  utilisation: {_f(o.utilisation)} ({o.utilisation_source})"
+        + (f"; engine steps {_f(o.steps_per_s, 1)}/s, {_f(o.tokens_per_step, 1)} tokens/step"
+           if o.steps_per_s is not None else ""),
+        f"  KV usage: mean {_f(o.kv_usage_mean)}, max {_f(o.kv_usage_max)}, ≥ {t.kv_high} in {_pct(o.kv_high_share)} "
+        f"of samples",
+        f"  requests: running mean {_f(o.running_mean, 1)} max {_f(o.running_max, 0)}; waiting mean "
+        f"{_f(o.waiting_mean, 1)} max {_f(o.waiting_max, 0)} (> 0 in {_pct(o.waiting_share)} of samples); "
+        f"swapped mean {_f(o.swapped_mean, 1)}",
+        f"  preemptions: {_f(o.preemptions, 0)} ({_f(o.preemptions_per_min, 1)}/min)",
+        f"  latency: TTFT P50/P99 {_f(o.ttft_p50_ms, 0)}/{_f(o.ttft_p99_ms, 0)} ms (SLO {t.ttft_p99_ms:g}); "
+        f"ITL P50/P99 {_f(o.itl_p50_ms, 1)}/{_f(o.itl_p99_ms, 1)} ms (SLO {t.itl_p99_ms:g}); "
+        f"queue P99 {_f(o.queue_time_p99_ms, 0)} ms; e2e P99 {_f(o.e2e_p99_s, 2)} s",
+        f"  prompt tokens: mean {_f(o.prompt_tokens_mean, 0)}, P90 {_f(o.prompt_tokens_p90, 0)}",
+        "",
+        f"verdict: {report.verdict} — {report.summary}",
+    ]
+    for i, f in enumerate(report.findings, 1):
+        limits = ", ".join(f"{k}={v:g}" for k, v in f.thresholds.items())
+        lines += [
+            "",
+            f"{i}. [{f.rule}] {f.title}",
+            f"   symptom: {f.symptom}",
+            f"   likely cause: {f.cause}",
+            f"   knob first: {f.knob} ({f.direction}) — {f.action}",
+            f"   watch after: {f.watch}",
+        ]
+        if limits:
+            lines.append(f"   thresholds: {limits}")
+    if report.notes:
+        lines += ["", "notes:"] + [f"  - {n}" for n in report.notes]
+    return "\n".join(lines)
+
+
+__all__ = ["Thresholds", "Observations", "Finding", "Report", "observe", "advise", "format_report"]

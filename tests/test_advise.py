@@ -1,0 +1,345 @@
+"""`pagedserve advise`: scrape parsing in both namings, interval percentiles, the articles' rules, the CLI."""
+from __future__ import annotations
+
+import http.server
+import json
+import math
+import pathlib
+import socket
+import threading
+
+import pytest
+
+from pagedserve.tune import advise_cli
+from pagedserve.tune.advisor import Thresholds, advise, format_report, observe
+from pagedserve.tune.prom import Histogram, histogram_delta, histogram_quantile, naming_label, parse_metrics
+
+FIXTURES = pathlib.Path(__file__).parent / "fixtures" / "metrics"
+INF = math.inf
+
+
+def load_pair(scenario: str, naming: str):
+    a = (FIXTURES / f"{scenario}.{naming}.a.txt").read_text()
+    b = (FIXTURES / f"{scenario}.{naming}.b.txt").read_text()
+    return parse_metrics(a), parse_metrics(b)
+
+
+def report_for(scenario: str, naming: str, thresholds: Thresholds | None = None, gpu_util: float | None = None):
+    t = thresholds or Thresholds()
+    a, b = load_pair(scenario, naming)
+    obs = observe(a, b, [a, b], 30.0, t, gpu_util=gpu_util, gauges_sampled=False)
+    return advise(obs, t)
+
+
+# -- histogram quantile (hand-computed) ------------------------------------------------------------
+
+BUCKETS = [(0.1, 10.0), (0.5, 30.0), (1.0, 40.0), (INF, 40.0)]
+
+
+@pytest.mark.parametrize("q, expected", [
+    (0.5, 0.3),     # rank 20 in (0.1, 0.5]: 10 before, 20 inside → 0.1 + 0.4 · 10/20
+    (0.99, 0.98),   # rank 39.6 in (0.5, 1.0]: 30 before, 10 inside → 0.5 + 0.5 · 9.6/10
+    (0.1, 0.04),    # rank 4 in the first bucket, lower bound 0 → 0.1 · 4/10
+    (1.0, 1.0),     # rank 40: the top of the last finite bucket that reaches it
+    (0.0, 0.0),
+])
+def test_histogram_quantile_interpolates_like_prometheus(q, expected):
+    assert histogram_quantile(q, BUCKETS) == pytest.approx(expected)
+    assert histogram_quantile(q, list(reversed(BUCKETS))) == pytest.approx(expected)
+
+
+def test_histogram_quantile_edges():
+    # A rank in the +Inf bucket returns the highest finite bound.
+    assert histogram_quantile(0.5, [(0.1, 1.0), (INF, 10.0)]) == pytest.approx(0.1)
+    # No observations, or no finite bucket: no answer.
+    assert histogram_quantile(0.5, [(0.1, 0.0), (INF, 0.0)]) is None
+    assert histogram_quantile(0.5, [(INF, 5.0)]) is None
+    # A non-monotone scrape (race with an update) is made monotone first.
+    assert histogram_quantile(0.5, [(0.1, 10.0), (0.5, 9.0), (1.0, 20.0), (INF, 20.0)]) == pytest.approx(0.1)
+    with pytest.raises(ValueError):
+        histogram_quantile(1.5, BUCKETS)
+
+
+def test_histogram_delta_subtracts_first_scrape_and_detects_reset():
+    before = Histogram([(0.1, 5.0), (0.5, 5.0), (1.0, 5.0), (INF, 5.0)], sum=0.25, count=5.0)
+    after = Histogram([(0.1, 15.0), (0.5, 35.0), (1.0, 45.0), (INF, 45.0)], sum=12.25, count=45.0)
+    delta, reset = histogram_delta(before, after)
+    assert not reset
+    assert delta.buckets == BUCKETS and delta.count == 40.0 and delta.sum == pytest.approx(12.0)
+    assert histogram_quantile(0.5, delta.buckets) == pytest.approx(0.3)
+    # The lifetime view would differ: the interval is what the advisor judges.
+    assert histogram_quantile(0.5, after.buckets) != pytest.approx(0.3)
+    restarted, reset = histogram_delta(after, before)
+    assert reset and restarted is before
+
+
+# -- parsing both namings --------------------------------------------------------------------------
+
+@pytest.mark.parametrize("naming, label", [("pagedserve", "pagedserve"), ("vllm", "vllm"),
+                                           ("vllm_v0", "vllm (older V0 names)")])
+def test_parse_normalizes_names(naming, label):
+    a, b = load_pair("balanced", naming)
+    assert naming_label(b.naming) == label
+    assert b.gauges["kv_cache_usage_perc"] == pytest.approx(0.82)
+    assert b.gauges["num_requests_running"] == 26
+    assert "inter_token_latency_seconds" in b.histograms
+    assert "time_to_first_token_seconds" in b.histograms
+    # Counters lose `_total` and are summed over labels (mode, finished_reason).
+    assert b.counters["num_preemptions"] == 40
+    assert b.counters["request_success"] == 200
+    assert ("engine_busy_ratio" in b.gauges) == (naming == "pagedserve")
+
+
+def test_parse_prefers_new_name_when_both_exist():
+    text = """# TYPE vllm:kv_cache_usage_perc gauge
+vllm:kv_cache_usage_perc{engine="0"} 0.4
+vllm:kv_cache_usage_perc{engine="1"} 0.6
+# TYPE vllm:gpu_cache_usage_perc gauge
+vllm:gpu_cache_usage_perc 0.99
+vllm:num_requests_waiting 3
+vllm:num_preemptions_total 7
+"""
+    snap = parse_metrics(text)
+    assert snap.gauges["kv_cache_usage_perc"] == pytest.approx(0.5)   # ratio gauges are averaged over engines
+    assert snap.gauges["num_requests_waiting"] == 3                    # untyped line: a gauge
+    assert snap.counters["num_preemptions"] == 7                       # untyped *_total: a counter
+    assert naming_label(snap.naming) == "vllm"
+
+
+def test_parse_reads_pagedserve_own_exposition():
+    from pagedserve.metrics import EngineMetrics
+
+    m = EngineMetrics("tiny", max_model_len=256)
+    m.set_state(running=3, waiting=1, swapped=0, used_blocks=6, total_blocks=8, block_size=16)
+    m.record_first_token(100, arrival=0.0, first_token=0.3)
+    m.record_new_tokens(2, inter_token_gap=0.04)
+    snap = parse_metrics(m.render().decode())
+    assert snap.gauges["kv_cache_usage_perc"] == pytest.approx(0.75)
+    assert snap.gauges["num_requests_running"] == 3
+    assert "engine_busy_ratio" in snap.gauges
+    assert snap.counters["prompt_tokens"] == 100 and snap.counters["generation_tokens"] == 2
+    assert snap.histograms["time_to_first_token_seconds"].count == 1
+    assert snap.histograms["inter_token_latency_seconds"].count == 2
+    assert snap.counters["num_preemptions"] == 0
+    assert naming_label(snap.naming) == "pagedserve"
+
+
+# -- the articles' table, one recorded pair per row, in every naming ---------------------------------
+
+ROWS = {
+    "low_utilisation": ("max_num_seqs", "raise"),
+    "restart": ("gpu_memory_utilization", "lower"),
+    "long_prompt_itl": ("enable_chunked_prefill", "enable"),
+    "preemptions": ("max_num_seqs", "lower"),
+    "kv_pinned": ("gpu_memory_utilization", "raise"),
+    "ttft_queueing": ("max_num_seqs", "raise"),
+    "ttft_prefill": ("enable_chunked_prefill", "enable"),
+    "itl_overload": ("max_num_seqs", "lower"),
+}
+CASES = sorted((FIXTURES / name).name.split(".")[:2] for name in FIXTURES.glob("*.a.txt"))
+
+
+def test_every_row_has_fixtures_in_both_namings():
+    have = {tuple(c) for c in CASES}
+    for scenario in list(ROWS) + ["balanced"]:
+        assert (scenario, "pagedserve") in have and (scenario, "vllm") in have
+    assert sum(1 for _, naming in have if naming == "vllm_v0") >= 4
+
+
+@pytest.mark.parametrize("scenario, naming", [c for c in CASES if c[0] != "balanced"])
+def test_each_row_gives_its_finding_and_knob(scenario, naming):
+    report = report_for(scenario, naming)
+    assert report.verdict == "needs_tuning"
+    assert [f.rule for f in report.findings] == [scenario]
+    finding = report.findings[0]
+    assert (finding.knob, finding.direction) == ROWS[scenario]
+    # Each finding carries the numbers that triggered it and the thresholds it used.
+    assert finding.numbers and any(v is not None for v in finding.numbers.values())
+    assert finding.symptom and finding.cause and finding.action and finding.watch
+
+
+@pytest.mark.parametrize("naming", ["pagedserve", "vllm", "vllm_v0"])
+def test_balanced_says_so_with_numbers(naming):
+    report = report_for("balanced", naming)
+    assert report.verdict == "balanced" and report.findings == []
+    assert "KV usage mean 0.80" in report.summary and "ITL P99" in report.summary
+
+
+def test_interval_percentiles_ignore_the_warmup():
+    report = report_for("balanced", "pagedserve")
+    # The warm-up before scrape A had 40% of TTFTs at 8 s; the interval has none above 0.75 s.
+    assert report.observations.ttft_p99_ms < 750
+    assert report.observations.preemptions == 0
+
+
+def test_findings_follow_the_articles_order():
+    a, b = load_pair("preemptions", "pagedserve")
+    for snap in (a, b):
+        snap.gauges["kv_cache_usage_perc"] = 0.99
+    t = Thresholds()
+    report = advise(observe(a, b, [a, b], 30.0, t, gauges_sampled=False), t)
+    assert [f.rule for f in report.findings] == ["preemptions", "kv_pinned"]
+
+
+def test_ttft_queueing_with_a_full_pool_asks_for_capacity():
+    a, b = load_pair("ttft_queueing", "vllm")
+    for snap in (a, b):
+        snap.gauges["kv_cache_usage_perc"] = 1.0
+    t = Thresholds()
+    report = advise(observe(a, b, [a, b], 30.0, t, gauges_sampled=False), t)
+    queueing = next(f for f in report.findings if f.rule == "ttft_queueing")
+    assert (queueing.knob, queueing.direction) == ("replicas", "add")
+
+
+def test_thresholds_are_overridable_and_reported():
+    assert report_for("preemptions", "vllm", Thresholds(preemptions_per_min=30)).verdict == "balanced"
+    report = report_for("balanced", "pagedserve", Thresholds(itl_p99_ms=50))
+    assert [f.rule for f in report.findings] == ["itl_overload"]
+    assert report.findings[0].thresholds["itl_p99_ms"] == 50
+
+
+def test_gpu_util_from_the_operator_replaces_busy_ratio():
+    report = report_for("balanced", "pagedserve", gpu_util=0.30)
+    assert report.observations.utilisation_source == "--gpu-util"
+    assert [f.rule for f in report.findings] == ["low_utilisation"]
+    # vLLM has no utilisation metric: unknown, judged on KV + queues, and said so.
+    report = report_for("low_utilisation", "vllm")
+    assert report.observations.utilisation is None
+    assert any("utilisation unknown" in n for n in report.notes)
+
+
+def test_gauges_are_judged_over_all_samples():
+    a, b = load_pair("balanced", "pagedserve")
+    t = Thresholds()
+
+    def with_kv(values):
+        samples = []
+        for v in values:
+            s = parse_metrics((FIXTURES / "balanced.pagedserve.b.txt").read_text())
+            s.gauges["kv_cache_usage_perc"] = v
+            samples.append(s)
+        return advise(observe(samples[0], samples[-1], samples, 30.0, t), t)
+
+    assert with_kv([0.8, 1.0, 0.8, 0.8, 0.8]).verdict == "balanced"          # one spike is not "pinned"
+    pinned = with_kv([0.8, 1.0, 0.99, 1.0, 0.97])
+    assert [f.rule for f in pinned.findings] == ["kv_pinned"]
+    assert pinned.observations.kv_high_share == pytest.approx(0.8)
+
+
+def test_idle_server():
+    text = """# TYPE pagedserve:num_requests_running gauge
+pagedserve:num_requests_running{model_name="m"} 0
+# TYPE pagedserve:num_requests_waiting gauge
+pagedserve:num_requests_waiting{model_name="m"} 0
+# TYPE pagedserve:kv_cache_usage_perc gauge
+pagedserve:kv_cache_usage_perc{model_name="m"} 0
+# TYPE pagedserve:engine_busy_ratio gauge
+pagedserve:engine_busy_ratio{model_name="m"} 0
+# TYPE pagedserve:generation_tokens_total counter
+pagedserve:generation_tokens_total{model_name="m"} 50
+"""
+    t = Thresholds()
+    a, b = parse_metrics(text), parse_metrics(text)
+    report = advise(observe(a, b, [a, b], 30.0, t), t)
+    assert report.verdict == "idle" and report.findings == []
+
+
+# -- CLI ---------------------------------------------------------------------------------------------
+
+def test_cli_from_files_json(capsys):
+    a, b = FIXTURES / "preemptions.vllm_v0.a.txt", FIXTURES / "preemptions.vllm_v0.b.txt"
+    rc = advise_cli.main(["advise", "--from-files", str(a), str(b), "--interval", "1m", "--json",
+                          "--slo", "ttft_p99:1500", "itl_p99:120"])
+    assert rc == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["verdict"] == "needs_tuning"
+    assert out["observations"]["naming"] == "vllm (older V0 names)"
+    assert out["observations"]["interval_s"] == 60.0
+    assert out["observations"]["preemptions_per_min"] == pytest.approx(12.0)
+    assert out["observations"]["gauges_sampled"] is False
+    assert out["thresholds"]["ttft_p99_ms"] == 1500 and out["thresholds"]["itl_p99_ms"] == 120
+    finding = out["findings"][0]
+    assert (finding["rule"], finding["knob"], finding["direction"]) == ("preemptions", "max_num_seqs", "lower")
+    assert finding["numbers"]["preemptions"] == 12
+    assert finding["thresholds"] == {"preemptions_per_min": 0.0}
+    assert any("two snapshots" in n for n in out["notes"])
+
+
+def test_cli_text_output(capsys):
+    a, b = FIXTURES / "long_prompt_itl.vllm.a.txt", FIXTURES / "long_prompt_itl.vllm.b.txt"
+    assert advise_cli.main(["advise", "--from-files", str(a), str(b)]) == 0
+    out = capsys.readouterr().out
+    assert "[long_prompt_itl]" in out and "knob first: enable_chunked_prefill (enable)" in out
+    assert "thresholds: itl_p99_ms=100, long_prompt_tokens=1024" in out
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--slo", "p50:100"], "--slo takes NAME:MS"),
+    (["--kv-low", "0.99"], "--kv-low"),
+    (["--gpu-util", "150"], "--gpu-util"),
+])
+def test_cli_bad_options(argv, message, capsys):
+    a, b = FIXTURES / "balanced.vllm.a.txt", FIXTURES / "balanced.vllm.b.txt"
+    assert advise_cli.main(["advise", "--from-files", str(a), str(b)] + argv) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_cli_missing_file_and_dead_server(capsys, tmp_path):
+    assert advise_cli.main(["advise", "--from-files", str(tmp_path / "x.txt"), str(tmp_path / "y.txt")]) == 2
+    assert "cannot read" in capsys.readouterr().err
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    assert advise_cli.main(["advise", "--metrics-url", f"127.0.0.1:{port}", "--interval", "1s",
+                            "--timeout", "2s"]) == 2
+    assert "could not scrape http://127.0.0.1:" in capsys.readouterr().err
+
+
+def test_metrics_url_and_durations():
+    assert advise_cli.metrics_url("127.0.0.1:8000") == "http://127.0.0.1:8000/metrics"
+    assert advise_cli.metrics_url("http://h:1/custom") == "http://h:1/custom"
+    assert advise_cli.parse_duration("30s") == 30 and advise_cli.parse_duration("1m") == 60
+    assert advise_cli.parse_duration("500ms") == pytest.approx(0.5) and advise_cli.parse_duration("2") == 2
+
+
+def test_live_scrape_over_an_interval(capsys):
+    before = (FIXTURES / "preemptions.pagedserve.a.txt").read_bytes()
+    after = (FIXTURES / "preemptions.pagedserve.b.txt").read_bytes()
+    hits = []
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802 (http.server's name)
+            hits.append(self.path)
+            body = before if len(hits) == 1 else after
+            self.send_response(200)
+            self.send_header("Content-Type", "text/plain; version=0.0.4")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        rc = advise_cli.main(["advise", "--metrics-url", f"http://127.0.0.1:{server.server_port}/metrics",
+                              "--interval", "1s", "--sample-every", "0.25s", "--json"])
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert rc == 0
+    out = json.loads(capsys.readouterr().out)
+    assert len(hits) >= 3 and set(hits) == {"/metrics"}
+    assert out["observations"]["gauges_sampled"] is True
+    assert out["observations"]["num_gauge_samples"] == len(hits)
+    assert out["observations"]["naming"] == "pagedserve"
+    assert out["findings"][0]["rule"] == "preemptions"
+    assert not any("two snapshots" in n for n in out["notes"])
+
+
+def test_format_report_mentions_every_finding():
+    report = report_for("itl_overload", "pagedserve")
+    text = format_report(report, "x")
+    assert "verdict: needs_tuning" in text and "[itl_overload]" in text and "watch after:" in text
