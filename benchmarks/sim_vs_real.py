@@ -50,12 +50,12 @@ BASE_ENGINE = dict(max_num_seqs=16, max_num_batched_tokens=256, max_model_len=10
 
 
 def cases(vocab: int) -> tuple[Case, list[Case]]:
-    # Calibration: a light phase (batches of 1-4: small GEMMs have their own speed on a
-    # CPU) then a bursty heavy one (full batches, chunked prompts), different seeds and
-    # length mixes from every test case below.
-    calib = Case("calibration", "random", 24, 1.0, dict(input_len=256, output_len=40, range_ratio=0.9), seed=11,
+    # Calibration: a light phase (batches of 1-6: small GEMMs have their own speed on a
+    # CPU) then a bursty heavy one (full batches, prompts of 40-760 tokens so chunks run
+    # over the context range the tests use), other seeds and length mixes than the tests.
+    calib = Case("calibration", "random", 40, 2.0, dict(input_len=256, output_len=40, range_ratio=0.9), seed=11,
                  then=Case("calibration, heavy phase", "random", 48, 6.0,
-                           dict(input_len=256, output_len=40, range_ratio=0.9), burstiness=0.5, seed=12))
+                           dict(input_len=400, output_len=40, range_ratio=0.9), burstiness=0.5, seed=12))
     tests = [
         Case("chat, 2 req/s", "random", 48, 2.0, dict(input_len=128, output_len=48, range_ratio=0.5), seed=1),
         Case("long-context mix, 3 req/s", "long-context", 48, 3.0,

@@ -148,13 +148,13 @@ def llamacpp_peer(ckpt: Path, port: int, args) -> Peer:
 LLAMACPP_SRC = Path(os.environ.get("LLAMACPP_SRC", "/tmp/llama-cpp-src"))
 
 # llama.cpp's converter refuses a BPE tokenizer whose pre-tokenizer hash it does not know; ours is
-# a plain byte-level BPE with GPT-2's split regex, so we tell it "gpt2" instead of editing its code.
+# a plain byte-level BPE with GPT-2's split regex, so we tell it "gpt-2" instead of editing its code.
 _CONVERT_SHIM = """
 import runpy, sys
 src = sys.argv.pop(1)
 sys.path.insert(0, src); sys.path.insert(1, src + "/gguf-py")
 import conversion.base as base
-base.TextModel.get_vocab_base_pre = lambda self, tokenizer: "gpt2"
+base.TextModel.get_vocab_base_pre = lambda self, tokenizer: "gpt-2"
 sys.argv[0] = src + "/convert_hf_to_gguf.py"
 runpy.run_path(sys.argv[0], run_name="__main__")
 """

@@ -329,8 +329,8 @@ def _nnls(a, b, iters: int = 50):
 
 
 def fit(records: Iterable[dict], model: ModelCost, base: CostParams, *, block_size: int = 16,
-        iterations: int = 20, trim: float = 3.0, max_factor_tokens: int = 64,
-        min_factor_steps: int = 5) -> tuple[CostParams, dict]:
+        iterations: int = 20, trim: float = 3.0, max_factor_tokens: int = 8,
+        min_factor_steps: int = 20) -> tuple[CostParams, dict]:
     """Fit MFU/MBU of both parts and the CPU overheads to logged step durations.
 
     The model ``t = c0 + c1*R + c2*P + max(aF_lin, bB_lin) + max(cF_attn, dB_attn)`` (R
@@ -339,7 +339,7 @@ def fit(records: Iterable[dict], model: ModelCost, base: CostParams, *, block_si
     its unknowns once each step's active roofline branches are known, so the fit
     alternates: pick branches with the current constants, solve a non-negative least
     squares on the relative error (fast steps count as much as slow ones: they make the
-    ITL), repeat. Steps whose residual exceeds `trim` x the median absolute residual
+    ITL; steps with and without a prompt chunk weigh the same in total), repeat. Steps whose residual exceeds `trim` x the median absolute residual
     (another process took the CPU) are dropped once and the fit is redone. Finally, for
     each small token count with at least `min_factor_steps` steps, the median ratio of
     measured to modelled time becomes a `token_count_factors` entry.
@@ -348,7 +348,7 @@ def fit(records: Iterable[dict], model: ModelCost, base: CostParams, *, block_si
     """
     import numpy as np
 
-    rows, y, counts = [], [], []
+    rows, y, counts, has_prefill = [], [], [], []
     for r in records:
         if not r.get("num_reqs"):
             continue
@@ -356,6 +356,7 @@ def fit(records: Iterable[dict], model: ModelCost, base: CostParams, *, block_si
         rows.append((1.0, f.num_reqs, f.linear_flops, f.linear_bytes, f.attn_flops, f.attn_bytes, f.num_prefills))
         y.append(float(r["duration"]))
         counts.append(f.num_tokens)
+        has_prefill.append(f.num_prefills > 0)
     if len(rows) < 8:
         raise ValueError(f"trace: need at least 8 non-empty steps to calibrate, got {len(rows)}")
     X = np.asarray(rows, dtype=float)
@@ -365,7 +366,13 @@ def fit(records: Iterable[dict], model: ModelCost, base: CostParams, *, block_si
     Xs = X / scale
     keep = np.ones(len(y), dtype=bool)
 
+    # Relative error, and the two kinds of step weigh the same in total however rare one
+    # is: steps with a prompt chunk make TTFT, decode-only steps make ITL.
     w = 1.0 / np.maximum(y, 1e-6)
+    prefill = np.asarray(has_prefill)
+    for cls in (prefill, ~prefill):
+        if cls.any():
+            w[cls] *= math.sqrt(len(y) / (2.0 * cls.sum()))
 
     def predict(coef):
         return (coef[0] * Xs[:, 0] + coef[1] * Xs[:, 1] + np.maximum(coef[2] * Xs[:, 2], coef[3] * Xs[:, 3])
