@@ -3,7 +3,6 @@ simulator rests on: it makes the very scheduling decisions the engine makes."""
 from __future__ import annotations
 
 import json
-import math
 import subprocess
 import sys
 

@@ -17,9 +17,15 @@ plus terms with no roofline:
 * **all-reduce** under TP: two per layer (after attention and after the MLP) of
   ``tokens x hidden x act_bytes``; a ring moves ``2 (tp-1)/tp`` of it over the GPU link,
   plus a fixed latency per all-reduce;
-* **CPU overhead**: a fixed cost per step plus a cost per scheduled request (input
-  preparation, sampling, detokenization);
+* **CPU overhead**: a fixed cost per step, a cost per scheduled request (input
+  preparation, sampling, detokenization) and one per prompt chunk (backends that launch
+  attention chunk by chunk);
 * **swap**: blocks moved to / from the host pool over the host link.
+
+How attention work is counted follows the backend (`CostParams.attention_layout`):
+"paged" for FlashAttention-style kernels (work follows each request's context), "padded"
+for pagedserve's torch reference backend on CPU (decodes padded to the longest decode
+context of the step; a chunk after a cached prefix computes its whole rectangle).
 
 Default efficiencies are stated in `GPU_EFFICIENCY` with their sources. `fit` (the
 `calibrate` command) instead fits every constant by least squares to step timings the
@@ -34,7 +40,7 @@ from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Iterable, Sequence
 
-from pagedserve.plan.kv_budget import ModelShape, dtype_bytes, kv_bytes_per_token, kv_heads_per_rank
+from pagedserve.plan.kv_budget import ModelShape, dtype_bytes, kv_bytes_per_token
 from pagedserve.plan.models import param_breakdown
 
 # ---------------------------------------------------------------------------------------
@@ -354,7 +360,9 @@ def fit(records: Iterable[dict], model: ModelCost, base: CostParams, *, block_si
             continue
         f = step_features(model, r["new_tokens"], r["context_lens"], 0, block_size, base.attention_layout)
         rows.append((1.0, f.num_reqs, f.linear_flops, f.linear_bytes, f.attn_flops, f.attn_bytes, f.num_prefills))
-        y.append(float(r["duration"]))
+        # A whole-step time (schedule to outputs), when the trace has one, is what a step
+        # costs the server; `duration` is the executor's share only.
+        y.append(float(r.get("step_time", r["duration"])))
         counts.append(f.num_tokens)
         has_prefill.append(f.num_prefills > 0)
     if len(rows) < 8:

@@ -12,8 +12,9 @@ One iteration:
     out = scheduler.schedule(); result = executor.execute(out)
     now += result.duration;  scheduler.update_from_output(out, result.sampled)
     record token times, finishes, and the step's running/waiting/swapped/KV usage
-When nothing is in flight, the clock jumps to the next arrival. Per-step work is
-O(batch), so 10,000 requests of a 70B deployment take seconds.
+When nothing is in flight, the clock jumps to the next arrival. The simulator's own
+per-step work is O(batch); 10,000 long-context requests of Llama-3.1-70B on 4 x H100
+(228,708 steps) simulate in ~25 s on this 2-core machine.
 
 Torch-free: `python -c "import pagedserve.sim.simulator, sys; assert 'torch' not in sys.modules"`.
 """
