@@ -18,6 +18,16 @@ DEFAULT_CPU_KV_CACHE_MEMORY = 4 * 2**30  # vLLM's CPU backend reserves 4 GiB unl
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
 
 
+def resolve_dtype(requested: str, checkpoint_dtype: str, device: str) -> str:
+    """The dtype the engine computes in. 'auto' takes the checkpoint's dtype, except that on
+    CPU half types compute in float32 (AVX2 machines have no fast bf16/fp16 arithmetic)."""
+    if requested != "auto":
+        return requested
+    if device == "cpu" or checkpoint_dtype not in ("float32", "bfloat16", "float16"):
+        return "float32"
+    return checkpoint_dtype
+
+
 def _check(cond: bool, knob: str, message: str) -> None:
     if not cond:
         raise ValueError(f"{knob}: {message}")

@@ -79,7 +79,8 @@ class _Group:
 
 class Engine:
     def __init__(self, config: EngineConfig, executor=None, tokenizer=None) -> None:
-        from pagedserve.model.loader import read_model_config, resolve_dtype
+        from pagedserve.config import resolve_dtype
+        from pagedserve.model.loader import read_model_config
 
         if config.model is None:
             config.model = default_model_dir()
@@ -235,6 +236,7 @@ class Engine:
 
     # -- the step ------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        step_start = time.perf_counter()
         sched_out = self.scheduler.schedule()
         result = self.executor.execute(sched_out)
         updated, finished = self.scheduler.update_from_output(sched_out, result.sampled)
@@ -246,8 +248,6 @@ class Engine:
             c = self.preemption_costs
             c.prefill_seconds_per_token = 0.8 * c.prefill_seconds_per_token + 0.2 * per_token
         self.num_steps += 1
-        if self._trace is not None:
-            self._write_trace(sched_out, result)
 
         touched: dict[str, _Group] = {}
         for req in updated:
@@ -274,6 +274,8 @@ class Engine:
                 self.groups.pop(group.request_id, None)
                 for s in group.samples:
                     self._sample_to_group.pop(s.request.request_id, None)
+        if self._trace is not None:
+            self._write_trace(sched_out, result, time.perf_counter() - step_start)
         return outputs
 
     def _make_output(self, group: _Group) -> RequestOutput:
@@ -292,14 +294,15 @@ class Engine:
                                           req.num_preemptions, req.num_cached_tokens))
         return RequestOutput(group.request_id, group.prompt, group.prompt_token_ids, comps, group.finished, metrics)
 
-    def _write_trace(self, out: SchedulerOutput, result) -> None:
+    def _write_trace(self, out: SchedulerOutput, result, step_time: float) -> None:
         record = {
             "num_tokens": out.num_batched_tokens,
             "num_reqs": len(out.scheduled),
             "num_decodes": sum(1 for r in out.scheduled if r.num_new_tokens == 1),
             "context_lens": [r.context_len for r in out.scheduled],
             "new_tokens": [r.num_new_tokens for r in out.scheduled],
-            "duration": result.duration,
+            "duration": result.duration,    # execute() only
+            "step_time": step_time,         # the whole step: schedule, execute, update, detokenize
         }
         self._trace.write(json.dumps(record) + "\n")
         self._trace.flush()

@@ -25,6 +25,7 @@ class KVCacheManager:
         self.block_size = block_size
         self.block_tables: dict[str, list[KVBlock]] = {}
         self._block_hashes: dict[str, list[int]] = {}  # hashes of a request's full blocks, in order
+        self._num_published: dict[str, int] = {}       # leading blocks already offered to the cache
         self.prefix_queries = 0  # tokens looked up in the prefix cache
         self.prefix_hits = 0     # of which found
 
@@ -79,13 +80,18 @@ class KVCacheManager:
         """Publish the request's newly computed full blocks to the prefix cache."""
         if not self.pool.enable_caching:
             return
-        table = self.block_tables.get(request.request_id)
+        rid = request.request_id
+        table = self.block_tables.get(rid)
         if not table:
             return
         num_full = min(request.num_computed_tokens // self.block_size, len(table))
+        done = self._num_published.get(rid, 0)
+        if num_full <= done:
+            return  # only blocks that became full since the last call are new
         hashes = self._hashes_for(request, num_full)
-        for block, h in zip(table[:num_full], hashes[:num_full]):
-            self.pool.cache(block, h)
+        for i in range(done, num_full):
+            self.pool.cache(table[i], hashes[i])
+        self._num_published[rid] = num_full
 
     # -- allocation -------------------------------------------------------------------
     def allocate_slots(self, request: Request, num_new_tokens: int,
@@ -119,10 +125,12 @@ class KVCacheManager:
         them, a prefix's tail is evicted before its head (the head is likelier shared)."""
         table = self.block_tables.pop(request.request_id, None)
         self._block_hashes.pop(request.request_id, None)
+        self._num_published.pop(request.request_id, None)
         if table:
             self.pool.free(list(reversed(table)))
 
     def take_blocks(self, request: Request) -> list[KVBlock]:
         """Remove the request's table without freeing it (the caller frees, e.g. after a swap copy)."""
         self._block_hashes.pop(request.request_id, None)
+        self._num_published.pop(request.request_id, None)
         return self.block_tables.pop(request.request_id, [])

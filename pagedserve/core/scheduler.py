@@ -110,6 +110,17 @@ class SchedulerOutput:
         return not self.scheduled and not self.blocks_to_swap_out and not self.blocks_to_swap_in
 
 
+@dataclass
+class StepResult:
+    """What an executor returns for one SchedulerOutput: the real model runner and the
+    simulator's cost-model executor both fill this."""
+
+    sampled: dict[str, int] = field(default_factory=dict)   # request id -> token, for requests that sampled
+    logprobs: dict = field(default_factory=dict)             # request id -> TokenLogprobs
+    duration: float = 0.0          # seconds spent in execute()
+    forward_time: float = 0.0      # of which in the model forward + sampling
+
+
 class Scheduler:
     def __init__(self, config: SchedulerConfig, kv: KVCacheManager,
                  clock: Callable[[], float] = time.monotonic, host_pool: BlockPool | None = None,

@@ -79,16 +79,6 @@ def read_model_config(path: str | Path) -> ModelConfig:
     )
 
 
-def resolve_dtype(requested: str, checkpoint_dtype: str, device: str) -> str:
-    """'auto' takes the checkpoint's dtype, except that on CPU half types compute in
-    float32 (AVX2 machines have no fast bf16/fp16 arithmetic)."""
-    if requested != "auto":
-        return requested
-    if device == "cpu" or checkpoint_dtype not in TORCH_DTYPES:
-        return "float32"
-    return checkpoint_dtype
-
-
 def iter_checkpoint_tensors(path: Path):
     index = path / "model.safetensors.index.json"
     if index.is_file():

@@ -174,7 +174,7 @@ def run_calibrate(args) -> int:
     from pagedserve.plan.models import load_model
     from pagedserve.sim.cost_model import (CPU_NOMINAL_BANDWIDTH, CPU_NOMINAL_FLOPS, CostModel, CostParams,
                                            ModelCost, fit, read_trace)
-    from pagedserve.sim.simulator import cpu_dtype
+    from pagedserve.config import resolve_dtype
 
     info = load_model(args.model)
     if args.gpu:
@@ -186,7 +186,7 @@ def run_calibrate(args) -> int:
     else:
         base = CostParams(peak_flops=CPU_NOMINAL_FLOPS, mem_bandwidth=CPU_NOMINAL_BANDWIDTH,
                           attention_layout=args.attention_layout or "padded")
-        dtype = cpu_dtype(args.dtype, info.checkpoint_dtype)
+        dtype = resolve_dtype(args.dtype, info.checkpoint_dtype, "cpu")
     mcost = ModelCost.from_shape(info.shape, dtype, None, args.tp)
     records = read_trace(args.trace)
     params, report = fit(records, mcost, base, block_size=args.block_size)

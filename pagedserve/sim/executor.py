@@ -8,18 +8,8 @@ and the step's duration comes from the cost model. No tensors, no torch.
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass, field
 
-
-@dataclass
-class StepResult:
-    """Field-for-field the same as worker.model_runner.StepResult, which lives in a module
-    that imports torch; the simulator must not."""
-
-    sampled: dict[str, int] = field(default_factory=dict)
-    logprobs: dict = field(default_factory=dict)
-    duration: float = 0.0
-    forward_time: float = 0.0
+from pagedserve.core.scheduler import StepResult
 
 
 class SimExecutor:

@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Callable, Sequence
 
 from pagedserve.bench.workloads import WorkloadRequest
-from pagedserve.config import EngineConfig
+from pagedserve.config import EngineConfig, resolve_dtype
 from pagedserve.core.scheduler import Scheduler
 from pagedserve.plan.kv_budget import blocks_per_request
 from pagedserve.request import Request
@@ -94,12 +94,6 @@ def build_scheduler(deployment: Deployment, clock) -> Scheduler:
     return Scheduler.from_config(config, deployment.num_blocks, clock=clock, num_host_blocks=num_host, costs=costs)
 
 
-def cpu_dtype(requested: str, checkpoint_dtype: str) -> str:
-    """The dtype the engine computes in on CPU: model.loader.resolve_dtype's rule ('auto'
-    takes float32 on CPU), restated here because that module imports torch."""
-    return "float32" if requested == "auto" else requested
-
-
 def build_deployment(config: EngineConfig, model: str, *, gpu: str | None = None, tp: int = 1,
                      cost_params: CostParams | str | Path | None = None) -> Deployment:
     """Resolve knobs and size the pool exactly as `serve` (on CPU) or `plan` (on a GPU) would.
@@ -144,7 +138,7 @@ def build_deployment(config: EngineConfig, model: str, *, gpu: str | None = None
             raise ValueError("tensor_parallel_size: the CPU engine runs one rank; use --gpu for TP")
         config.device = "cpu"
         config.resolve(shape.max_position_embeddings or 8192)
-        dtype = cpu_dtype(config.dtype, info.checkpoint_dtype)
+        dtype = resolve_dtype(config.dtype, info.checkpoint_dtype, "cpu")
         pool = size_pool(config, shape, dtype)
         num_blocks = pool.num_blocks
         bytes_per_block = pool.bytes_per_block

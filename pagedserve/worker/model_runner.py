@@ -7,25 +7,16 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
 from pagedserve.attention.torch_backend import build_metadata
-from pagedserve.core.scheduler import SchedulerOutput
+from pagedserve.core.scheduler import SchedulerOutput, StepResult
 from pagedserve.model.loader import TORCH_DTYPES, ModelConfig, load_model
-from pagedserve.worker.sampler import Sampler, TokenLogprobs
+from pagedserve.worker.sampler import Sampler
 
 logger = logging.getLogger("pagedserve.worker")
-
-
-@dataclass
-class StepResult:
-    sampled: dict[str, int] = field(default_factory=dict)
-    logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)
-    duration: float = 0.0          # seconds spent in this step's execute
-    forward_time: float = 0.0      # of which in the model forward + sampling
 
 
 def allocate_zeroed(shape: tuple, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
