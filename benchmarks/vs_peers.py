@@ -129,7 +129,9 @@ def llamacpp_peer(ckpt: Path, port: int, args) -> Peer:
     gguf = LOG_DIR / f"{ckpt.name}-f32.gguf"
     cmd = [str(python), "-m", "llama_cpp.server", "--model", str(gguf), "--model_alias", "model",
            "--host", "127.0.0.1", "--port", str(port), "--n_ctx", str(args.max_model_len),
-           "--n_threads", str(args.threads), "--n_threads_batch", str(args.threads)]
+           "--n_threads", str(args.threads), "--n_threads_batch", str(args.threads),
+           # By default a new request interrupts the stream in flight; queue them instead.
+           "--interrupt_requests", "False"]
     # llama-cpp-python's server ignores ignore_eos; keep EOS from ever being sampled instead.
     cfg = json.loads((ckpt / "config.json").read_text())
     # Its /v1/completions takes text prompts only (no token-id lists) and sends no usage in streams.

@@ -80,9 +80,17 @@ def test_chat_stream_reads_deltas():
     chunks = [delta({"role": "assistant", "content": ""}), delta({"content": "Hi"}), delta({"content": "!"}),
               delta({}, "stop"), "data: [DONE]\n"]
     r = consume(chunks, [10.1, 10.2, 10.3, 10.4, 10.4, 10.5], endpoint="chat")
-    # The role-only chunk carries no token; the closing chunk (finish_reason) counts as vLLM counts it.
-    assert r.success and r.generated_text == "Hi!" and r.output_tokens == 3
-    assert r.ttft == pytest.approx(0.2) and r.itl == pytest.approx([0.1, 0.1])
+    # Neither the role-only chunk nor the empty closing chunk carries a token.
+    assert r.success and r.generated_text == "Hi!" and r.output_tokens == 2
+    assert r.ttft == pytest.approx(0.2) and r.itl == pytest.approx([0.1])
+    assert r.e2el == pytest.approx(0.5)
+
+
+def test_empty_closing_chunk_is_not_a_token():
+    # llama.cpp's shape: one chunk per token, then an empty chunk with the finish_reason, no usage.
+    chunks = [completion_chunk("a"), completion_chunk("b"), completion_chunk("", "length"), "data: [DONE]\n"]
+    r = consume(chunks, [10.5, 10.6, 10.7, 10.7, 10.8])
+    assert r.success and r.output_tokens == 2 and r.itl == pytest.approx([0.1]) and r.e2el == pytest.approx(0.8)
 
 
 def test_stream_error_payload_fails_the_request():

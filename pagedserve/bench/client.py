@@ -130,19 +130,23 @@ async def sse_payloads(lines: AsyncIterator[bytes]) -> AsyncIterator[str]:
 def _chunk_event(payload: dict, endpoint: str) -> tuple[bool, str]:
     """(is this chunk a token arrival, the text it carries).
 
-    As vLLM's own benchmark counts: every chunk that carries a choice is an arrival, even with
-    empty text (a random-weight model's tokens often decode to nothing, and vLLM still streams one
-    chunk per token). The one exception is chat's leading role-only chunk, which carries no token."""
+    As vLLM's own benchmark counts, a chunk that carries a choice is an arrival even with empty
+    text (a random-weight model's tokens often decode to nothing, and vLLM still streams one
+    chunk per token). Not arrivals: chat's leading role-only chunk, and a closing chunk with no
+    text and a finish_reason (llama.cpp sends one after the last token; it carries no token)."""
     choices = payload.get("choices") or []
     if not choices:
         return False, ""
     choice = choices[0]
     if endpoint == "completions":
-        return True, choice.get("text") or ""
-    delta = choice.get("delta") or {}
-    text = (delta.get("content") or "") + (delta.get("reasoning_content") or "")
-    role_only = "role" in delta and not text and choice.get("finish_reason") is None
-    return not role_only, text
+        text = choice.get("text") or ""
+        role_only = False
+    else:
+        delta = choice.get("delta") or {}
+        text = (delta.get("content") or "") + (delta.get("reasoning_content") or "")
+        role_only = "role" in delta
+    finish_only = choice.get("finish_reason") is not None
+    return bool(text) or not (role_only or finish_only), text
 
 
 async def consume_stream(lines: AsyncIterator[bytes], result: RequestResult, endpoint: str, start_clock: float,

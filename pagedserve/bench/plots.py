@@ -68,9 +68,9 @@ def plot_timeline(results: list[RequestResult], timeline: dict[str, list[float]]
         for name, label in (("num_requests_running", "server: running"), ("num_requests_waiting", "server: waiting"),
                             ("num_requests_swapped", "server: swapped")):
             if name in timeline:
-                axes[1].plot(t, timeline[name], label=label)
+                axes[1].plot(t, timeline[name], marker=".", label=label)
         if "kv_cache_usage_perc" in timeline:
-            axes[2].plot(t, [100 * v for v in timeline["kv_cache_usage_perc"]])
+            axes[2].plot(t, [100 * v for v in timeline["kv_cache_usage_perc"]], marker=".")
         axes[2].set_ylabel("KV usage %")
         axes[2].set_ylim(0, 105)
         if "num_preemptions_total" in timeline:
