@@ -1,6 +1,7 @@
 """Small helpers shared across packages."""
 from __future__ import annotations
 
+import math
 import re
 
 _UNITS = {
@@ -22,3 +23,18 @@ def parse_bytes(value: int | float | str) -> int:
     if not m or m.group(2).lower() not in _UNITS:
         raise ValueError(f"not a byte size: {value!r} (use e.g. 123, '512MiB', '4GiB', '30GB')")
     return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+def json_safe(value):
+    """NaN and infinities as null / "inf", so result files are strict JSON."""
+    if isinstance(value, float):
+        if math.isnan(value):
+            return None
+        if math.isinf(value):
+            return "inf" if value > 0 else "-inf"
+        return value
+    if isinstance(value, dict):
+        return {str(k): json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [json_safe(v) for v in value]
+    return value

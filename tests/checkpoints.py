@@ -24,6 +24,11 @@ def make_tokenizer(path: Path, vocab_size: int = 384):
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<s>", "</s>"],
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
     tok.train_from_iterator(CORPUS * 4, trainer=trainer)
+    # The tiny corpus learns fewer tokens than the model's vocabulary: name the rest, so
+    # every id the model can emit decodes to visible text (streams then carry every token).
+    learned = tok.get_vocab_size()
+    if learned < vocab_size:
+        tok.add_tokens([f"<w{i}>" for i in range(learned, vocab_size)])
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>")
     fast.chat_template = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
                           "{% if add_generation_prompt %}assistant:{% endif %}")

@@ -16,7 +16,8 @@ import math
 import sys
 from pathlib import Path
 
-from pagedserve.bench.workloads import DATASETS
+from pagedserve.bench.workloads import add_dataset_args, dataset_kwargs
+from pagedserve.utils import json_safe
 
 logger = logging.getLogger("pagedserve.bench")
 
@@ -38,21 +39,7 @@ def register(sub) -> None:
     t.add_argument("--temperature", type=float, default=0.0)
     t.add_argument("--request-timeout", type=float, default=6 * 3600, help="seconds per request")
 
-    d = p.add_argument_group("dataset")
-    d.add_argument("--dataset", "--dataset-name", dest="dataset", choices=DATASETS, default="random")
-    d.add_argument("--dataset-path", default=None, help="ShareGPT JSON file (for --dataset sharegpt)")
-    d.add_argument("--num-prompts", type=int, default=100)
-    d.add_argument("--random-input-len", type=int, default=1024)
-    d.add_argument("--random-output-len", type=int, default=128,
-                   help="output length for random, long-context and prefix-repetition (ignore_eos is set)")
-    d.add_argument("--random-range-ratio", type=float, default=None,
-                   help="lengths uniform in [len*(1-r), len*(1+r)] (random: default 0; long-context: 0.25)")
-    d.add_argument("--long-input-len", type=int, default=16384, help="long-context: the long prompts")
-    d.add_argument("--short-input-len", type=int, default=256, help="long-context: the short prompts")
-    d.add_argument("--long-fraction", type=float, default=0.05, help="long-context: share of long prompts")
-    d.add_argument("--prefix-len", type=int, default=512, help="prefix-repetition: shared prefix tokens")
-    d.add_argument("--suffix-len", type=int, default=128, help="prefix-repetition: unique suffix tokens")
-    d.add_argument("--num-prefixes", type=int, default=4, help="prefix-repetition: distinct prefixes")
+    add_dataset_args(p)
 
     lo = p.add_argument_group("load")
     lo.add_argument("--request-rate", default="inf",
@@ -106,23 +93,6 @@ def resolve_vocab_size(args, tokenizer, model_info: dict) -> int:
     return 32000
 
 
-def dataset_kwargs(args, vocab_size: int) -> dict:
-    ratio = args.random_range_ratio
-    if args.dataset == "random":
-        return dict(input_len=args.random_input_len, output_len=args.random_output_len,
-                    range_ratio=0.0 if ratio is None else ratio, vocab_size=vocab_size)
-    if args.dataset == "long-context":
-        kw = dict(long_fraction=args.long_fraction, long_input_len=args.long_input_len,
-                  short_input_len=args.short_input_len, output_len=args.random_output_len, vocab_size=vocab_size)
-        if ratio is not None:
-            kw["range_ratio"] = ratio
-        return kw
-    if args.dataset == "prefix-repetition":
-        return dict(prefix_len=args.prefix_len, suffix_len=args.suffix_len, num_prefixes=args.num_prefixes,
-                    output_len=args.random_output_len, vocab_size=vocab_size)
-    return {}
-
-
 def _validate(args) -> None:
     if args.num_prompts < 1:
         raise ValueError(f"num_prompts: must be >= 1, got {args.num_prompts}")
@@ -132,21 +102,6 @@ def _validate(args) -> None:
         raise ValueError(f"metrics_interval: must be > 0, got {args.metrics_interval}")
     if args.dataset == "sharegpt" and not args.dataset_path:
         raise ValueError("dataset_path: the sharegpt dataset needs --dataset-path FILE.json")
-
-
-def json_safe(value):
-    """NaN and infinities as null / "inf", so the result file is strict JSON."""
-    if isinstance(value, float):
-        if math.isnan(value):
-            return None
-        if math.isinf(value):
-            return "inf" if value > 0 else "-inf"
-        return value
-    if isinstance(value, dict):
-        return {str(k): json_safe(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [json_safe(v) for v in value]
-    return value
 
 
 def run(args) -> int:

@@ -147,3 +147,41 @@ def make_workload(dataset: str, num_prompts: int, *, request_rate: float = math.
     for req, t in zip(reqs, arrival_times(len(reqs), request_rate, burstiness, seed + 1)):
         req.arrival_time = t
     return reqs
+
+
+def add_dataset_args(parser, default_num_prompts: int = 100):
+    """The dataset flags `bench`, `simulate` and `tune` share (vLLM bench's names)."""
+    d = parser.add_argument_group("dataset")
+    d.add_argument("--dataset", "--dataset-name", "--workload", dest="dataset", choices=DATASETS, default="random")
+    d.add_argument("--dataset-path", default=None, help="ShareGPT JSON file (for --dataset sharegpt)")
+    d.add_argument("--num-prompts", type=int, default=default_num_prompts)
+    d.add_argument("--random-input-len", type=int, default=1024)
+    d.add_argument("--random-output-len", type=int, default=128,
+                   help="output length for random, long-context and prefix-repetition (ignore_eos is set)")
+    d.add_argument("--random-range-ratio", type=float, default=None,
+                   help="lengths uniform in [len*(1-r), len*(1+r)] (random: default 0; long-context: 0.25)")
+    d.add_argument("--long-input-len", type=int, default=16384, help="long-context: the long prompts")
+    d.add_argument("--short-input-len", type=int, default=256, help="long-context: the short prompts")
+    d.add_argument("--long-fraction", type=float, default=0.05, help="long-context: share of long prompts")
+    d.add_argument("--prefix-len", type=int, default=512, help="prefix-repetition: shared prefix tokens")
+    d.add_argument("--suffix-len", type=int, default=128, help="prefix-repetition: unique suffix tokens")
+    d.add_argument("--num-prefixes", type=int, default=4, help="prefix-repetition: distinct prefixes")
+    return d
+
+
+def dataset_kwargs(args, vocab_size: int) -> dict:
+    """make_workload's dataset options from add_dataset_args' flags."""
+    ratio = args.random_range_ratio
+    if args.dataset == "random":
+        return dict(input_len=args.random_input_len, output_len=args.random_output_len,
+                    range_ratio=0.0 if ratio is None else ratio, vocab_size=vocab_size)
+    if args.dataset == "long-context":
+        kw = dict(long_fraction=args.long_fraction, long_input_len=args.long_input_len,
+                  short_input_len=args.short_input_len, output_len=args.random_output_len, vocab_size=vocab_size)
+        if ratio is not None:
+            kw["range_ratio"] = ratio
+        return kw
+    if args.dataset == "prefix-repetition":
+        return dict(prefix_len=args.prefix_len, suffix_len=args.suffix_len, num_prefixes=args.num_prefixes,
+                    output_len=args.random_output_len, vocab_size=vocab_size)
+    return {}

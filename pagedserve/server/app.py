@@ -323,8 +323,8 @@ class OpenAIServer:
                     key = (i, comp.index)
                     text_from, tok_from = sent_text.get(key, 0), sent_tokens.get(key, 0)
                     delta = comp.text[text_from:]
-                    if not delta and comp.finish_reason is None:
-                        continue
+                    if len(comp.token_ids) == tok_from and comp.finish_reason is None:
+                        continue  # nothing new; a new token is streamed even if its text is empty (as vLLM)
                     new_lps = comp.logprobs[tok_from:] if comp.logprobs is not None else None
                     choices.append({
                         "index": i * params.n + comp.index, "text": delta,
@@ -401,11 +401,12 @@ class OpenAIServer:
                 for comp in out.outputs:
                     j = comp.index
                     delta = comp.text[sent_text[j]:]
-                    if not delta and comp.finish_reason is None:
-                        continue
+                    new_tokens = len(comp.token_ids) > sent_tokens[j]
+                    if not new_tokens and comp.finish_reason is None:
+                        continue  # nothing new; a new token is streamed even if its text is empty (as vLLM)
                     new_lps = comp.logprobs[sent_tokens[j]:] if comp.logprobs is not None else None
                     choices.append({
-                        "index": j, "delta": {"content": delta} if delta else {},
+                        "index": j, "delta": {"content": delta} if delta or new_tokens else {},
                         "logprobs": self.chat_logprobs(new_lps, top_n) if new_lps is not None else None,
                         "finish_reason": comp.finish_reason, "stop_reason": comp.stop_reason,
                     })

@@ -19,25 +19,14 @@ import math
 import sys
 from pathlib import Path
 
-from pagedserve.bench.workloads import DATASETS
+from pagedserve.bench.workloads import add_dataset_args, dataset_kwargs
+from pagedserve.utils import json_safe
 
 
 def _add_workload_args(p: argparse.ArgumentParser) -> None:
-    d = p.add_argument_group("workload (as pagedserve bench)")
-    d.add_argument("--workload", "--dataset", "--dataset-name", dest="dataset", choices=DATASETS, default="random")
-    d.add_argument("--dataset-path", default=None, help="ShareGPT JSON file (for --workload sharegpt)")
+    d = add_dataset_args(p, default_num_prompts=1000)
     d.add_argument("--workload-trace", default=None, metavar="FILE",
                    help="arrivals from a file instead: JSON lines / CSV with timestamp, prompt_len, output_len")
-    d.add_argument("--num-prompts", type=int, default=1000)
-    d.add_argument("--random-input-len", type=int, default=1024)
-    d.add_argument("--random-output-len", type=int, default=128, help="output length (every synthetic dataset)")
-    d.add_argument("--random-range-ratio", type=float, default=None)
-    d.add_argument("--long-input-len", type=int, default=16384, help="long-context: the long prompts")
-    d.add_argument("--short-input-len", type=int, default=256, help="long-context: the short prompts")
-    d.add_argument("--long-fraction", type=float, default=0.05, help="long-context: share of long prompts")
-    d.add_argument("--prefix-len", type=int, default=512, help="prefix-repetition: shared prefix tokens")
-    d.add_argument("--suffix-len", type=int, default=128, help="prefix-repetition: unique suffix tokens")
-    d.add_argument("--num-prefixes", type=int, default=4, help="prefix-repetition: distinct prefixes")
     lo = p.add_argument_group("load")
     lo.add_argument("--request-rate", type=float, default=math.inf, help="requests/s (Poisson; inf = all at t=0)")
     lo.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of inter-arrival gaps; 1 = Poisson")
@@ -89,35 +78,9 @@ def build_workload(args, vocab_size: int):
 
     if args.workload_trace:
         return load_trace_workload(args.workload_trace)
-    ratio = args.random_range_ratio
-    kw: dict = {}
-    if args.dataset == "random":
-        kw = dict(input_len=args.random_input_len, output_len=args.random_output_len,
-                  range_ratio=0.0 if ratio is None else ratio, vocab_size=vocab_size)
-    elif args.dataset == "long-context":
-        kw = dict(long_fraction=args.long_fraction, long_input_len=args.long_input_len,
-                  short_input_len=args.short_input_len, output_len=args.random_output_len, vocab_size=vocab_size)
-        if ratio is not None:
-            kw["range_ratio"] = ratio
-    elif args.dataset == "prefix-repetition":
-        kw = dict(prefix_len=args.prefix_len, suffix_len=args.suffix_len, num_prefixes=args.num_prefixes,
-                  output_len=args.random_output_len, vocab_size=vocab_size)
+    kw = dataset_kwargs(args, vocab_size)
     return make_workload(args.dataset, args.num_prompts, request_rate=args.request_rate, burstiness=args.burstiness,
                          seed=args.seed or 0, dataset_path=args.dataset_path, **kw)
-
-
-def _json_safe(value):
-    if isinstance(value, float):
-        if math.isnan(value):
-            return None
-        if math.isinf(value):
-            return "inf" if value > 0 else "-inf"
-        return value
-    if isinstance(value, dict):
-        return {str(k): _json_safe(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_json_safe(v) for v in value]
-    return value
 
 
 def run(args) -> int:
@@ -161,7 +124,7 @@ def run(args) -> int:
                  "failed": r.failed} for r in result.records]
         path = Path(args.result_json)
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(_json_safe(payload), indent=2))
+        path.write_text(json.dumps(json_safe(payload), indent=2))
         print(f"wrote {path}")
     if args.plot:
         from pagedserve.sim.plots import plot_run
