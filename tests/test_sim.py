@@ -13,7 +13,8 @@ from pagedserve.config import EngineConfig
 from pagedserve.plan.kv_budget import ModelShape
 from pagedserve.sim.cost_model import CostModel, CostParams, ModelCost, fit, step_features
 from pagedserve.sim.executor import SimExecutor
-from pagedserve.sim.report import RequestRecord, compute_metrics, parse_goodput
+from pagedserve.bench.report import parse_goodput
+from pagedserve.sim.report import RequestRecord, compute_metrics
 from pagedserve.sim.simulator import VirtualClock, build_deployment, load_trace_workload, simulate
 
 # A model small enough to count by hand: 2 layers, hidden 8, 2 query heads of 4, 1 KV head, MLP 16, vocab 10.
@@ -332,7 +333,13 @@ def test_cli_simulate_and_calibrate(tmp_path, capsys):
                "--num-prompts", "30", "--request-rate", "5", "--goodput", "ttft:200", "tpot:50",
                "--result-json", str(out), "--plot", str(tmp_path / "plots")])
     assert rc == 0
+    printed = capsys.readouterr().out
+    # The printed report is the bench's own, server-side section included, with the simulated numbers.
     data = json.loads(out.read_text())
+    for heading in ("Simulated Serving Result", "Peak concurrent requests:", "P99 ITL (ms):",
+                    "Inside the server (/metrics)", "Peak KV-cache usage (%):", "Request goodput (req/s) [ttft:200 tpot:50]"):
+        assert heading in printed
+    assert f"{data['completed']:>16}" in printed.split("Successful requests:")[1].splitlines()[0]
     for key in ("request_throughput", "output_throughput", "mean_ttft_ms", "p99_itl_ms", "request_goodput",
                 "timeline", "preemptions_per_request", "num_recomputed_tokens", "deployment"):
         assert key in data

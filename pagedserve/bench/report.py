@@ -50,6 +50,18 @@ def latency_stats(values_s: list[float]) -> dict[str, float]:
     return out
 
 
+def results_from_records(records) -> list[RequestResult]:
+    """The client's view of requests the simulator (or an in-process replay) timed, so one
+    report serves both: `pagedserve simulate` prints exactly what `pagedserve bench` prints."""
+    out = []
+    for i, r in enumerate(records):
+        out.append(RequestResult(
+            index=i, success=r.completed, error=r.error, prompt_len=r.prompt_len,
+            output_tokens=r.num_output_tokens, output_tokens_from_usage=True, num_chunks=r.num_output_tokens,
+            start=r.arrival, ttft=r.ttft or 0.0, itl=r.itls(), e2el=r.e2el or 0.0, scheduled=r.arrival))
+    return out
+
+
 def peak_concurrency(results: list[RequestResult]) -> int:
     """Most requests in flight at once, from their [start, end] intervals."""
     events = []

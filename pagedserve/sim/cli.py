@@ -85,7 +85,7 @@ def build_workload(args, vocab_size: int):
 
 def run(args) -> int:
     from pagedserve.engine_args import engine_config_from_args
-    from pagedserve.sim.report import format_report, parse_goodput
+    from pagedserve.bench.report import format_summary, parse_goodput, results_from_records, summarize
     from pagedserve.sim.simulator import build_deployment, simulate
 
     if args.num_prompts < 1:
@@ -109,7 +109,9 @@ def run(args) -> int:
     print(f"workload: {args.workload_trace or args.dataset} x {len(workload)}, request rate {rate}, "
           f"burstiness {args.burstiness:g}, max concurrency {args.max_concurrency}", flush=True)
     result = simulate(dep, workload, max_concurrency=args.max_concurrency, goodput_slos=slos, seed=args.seed or 0)
-    print(format_report(result.metrics, "Simulated Serving Result"))
+    summary = summarize(results_from_records(result.records), result.metrics["duration"], slos,
+                        server=result.server_view())
+    print(format_summary(summary, "Simulated Serving Result"))
     print(f"KV usage: max {max(result.timeline.kv_usage, default=0):.1%}, "
           f"preemptions {result.num_preemptions} ({result.metrics['num_preempted_requests']} requests), "
           f"recomputed tokens {result.num_recomputed_tokens}, blocks swapped out/in "

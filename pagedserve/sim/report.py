@@ -97,23 +97,6 @@ def meets_slo(rec: RequestRecord, slos_ms: dict[str, float]) -> bool:
     return True
 
 
-def parse_goodput(specs: Sequence[str] | None) -> dict[str, float]:
-    """`["ttft:500", "tpot:50"]` -> {"ttft": 500.0, "tpot": 50.0}; raises ValueError on bad input."""
-    out: dict[str, float] = {}
-    for spec in specs or []:
-        for part in spec.split():
-            key, sep, value = part.partition(":")
-            if not sep or key not in ("ttft", "tpot", "e2el"):
-                raise ValueError(f"goodput: expected KEY:MS with KEY in ttft, tpot, e2el; got {part!r}")
-            try:
-                out[key] = float(value)
-            except ValueError:
-                raise ValueError(f"goodput: {value!r} is not a number of milliseconds") from None
-            if out[key] <= 0:
-                raise ValueError(f"goodput: {key} must be > 0 ms, got {value}")
-    return out
-
-
 def compute_metrics(records: Sequence[RequestRecord], duration: float, *, goodput_slos: dict[str, float] | None = None,
                     percentiles: Iterable[float] = DEFAULT_PERCENTILES) -> dict:
     """The vLLM-bench report over `records` for a run of `duration` seconds."""
@@ -147,41 +130,3 @@ def compute_metrics(records: Sequence[RequestRecord], duration: float, *, goodpu
     out["num_preemptions"] = sum(r.num_preemptions for r in records)
     out["num_preempted_requests"] = sum(1 for r in records if r.num_preemptions)
     return out
-
-
-def format_report(metrics: dict, title: str = "Serving Benchmark Result") -> str:
-    """The text block `vllm bench serve` prints, for the fields we have."""
-    lines = [f"{'=' * 16} {title} {'=' * 16}"]
-
-    def row(label, value, fmt="{:.2f}"):
-        lines.append(f"{label:<40}{fmt.format(value) if value is not None else 'n/a':>12}")
-
-    row("Successful requests:", metrics["completed"], "{}")
-    row("Failed requests:", metrics.get("failed", 0), "{}")
-    row("Benchmark duration (s):", metrics["duration"])
-    row("Total input tokens:", metrics["total_input_tokens"], "{}")
-    row("Total generated tokens:", metrics["total_output_tokens"], "{}")
-    row("Request throughput (req/s):", metrics["request_throughput"])
-    if metrics.get("request_goodput") is not None:
-        row("Request goodput (req/s):", metrics["request_goodput"])
-    row("Output token throughput (tok/s):", metrics["output_throughput"])
-    row("Total Token throughput (tok/s):", metrics["total_token_throughput"])
-    for name, label in (("ttft", "Time to First Token"), ("tpot", "Time per Output Token (excl. 1st token)"),
-                        ("itl", "Inter-token Latency"), ("e2el", "End-to-end Latency")):
-        lines.append(f"{'-' * 15}{label}{'-' * 15}")
-        for key in sorted((k for k in metrics if k.endswith(f"_{name}_ms")), key=_stat_order):
-            stat = key[: -len(f"_{name}_ms")]
-            row(f"{stat.capitalize() if not stat.startswith('p') else stat.upper()} {name.upper()} (ms):", metrics[key])
-    if "num_preemptions" in metrics:
-        lines.append("-" * 40)
-        row("Preemptions:", metrics["num_preemptions"], "{}")
-    lines.append("=" * 50)
-    return "\n".join(lines)
-
-
-def _stat_order(key: str) -> tuple:
-    stat = key.split("_")[0]
-    order = {"mean": -3, "median": -2, "std": -1}
-    if stat in order:
-        return (order[stat], 0.0)
-    return (0, float(stat[1:]))

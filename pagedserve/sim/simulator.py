@@ -189,6 +189,30 @@ class SimResult:
     num_blocks_swapped_in: int
     sim_wall_s: float
     busy_time: float
+    preemptions_by_mode: dict = field(default_factory=dict)
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+
+    def server_view(self) -> dict:
+        """What `pagedserve bench` reads from a live server's /metrics during a run, from the
+        simulated steps instead: so the simulated report has the same 'inside the server' part."""
+        t = self.timeline
+        view = {"num_samples": len(t.time)}
+        for name, series in (("kv_cache_usage_perc", t.kv_usage), ("num_requests_running", t.num_running),
+                             ("num_requests_waiting", t.num_waiting), ("num_requests_swapped", t.num_swapped)):
+            if series:
+                view[f"peak_{name}"] = max(series)
+                view[f"mean_{name}"] = sum(series) / len(series)
+        view["num_preemptions_total"] = float(self.num_preemptions)
+        view["preemptions_by_mode"] = {m: float(n) for m, n in self.preemptions_by_mode.items() if n}
+        view["swapped_blocks_total"] = float(self.num_blocks_swapped_out + self.num_blocks_swapped_in)
+        view["swapped_blocks_by_direction"] = {"out": float(self.num_blocks_swapped_out),
+                                               "in": float(self.num_blocks_swapped_in)}
+        if self.prefix_cache_queries:
+            view["prefix_cache_queries_total"] = float(self.prefix_cache_queries)
+            view["prefix_cache_hits_total"] = float(self.prefix_cache_hits)
+            view["prefix_cache_hit_rate"] = self.prefix_cache_hits / self.prefix_cache_queries
+        return view
 
     def to_dict(self, deployment: Deployment | None = None) -> dict:
         per_req = [r.num_preemptions for r in self.records]
@@ -372,4 +396,5 @@ def simulate(deployment: Deployment, workload: Sequence[WorkloadRequest], *, max
     duration = max((r.finish for r in records if r.finish is not None), default=clock.now)
     metrics = compute_metrics(records, duration, goodput_slos=goodput_slos)
     return SimResult(records, metrics, timeline, steps, deployment.num_blocks, preemptions, recomputed,
-                     swapped_out, swapped_in, time.perf_counter() - wall0, busy)
+                     swapped_out, swapped_in, time.perf_counter() - wall0, busy,
+                     dict(scheduler.total_preemptions_by_mode), scheduler.kv.prefix_queries, scheduler.kv.prefix_hits)

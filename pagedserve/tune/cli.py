@@ -52,7 +52,7 @@ def run(args) -> int:
     from pagedserve.engine_args import engine_config_from_args
     from pagedserve.plan.kv_budget import blocks_per_request
     from pagedserve.sim.cli import build_workload
-    from pagedserve.sim.report import parse_goodput
+    from pagedserve.bench.report import parse_goodput
     from pagedserve.sim.simulator import build_deployment, simulate
     from pagedserve.tune import tuner
 
