@@ -122,9 +122,17 @@ def run(args) -> int:
 
 
 def _serve_flags(base, knobs: dict, args) -> str:
+    """The knobs the operator fixed on this command line, then the ones tuning chose."""
+    from pagedserve.engine_args import _FLAGS
     from pagedserve.tune.tuner import knob_flags
 
-    fixed = {"max_model_len": base.max_model_len} if base.max_model_len else {}
+    skip = {"model", "config", "device", "step_trace_path", "served_model_name", "tokenizer"}
+    fixed = {}
+    for flag, _ in _FLAGS:
+        name = flag[2:].replace("-", "_")
+        if name not in skip and getattr(args, name, None) is not None:
+            fixed[name] = getattr(base, name)
+    fixed.setdefault("max_model_len", base.max_model_len)
     if args.tp > 1:
         fixed["tensor_parallel_size"] = args.tp
     if "gpu_memory_utilization" not in knobs and args.device != "cpu":
