@@ -14,7 +14,7 @@ import logging
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterable, Sequence
+from typing import Sequence
 
 from pagedserve.config import EngineConfig
 from pagedserve.core.scheduler import PreemptionCosts, Scheduler, SchedulerOutput, SchedulerStats

@@ -80,3 +80,27 @@ def test_simulated_sweep_picks_a_front_point_within_slo(tmp_path, capsys):
     starved = next(p for p in data["simulated"] if p["knobs"]["max_num_seqs"] == 2)
     assert not starved["meets_slo"] and not math.isclose(starved["output_throughput"], row["output_throughput"])
     assert "pagedserve serve --model llama-3.1-8b" in capsys.readouterr().out
+
+
+def test_real_sweep_on_a_calibrated_cpu_model(tiny_llama, tmp_path, capsys):
+    """The loop on this CPU: trace the real engine, calibrate, tune on the simulator, and run the
+    same points on the real engine (--real)."""
+    from pagedserve import LLM, SamplingParams
+
+    trace = tmp_path / "steps.jsonl"
+    llm = LLM(str(tiny_llama), num_kv_blocks=128, max_model_len=256, step_trace_path=str(trace))
+    llm.generate([[5] * n for n in (10, 40, 80, 120)], SamplingParams(max_tokens=12, ignore_eos=True),
+                 use_tqdm=False)
+    cost = tmp_path / "cost.json"
+    assert main(["simulate", "calibrate", "--trace", str(trace), "--model", str(tiny_llama), "--out", str(cost)]) == 0
+    out = tmp_path / "tune.json"
+    rc = main(["tune", "--device", "cpu", "--model", str(tiny_llama), "--cost-model", str(cost),
+               "--num-kv-blocks", "128", "--max-model-len", "256", "--workload", "random",
+               "--random-input-len", "40", "--random-output-len", "8", "--num-prompts", "6", "--request-rate", "50",
+               "--sweep", "max_num_seqs=1,4", "--real", "--json", str(out)])
+    assert rc == 0
+    data = json.loads(out.read_text())
+    assert len(data["real"]) == len(data["simulated"]) == 2
+    assert all(p["output_throughput"] > 0 and not p["error"] for p in data["real"])
+    printed = capsys.readouterr().out
+    assert "real engine:" in printed and "simulated:" in printed

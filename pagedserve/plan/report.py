@@ -113,7 +113,7 @@ def plan_to_dict(plan: Plan) -> dict:
 
 
 def render_text(plan: Plan) -> str:
-    req, shape = plan.request, plan.request.model.shape
+    req = plan.request
     total = req.device.memory_bytes
     device = "CPU" if req.device_kind == "cpu" else "GPU"
     lines = [
