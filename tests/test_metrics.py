@@ -15,6 +15,7 @@ from pagedserve.engine import LLM
 from pagedserve.metrics import EngineMetrics, build_1_2_5_buckets
 from pagedserve.sampling import SamplingParams
 from pagedserve.server.launcher import ServerThread, build_server
+from metrics_scrape import scrape, wait_idle
 
 EXPECTED = {
     "num_requests_running": "gauge", "num_requests_waiting": "gauge", "num_requests_swapped": "gauge",
@@ -54,25 +55,6 @@ def model(server):
 
 def families(server):
     return {f.name: f for f in text_string_to_metric_families(httpx.get(server.url + "/metrics").text)}
-
-
-def scrape(server) -> dict[str, float]:
-    samples = {}
-    for family in families(server).values():
-        for s in family.samples:
-            labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()) if k != "model_name")
-            samples[f"{s.name}{{{labels}}}"] = s.value
-    return samples
-
-
-def wait_idle(server, deadline_s: float = 60.0) -> dict[str, float]:
-    end = time.monotonic() + deadline_s
-    while True:
-        m = scrape(server)
-        if (m["pagedserve:num_requests_running{}"] == 0 and m["pagedserve:num_requests_waiting{}"] == 0
-                and m["pagedserve:kv_cache_used_tokens{}"] == 0) or time.monotonic() > end:
-            return m
-        time.sleep(0.05)
 
 
 def delta(after: dict, before: dict, key: str) -> float:

@@ -8,12 +8,12 @@ import time
 import httpx
 import openai
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from pagedserve.config import EngineConfig
 from pagedserve.engine import LLM
 from pagedserve.sampling import SamplingParams
 from pagedserve.server.launcher import ServerThread, build_server
+from metrics_scrape import scrape, wait_idle
 
 PROMPTS = ["def fibonacci(n):", "The quick brown fox", "import os\nimport sys"]
 
@@ -40,29 +40,6 @@ def client(server):
 @pytest.fixture(scope="module")
 def model(server):
     return server.async_engine.engine.model_name
-
-
-def scrape(server) -> dict[str, float]:
-    """Every sample on /metrics as {'name{label=value,...}': value}."""
-    text = httpx.get(server.url + "/metrics").text
-    samples = {}
-    for family in text_string_to_metric_families(text):
-        for s in family.samples:
-            labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()) if k != "model_name")
-            samples[f"{s.name}{{{labels}}}"] = s.value
-    return samples
-
-
-def wait_idle(server, deadline_s: float = 60.0) -> dict[str, float]:
-    """Poll /metrics until nothing runs or waits and no block is held (a wait, not a timing assert)."""
-    end = time.monotonic() + deadline_s
-    while True:
-        m = scrape(server)
-        idle = (m["pagedserve:num_requests_running{}"] == 0 and m["pagedserve:num_requests_waiting{}"] == 0
-                and m["pagedserve:kv_cache_used_tokens{}"] == 0)
-        if idle or time.monotonic() > end:
-            return m
-        time.sleep(0.05)
 
 
 def test_models_health_version(server, client, model):
