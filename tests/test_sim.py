@@ -344,7 +344,7 @@ def test_cli_simulate_and_calibrate(tmp_path, capsys):
                 "timeline", "preemptions_per_request", "num_recomputed_tokens", "deployment"):
         assert key in data
     assert data["completed"] == 30
-    assert (tmp_path / "plots" / "latency_cdf.png").is_file() and (tmp_path / "plots" / "timeline.png").is_file()
+    assert (tmp_path / "plots" / "latency_cdfs.png").is_file() and (tmp_path / "plots" / "timeline.png").is_file()
 
     # calibrate on a synthetic trace from a CPU cost model, then simulate on --device cpu with it
     model_dir = write_config(tmp_path / "m")

@@ -129,8 +129,9 @@ def run(args) -> int:
         path.write_text(json.dumps(json_safe(payload), indent=2))
         print(f"wrote {path}")
     if args.plot:
-        from pagedserve.sim.plots import plot_run
-        for path in plot_run(result, args.plot):
+        from pagedserve.bench.plots import plot_run  # the bench's own plots, fed the simulated run
+        for path in plot_run(results_from_records(result.records), result.timeline.as_scraped(),
+                             result.metrics["duration"], args.plot):
             print(f"wrote {path}")
     return 0
 

@@ -175,6 +175,17 @@ class Timeline:
         stride = max(1, math.ceil(n / max_points))
         return {k: getattr(self, k)[::stride] for k in self.__dataclass_fields__}
 
+    def as_scraped(self, max_points: int = 2000) -> dict[str, list[float]]:
+        """The timeline in the shape `pagedserve bench` samples from /metrics (so its plots draw it)."""
+        cumulative, total = [], 0
+        for n in self.num_preempted:
+            total += n
+            cumulative.append(total)
+        stride = max(1, math.ceil(len(self.time) / max_points))
+        return {"t": self.time[::stride], "num_requests_running": self.num_running[::stride],
+                "num_requests_waiting": self.num_waiting[::stride], "num_requests_swapped": self.num_swapped[::stride],
+                "kv_cache_usage_perc": self.kv_usage[::stride], "num_preemptions_total": cumulative[::stride]}
+
 
 @dataclass
 class SimResult:
