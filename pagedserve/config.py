@@ -5,7 +5,7 @@ anything is allocated.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, fields
 from typing import Any
 
 from pagedserve.utils import parse_bytes
@@ -60,14 +60,13 @@ class EngineConfig:
     max_logprobs: int = 20
     served_model_name: str | None = None
     step_trace_path: str | None = None
-    extra: dict = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
         self.validate()
 
     @classmethod
     def knob_names(cls) -> list[str]:
-        return [f.name for f in fields(cls) if f.name != "extra"]
+        return [f.name for f in fields(cls)]
 
     def validate(self) -> None:
         _check(self.dtype in DTYPES, "dtype", f"must be one of {DTYPES}, got {self.dtype!r}")

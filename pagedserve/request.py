@@ -51,7 +51,6 @@ class Request:
         self.stop_reason: int | str | None = None
         self.num_preemptions = 0
         self.times = RequestTimes(arrival=time.monotonic() if arrival_time is None else arrival_time)
-        self.output_logprobs: list = []
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -80,10 +79,6 @@ class Request:
     def append_output_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)
-
-    def sort_key(self) -> tuple:
-        """Lower sorts sooner: priority first (lower = sooner, as vLLM), then arrival."""
-        return (self.priority, self.times.arrival)
 
     def __repr__(self) -> str:
         return (f"Request({self.request_id!r}, {self.status.value}, computed={self.num_computed_tokens}/"

@@ -1,7 +1,7 @@
 """SamplingParams: how one request picks its tokens and when it stops (vLLM's names)."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 
 _GREEDY_EPS = 1e-5
 
@@ -29,7 +29,6 @@ class SamplingParams:
     min_tokens: int = 0
     logprobs: int | None = None
     skip_special_tokens: bool = True
-    extra: dict = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

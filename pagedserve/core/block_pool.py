@@ -134,7 +134,3 @@ class BlockPool:
             if self.hash_to_block.get(block.block_hash) is block:
                 del self.hash_to_block[block.block_hash]
             block.block_hash = None
-
-    def reset_prefix_cache(self) -> None:
-        for block in self.free_queue:
-            self._evict(block)
