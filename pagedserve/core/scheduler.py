@@ -327,12 +327,11 @@ class Scheduler:
             req = self.waiting[0]
             cached = self.kv.find_cached_prefix(req) if req.num_computed_tokens == 0 else []
             num_cached = len(cached) * self.kv.block_size
-            num_new = min(req.num_tokens - num_cached, budget)
-            if cfg.long_prefill_token_threshold:
-                num_new = min(num_new, cfg.long_prefill_token_threshold)
-            if not cfg.enable_chunked_prefill and num_new < req.num_tokens - num_cached:
-                break  # the whole prompt must fit this step; FCFS: nobody overtakes
             req.num_computed_tokens = num_cached
+            num_new = self._grant(req, budget)
+            if not cfg.enable_chunked_prefill and num_new < req.num_tokens - num_cached:
+                req.num_computed_tokens = 0
+                break  # the whole prompt must fit this step; FCFS: nobody overtakes
             if not self.kv.allocate_slots(req, num_new, cached):
                 req.num_computed_tokens = 0
                 break
