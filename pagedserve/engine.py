@@ -190,13 +190,18 @@ class Engine:
             raise ValueError("stop: stop strings need a tokenizer; use stop_token_ids")
 
     def add_request(self, request_id: str | None, prompt: str | Sequence[int], params: SamplingParams | None = None,
-                    arrival_time: float | None = None, priority: int = 0) -> str:
+                    arrival_time: float | None = None, priority: int = 0,
+                    prompt_token_ids: Sequence[int] | None = None) -> str:
+        """Queue a request. A text prompt is tokenized unless its `prompt_token_ids` are given."""
         params = params or SamplingParams()
         request_id = str(next(self._ids)) if request_id is None else request_id
         if request_id in self.groups:
             raise ValueError(f"request_id: {request_id!r} is already in use")
         text = prompt if isinstance(prompt, str) else None
-        token_ids = self.tokenize(prompt) if isinstance(prompt, str) else list(prompt)
+        if prompt_token_ids is not None:
+            token_ids = list(prompt_token_ids)
+        else:
+            token_ids = self.tokenize(prompt) if isinstance(prompt, str) else list(prompt)
         self.validate_request(token_ids, params)
         group = _Group(request_id, text, token_ids)
         for i in range(params.n):
@@ -347,8 +352,7 @@ class LLM:
         ids = []
         for i, (p, toks, params) in enumerate(zip(prompt_list, token_lists, params_list)):
             rid = f"gen-{next(engine._ids)}"
-            engine.add_request(rid, p if isinstance(p, str) else toks, params,
-                               priority=priority[i] if priority else 0)
+            engine.add_request(rid, p, params, priority=priority[i] if priority else 0, prompt_token_ids=toks)
             ids.append(rid)
         return self._run(ids, use_tqdm)
 
