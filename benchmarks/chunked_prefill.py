@@ -52,11 +52,11 @@ def main() -> None:
         llm = LLM(str(path), max_model_len=2048, kv_cache_memory="2GiB", dtype="float32", **knobs)
         run = run_in_process(llm.engine, workload(args, vocab),
                              lambda w: SamplingParams(max_tokens=w.output_len, temperature=0, ignore_eos=True))
-        steady = summarize(run, only=lambda r: r["tags"].get("steady"))
+        steady = summarize(run, only=lambda w: w.tags.get("steady"))
         overall = summarize(run)
+        prompt_tokens = sum(w.prompt_len for w in run["workload"])
         results[name] = {**steady, "output_throughput": overall["output_throughput"],
-                         "total_throughput": (overall["output_tokens"] + sum(
-                             r["prompt_len"] for r in run["records"].values())) / run["duration"]}
+                         "total_throughput": (overall["output_tokens"] + prompt_tokens) / run["duration"]}
         del llm
     print(f"{args.steady} steady decoders ({args.steady_tokens} tokens each) + {args.long} prompts of {args.long_len} "
           f"tokens arriving every {args.long_every}s; chunk = {args.chunk} tokens; model {args.size}")

@@ -49,59 +49,30 @@ def percentile(values: list[float], q: float) -> float:
 
 
 def run_in_process(engine, workload, params_for) -> dict:
-    """Replay `workload` (WorkloadRequests with arrival_time) against an Engine in wall-clock
-    time: each request is added once its arrival time has passed, the engine steps in
-    between. Returns per-request timings measured when step() hands tokens back.
-    """
-    import time
+    """Replay `workload` into an in-process Engine in wall-clock time (pagedserve.bench.replay)."""
+    from pagedserve.bench.replay import replay
 
-    pending = sorted(range(len(workload)), key=lambda i: workload[i].arrival_time)
-    records: dict[str, dict] = {}
-    start = time.perf_counter()
-    nxt = 0
-    while nxt < len(pending) or engine.has_unfinished_requests():
-        now = time.perf_counter() - start
-        while nxt < len(pending) and workload[pending[nxt]].arrival_time <= now:
-            i = pending[nxt]
-            w = workload[i]
-            rid = f"r{i}"
-            engine.add_request(rid, w.prompt_token_ids or w.prompt, params_for(w))
-            records[rid] = {"arrival": w.arrival_time, "prompt_len": w.prompt_len, "token_times": [],
-                            "tags": w.tags}
-            nxt += 1
-        if not engine.has_unfinished_requests():
-            time.sleep(max(0.0, workload[pending[nxt]].arrival_time - now))
-            continue
-        outs = engine.step()
-        t = time.perf_counter() - start
-        for o in outs:
-            rec = records[o.request_id]
-            n = len(o.outputs[0].token_ids)
-            rec["token_times"].extend([t] * (n - len(rec["token_times"])))
-            if o.finished:
-                rec["finish"] = t
-                rec["num_preemptions"] = o.metrics[0].num_preemptions
-    return {"records": records, "duration": time.perf_counter() - start}
+    records, duration = replay(engine, workload, clock="wall", params_for=params_for)
+    return {"records": records, "workload": list(workload), "duration": duration}
 
 
 def summarize(run: dict, only=None) -> dict:
-    """Throughput and latency percentiles (ms) from run_in_process records."""
-    recs = [r for r in run["records"].values() if only is None or only(r)]
-    all_recs = list(run["records"].values())
-    itl = [(b - a) * 1e3 for r in recs for a, b in zip(r["token_times"], r["token_times"][1:])]
-    ttft = [(r["token_times"][0] - r["arrival"]) * 1e3 for r in recs if r["token_times"]]
-    e2e = [(r["finish"] - r["arrival"]) * 1e3 for r in recs]
-    out_tokens = sum(len(r["token_times"]) for r in all_recs)
+    """Throughput and latency percentiles (ms); `only(workload_request)` picks whose latencies count."""
+    recs = [r for r, w in zip(run["records"], run["workload"]) if only is None or only(w)]
+    itl = [g * 1e3 for r in recs for g in r.itls()]
+    ttft = [r.ttft * 1e3 for r in recs if r.ttft is not None]
+    e2e = [r.e2el * 1e3 for r in recs if r.e2el is not None]
+    out_tokens = sum(r.num_output_tokens for r in run["records"])
     return {
         "duration_s": run["duration"],
         "output_tokens": out_tokens,
         "output_throughput": out_tokens / run["duration"],
-        "request_throughput": len(all_recs) / run["duration"],
+        "request_throughput": len(run["records"]) / run["duration"],
         "mean_ttft_ms": sum(ttft) / len(ttft), "p99_ttft_ms": percentile(ttft, 99),
         "median_itl_ms": percentile(itl, 50), "p99_itl_ms": percentile(itl, 99),
         "max_itl_ms": max(itl) if itl else float("nan"),
         "p99_e2el_ms": percentile(e2e, 99), "mean_e2el_ms": sum(e2e) / len(e2e),
-        "preemptions": sum(r.get("num_preemptions", 0) for r in all_recs),
+        "preemptions": sum(r.num_preemptions for r in run["records"]),
     }
 
 
