@@ -296,43 +296,33 @@ class OpenAIServer:
         return {"prompt_tokens": num_prompt, "completion_tokens": num_generated,
                 "total_tokens": num_prompt + num_generated}
 
-    async def completion_stream(self, body: CompletionRequest, prompts: list[_Prompt], params: SamplingParams,
-                                queue: asyncio.Queue, ids: list[str]) -> AsyncIterator[str]:
-        rid = ids[0] if len(ids) == 1 else ids[0].rsplit("-", 1)[0]
+    async def _sse(self, rid: str, obj: str, include_usage: bool, prompts: list[_Prompt], n: int,
+                   queue: asyncio.Queue, ids: list[str], opening: list[dict], make_choice) -> AsyncIterator[str]:
+        """The SSE loop both endpoints share: one chunk per step that produced tokens (even when
+        their text is empty, as vLLM), a usage chunk on request, then [DONE]; an error ends the
+        stream with an OpenAI error body. `make_choice(index, comp, text_from, tok_from)` builds
+        one choice from the unsent part of a sample."""
         created = int(time.time())
-        include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        sent_text: dict[tuple[int, int], int] = {}
-        sent_tokens: dict[tuple[int, int], int] = {}
+        sent: dict[tuple[int, int], tuple[int, int]] = {}  # (prompt, sample) -> (chars, tokens) sent
         num_generated = 0
 
         def chunk(choices: list[dict], usage=None) -> str:
-            payload = {"id": rid, "object": "text_completion", "created": created, "model": self.model_name,
-                       "choices": choices}
+            payload = {"id": rid, "object": obj, "created": created, "model": self.model_name, "choices": choices}
             if include_usage:
                 payload["usage"] = usage
             return f"data: {json.dumps(payload)}\n\n"
 
         try:
-            if body.echo:
-                yield chunk([{"index": i * params.n + j, "text": self._echo(body, p), "logprobs": None,
-                              "finish_reason": None, "stop_reason": None}
-                             for i, p in enumerate(prompts) for j in range(params.n)])
+            if opening:
+                yield chunk(opening)
             async for i, out in self.results(queue, ids):
                 choices = []
                 for comp in out.outputs:
-                    key = (i, comp.index)
-                    text_from, tok_from = sent_text.get(key, 0), sent_tokens.get(key, 0)
-                    delta = comp.text[text_from:]
+                    text_from, tok_from = sent.get((i, comp.index), (0, 0))
                     if len(comp.token_ids) == tok_from and comp.finish_reason is None:
-                        continue  # nothing new; a new token is streamed even if its text is empty (as vLLM)
-                    new_lps = comp.logprobs[tok_from:] if comp.logprobs is not None else None
-                    choices.append({
-                        "index": i * params.n + comp.index, "text": delta,
-                        "logprobs": self.completion_logprobs(new_lps, text_from) if new_lps is not None else None,
-                        "finish_reason": comp.finish_reason, "stop_reason": comp.stop_reason,
-                    })
-                    sent_text[key] = len(comp.text)
-                    sent_tokens[key] = len(comp.token_ids)
+                        continue  # nothing new this step
+                    choices.append(make_choice(i * n + comp.index, comp, text_from, tok_from))
+                    sent[(i, comp.index)] = (len(comp.text), len(comp.token_ids))
                     if comp.finish_reason is not None:
                         num_generated += len(comp.token_ids)
                 if choices:
@@ -343,6 +333,24 @@ class OpenAIServer:
         except APIError as e:
             yield f"data: {json.dumps(error_body(e.status, e.message, e.type, e.param))}\n\n"
             yield "data: [DONE]\n\n"
+
+    def completion_stream(self, body: CompletionRequest, prompts: list[_Prompt], params: SamplingParams,
+                          queue: asyncio.Queue, ids: list[str]) -> AsyncIterator[str]:
+        rid = ids[0] if len(ids) == 1 else ids[0].rsplit("-", 1)[0]
+        opening = []
+        if body.echo:
+            opening = [{"index": i * params.n + j, "text": self._echo(body, p), "logprobs": None,
+                        "finish_reason": None, "stop_reason": None}
+                       for i, p in enumerate(prompts) for j in range(params.n)]
+
+        def make_choice(index, comp, text_from, tok_from):
+            new_lps = comp.logprobs[tok_from:] if comp.logprobs is not None else None
+            return {"index": index, "text": comp.text[text_from:],
+                    "logprobs": self.completion_logprobs(new_lps, text_from) if new_lps is not None else None,
+                    "finish_reason": comp.finish_reason, "stop_reason": comp.stop_reason}
+
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        return self._sse(rid, "text_completion", include_usage, prompts, params.n, queue, ids, opening, make_choice)
 
     # -- /v1/chat/completions --------------------------------------------------------
     def prepare_chat(self, body: ChatCompletionRequest):
@@ -377,51 +385,22 @@ class OpenAIServer:
         return {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": self.model_name,
                 "choices": choices, "usage": self._usage([prompt], num_generated)}
 
-    async def chat_stream(self, body: ChatCompletionRequest, prompt: _Prompt, params: SamplingParams, top_n: int,
-                          queue: asyncio.Queue, ids: list[str]) -> AsyncIterator[str]:
-        rid = ids[0]
-        created = int(time.time())
+    def chat_stream(self, body: ChatCompletionRequest, prompt: _Prompt, params: SamplingParams, top_n: int,
+                    queue: asyncio.Queue, ids: list[str]) -> AsyncIterator[str]:
+        opening = [{"index": j, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                    "finish_reason": None} for j in range(params.n)]
+
+        def make_choice(index, comp, text_from, tok_from):
+            new_lps = comp.logprobs[tok_from:] if comp.logprobs is not None else None
+            new_tokens = len(comp.token_ids) > tok_from
+            delta = comp.text[text_from:]
+            return {"index": index, "delta": {"content": delta} if delta or new_tokens else {},
+                    "logprobs": self.chat_logprobs(new_lps, top_n) if new_lps is not None else None,
+                    "finish_reason": comp.finish_reason, "stop_reason": comp.stop_reason}
+
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        sent_text = [0] * params.n
-        sent_tokens = [0] * params.n
-        num_generated = 0
-
-        def chunk(choices: list[dict], usage=None) -> str:
-            payload = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": self.model_name,
-                       "choices": choices}
-            if include_usage:
-                payload["usage"] = usage
-            return f"data: {json.dumps(payload)}\n\n"
-
-        try:
-            yield chunk([{"index": j, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                          "finish_reason": None} for j in range(params.n)])
-            async for _, out in self.results(queue, ids):
-                choices = []
-                for comp in out.outputs:
-                    j = comp.index
-                    delta = comp.text[sent_text[j]:]
-                    new_tokens = len(comp.token_ids) > sent_tokens[j]
-                    if not new_tokens and comp.finish_reason is None:
-                        continue  # nothing new; a new token is streamed even if its text is empty (as vLLM)
-                    new_lps = comp.logprobs[sent_tokens[j]:] if comp.logprobs is not None else None
-                    choices.append({
-                        "index": j, "delta": {"content": delta} if delta or new_tokens else {},
-                        "logprobs": self.chat_logprobs(new_lps, top_n) if new_lps is not None else None,
-                        "finish_reason": comp.finish_reason, "stop_reason": comp.stop_reason,
-                    })
-                    sent_text[j] = len(comp.text)
-                    sent_tokens[j] = len(comp.token_ids)
-                    if comp.finish_reason is not None:
-                        num_generated += len(comp.token_ids)
-                if choices:
-                    yield chunk(choices)
-            if include_usage:
-                yield chunk([], self._usage([prompt], num_generated))
-            yield "data: [DONE]\n\n"
-        except APIError as e:
-            yield f"data: {json.dumps(error_body(e.status, e.message, e.type, e.param))}\n\n"
-            yield "data: [DONE]\n\n"
+        return self._sse(ids[0], "chat.completion.chunk", include_usage, [prompt], params.n, queue, ids, opening,
+                         make_choice)
 
 
 async def _wait_for_disconnect(request: Request) -> None:
