@@ -98,6 +98,7 @@ def run_real(model: Path, case: Case, trace: Path | None = None) -> dict:
     (schedule + execute + update + detokenize), which is what a step costs the server.
     """
     from pagedserve.engine import Engine
+    from pagedserve.engine.output_processor import OutputKind
     from pagedserve.sampling import SamplingParams
 
     engine_trace = trace.with_suffix(".engine.jsonl") if trace else None
@@ -109,7 +110,7 @@ def run_real(model: Path, case: Case, trace: Path | None = None) -> dict:
     while engine.has_unfinished_requests():
         engine.step()
     if engine_trace is not None:
-        engine._trace = open(engine_trace, "a")
+        engine.engine_core._trace = open(engine_trace, "a")
     workload = workload_for(case)
     order = sorted(range(len(workload)), key=lambda i: workload[i].arrival_time)
     records: dict[str, RequestRecord] = {}
@@ -131,7 +132,7 @@ def run_real(model: Path, case: Case, trace: Path | None = None) -> dict:
             records[rid] = RequestRecord(rid, w.arrival_time, w.prompt_len, w.output_len)
             engine.add_request(rid, w.prompt_token_ids, SamplingParams(max_tokens=w.output_len, ignore_eos=True,
                                                                        temperature=0.0),
-                               arrival_time=w.arrival_time)
+                               arrival_time=w.arrival_time, output_kind=OutputKind.DELTA)
             idx += 1
         if not engine.has_unfinished_requests():
             offset += max(0.0, workload[order[idx]].arrival_time - now())  # idle: jump to the next arrival
@@ -140,20 +141,18 @@ def run_real(model: Path, case: Case, trace: Path | None = None) -> dict:
         outputs = engine.step()
         step_cpu.append(time.process_time() - s)
         t = now()
-        exec_time += engine.last_step_result.duration
         for out in outputs:
             rec = records[out.request_id]
-            n = len(out.outputs[0].token_ids)
-            while len(rec.token_times) < n:
-                rec.token_times.append(t)
+            rec.token_times.extend([t] * len(out.outputs[0].token_ids))
             if rec.first_token_time is None and rec.token_times:
                 rec.first_token_time = rec.token_times[0]
             if out.finished:
                 rec.finish = t
                 rec.num_preemptions = out.metrics[0].num_preemptions if out.metrics else 0
     if engine_trace is not None:
-        engine._trace.close()
+        engine.engine_core._trace.close()
         lines = [json.loads(l) for l in engine_trace.read_text().splitlines() if l.strip()]
+        exec_time = sum(rec["duration"] for rec in lines)
         assert len(lines) == len(step_cpu), (len(lines), len(step_cpu))
         with open(trace, "w") as f:
             for rec, d in zip(lines, step_cpu):

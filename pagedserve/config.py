@@ -5,15 +5,40 @@ anything is allocated.
 """
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, fields
 from typing import Any
 
 from pagedserve.utils import parse_bytes
 
+class _KnobEnum(str, enum.Enum):
+    """A knob's allowed values: compares, prints and serialises as its plain string."""
+
+    def __str__(self) -> str:
+        return self.value
+
+    def __format__(self, spec: str) -> str:
+        return format(self.value, spec)
+
+
+class PreemptionMode(_KnobEnum):
+    """What happens to a victim when the pool runs dry. `auto` picks swap or recompute per
+    victim, whichever its measured costs say is cheaper."""
+
+    RECOMPUTE = "recompute"
+    SWAP = "swap"
+    AUTO = "auto"
+
+
+class SchedulingPolicy(_KnobEnum):
+    FCFS = "fcfs"
+    PRIORITY = "priority"  # lower `priority` value runs sooner
+
+
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("cpu", "cuda")
-PREEMPTION_MODES = ("recompute", "swap", "auto")
-SCHEDULING_POLICIES = ("fcfs", "priority")
+PREEMPTION_MODES = tuple(m.value for m in PreemptionMode)
+SCHEDULING_POLICIES = tuple(p.value for p in SchedulingPolicy)
 DEFAULT_CPU_KV_CACHE_MEMORY = 4 * 2**30  # vLLM's CPU backend reserves 4 GiB unless told otherwise
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
 
@@ -53,10 +78,10 @@ class EngineConfig:
     kv_cache_memory: int | str | None = None
     num_kv_blocks: int | None = None
     gpu_memory_utilization: float = 0.9
-    preemption_mode: str = "auto"
+    preemption_mode: PreemptionMode | str = PreemptionMode.AUTO
     swap_space: int | str = "4GiB"  # vLLM's default host swap space
     enable_prefix_caching: bool = True
-    scheduling_policy: str = "fcfs"
+    scheduling_policy: SchedulingPolicy | str = SchedulingPolicy.FCFS
     max_logprobs: int = 20
     served_model_name: str | None = None
     step_trace_path: str | None = None
@@ -99,6 +124,7 @@ class EngineConfig:
                "gpu_memory_utilization", f"must be in (0, 1], got {self.gpu_memory_utilization!r}")
         _check(self.preemption_mode in PREEMPTION_MODES, "preemption_mode",
                f"must be one of {PREEMPTION_MODES}, got {self.preemption_mode!r}")
+        self.preemption_mode = PreemptionMode(self.preemption_mode)
         try:
             self.swap_space = parse_bytes(self.swap_space)
         except ValueError as e:
@@ -108,6 +134,7 @@ class EngineConfig:
                f"must be true or false, got {self.enable_prefix_caching!r}")
         _check(self.scheduling_policy in SCHEDULING_POLICIES, "scheduling_policy",
                f"must be one of {SCHEDULING_POLICIES}, got {self.scheduling_policy!r}")
+        self.scheduling_policy = SchedulingPolicy(self.scheduling_policy)
         _check(_is_int(self.max_logprobs) and self.max_logprobs >= 0, "max_logprobs",
                f"must be an integer >= 0, got {self.max_logprobs!r}")
 

@@ -1,7 +1,14 @@
-"""vLLM-shaped outputs: RequestOutput with one CompletionOutput per parallel sample."""
+"""vLLM-shaped outputs: RequestOutput with one CompletionOutput per parallel sample.
+
+For a streaming (DELTA) request each RequestOutput carries only what is new since the
+previous one; otherwise one RequestOutput carries everything, once, at the end.
+"""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
+from pagedserve.core.outputs import RequestMetrics, TokenLogprobs
+from pagedserve.core.request import FinishReason
 
 
 @dataclass
@@ -10,20 +17,9 @@ class CompletionOutput:
     text: str
     token_ids: list[int]
     cumulative_logprob: float | None = None
-    logprobs: list | None = None       # per token: TokenLogprobs
-    finish_reason: str | None = None   # "stop" | "length" | "abort"
+    logprobs: list[TokenLogprobs] | None = None  # per token
+    finish_reason: FinishReason | None = None     # a str enum: "stop" | "length" | "abort"
     stop_reason: int | str | None = None
-
-
-@dataclass
-class RequestMetrics:
-    arrival_time: float
-    first_scheduled_time: float | None
-    first_token_time: float | None
-    last_token_time: float | None
-    finished_time: float | None
-    num_preemptions: int
-    num_cached_tokens: int
 
 
 @dataclass
@@ -33,8 +29,7 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
     finished: bool
-    metrics: list[RequestMetrics] = field(default_factory=list)  # one per sample
+    metrics: list[RequestMetrics] = field(default_factory=list)  # one per sample, when finished
 
-    @property
-    def num_cached_tokens(self) -> int:
-        return max((m.num_cached_tokens for m in self.metrics), default=0)
+
+__all__ = ["CompletionOutput", "RequestMetrics", "RequestOutput"]

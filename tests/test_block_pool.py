@@ -4,7 +4,7 @@ import pytest
 
 from pagedserve.core.block_pool import BlockPool
 from pagedserve.core.kv_cache import KVCacheManager
-from pagedserve.request import Request
+from pagedserve.core.request import Request
 from pagedserve.sampling import SamplingParams
 
 
@@ -32,17 +32,17 @@ def test_allocate_slots_takes_only_what_tokens_need_and_fails_cleanly():
     pool = BlockPool(4)
     kv = KVCacheManager(pool, block_size=4)
     r = req("a", list(range(5)))
-    assert kv.allocate_slots(r, 5)          # 5 tokens -> 2 blocks
+    assert kv.allocate_slots(r, 5) is not None  # 5 tokens -> 2 blocks
     assert kv.num_blocks_held("a") == 2
     r.num_computed_tokens = 5
-    assert kv.allocate_slots(r, 3)          # tokens 6..8 still fit block 2
+    assert kv.allocate_slots(r, 3) is not None  # tokens 6..8 still fit block 2
     assert kv.num_blocks_held("a") == 2
     r.num_computed_tokens = 8
-    assert kv.allocate_slots(r, 1)          # token 9 needs a third block
+    assert kv.allocate_slots(r, 1) is not None  # token 9 needs a third block
     assert kv.num_blocks_held("a") == 3
     other = req("b", list(range(9)))
     before = (pool.num_free_blocks, dict(kv.block_tables))
-    assert not kv.allocate_slots(other, 9)  # needs 3, 1 free: nothing changes
+    assert kv.allocate_slots(other, 9) is None  # needs 3, 1 free: nothing changes
     assert (pool.num_free_blocks, dict(kv.block_tables)) == before
     kv.free(r)
     assert pool.num_free_blocks == 4
@@ -52,20 +52,19 @@ def test_prefix_cache_reuse_and_eviction():
     pool = BlockPool(4, enable_caching=True)
     kv = KVCacheManager(pool, block_size=2)
     first = req("a", [1, 2, 3, 4, 5])
-    assert kv.allocate_slots(first, 5)
+    assert kv.allocate_slots(first, 5) is not None
     first.num_computed_tokens = 5
-    kv.cache_full_blocks(first)             # blocks [1,2] and [3,4] are full
+    kv.cache_blocks(first, 5)               # blocks [1,2] and [3,4] are full
     kv.free(first)
     assert pool.num_free_blocks == 4 and len(pool.hash_to_block) == 2
     second = req("b", [1, 2, 3, 4, 9, 9])
-    hits = kv.find_cached_prefix(second)
-    assert len(hits) == 2
-    second.num_computed_tokens = 4
-    assert kv.allocate_slots(second, 2, hits)
+    hits, num_hit_tokens = kv.get_computed_blocks(second)
+    assert len(hits) == 2 and num_hit_tokens == 4
+    assert kv.allocate_slots(second, 2, num_hit_tokens, hits) is not None
     assert [b.block_id for b in kv.block_tables["b"][:2]] == [b.block_id for b in hits]
     assert all(b.ref_cnt == 1 for b in hits)
     # the last token is never served from cache
-    assert len(kv.find_cached_prefix(req("c", [1, 2, 3, 4]))) == 1
+    assert len(kv.get_computed_blocks(req("c", [1, 2, 3, 4]))[0]) == 1
     kv.free(second)
     # allocating everything evicts all cached hashes
     pool.allocate(4)

@@ -11,7 +11,8 @@ from hypothesis import strategies as st
 from pagedserve.core.block_pool import BlockPool
 from pagedserve.core.kv_cache import KVCacheManager, cdiv
 from pagedserve.core.scheduler import PreemptionCosts, Scheduler, SchedulerConfig
-from pagedserve.request import Request, RequestStatus
+from pagedserve.core.outputs import StepResult
+from pagedserve.core.request import Request, RequestStatus
 from pagedserve.sampling import SamplingParams
 
 EOS = 0
@@ -35,16 +36,16 @@ def check_invariants(sched: Scheduler, pool: BlockPool, out=None) -> None:
     for h, b in pool.hash_to_block.items():
         assert b.block_hash == h
     # Host pool: swapped requests (and only they) hold host blocks, one per computed block.
-    host = sched.host_pool
+    host = kv.host_pool
     if host is not None:
-        held = [b for t in sched.host_tables.values() for b in t]
+        held = [b for t in kv.host_tables.values() for b in t]
         assert len(held) == len({b.block_id for b in held})
         assert host.num_used_blocks == len(held)
         assert all(b.ref_cnt == 1 for b in held)
-        assert set(sched.host_tables) == {r.request_id for r in sched.swapped}
+        assert set(kv.host_tables) == {r.request_id for r in sched.swapped}
         for r in sched.swapped:
             assert r.status == RequestStatus.SWAPPED and r.request_id not in kv.block_tables
-            assert len(sched.host_tables[r.request_id]) == cdiv(r.num_computed_tokens, kv.block_size)
+            assert len(kv.host_tables[r.request_id]) == cdiv(r.num_computed_tokens, kv.block_size)
     else:
         assert not sched.swapped
     # Only running requests hold blocks, and no more than their tokens need.
@@ -58,7 +59,7 @@ def check_invariants(sched: Scheduler, pool: BlockPool, out=None) -> None:
         assert sum(r.num_new_tokens for r in out.scheduled) == out.num_batched_tokens
         assert len(out.scheduled) <= sched.config.max_num_seqs
         for r in out.scheduled:
-            assert len(r.block_ids) >= cdiv(r.context_len, kv.block_size)
+            assert kv.num_blocks_held(r.request_id) >= cdiv(r.context_len, kv.block_size)
 
 
 ops = st.lists(st.tuples(st.sampled_from(["add", "add", "step", "step", "step", "abort"]),
@@ -83,7 +84,7 @@ def test_random_interleavings_keep_invariants(ops, num_blocks, block_size, budge
     sched = Scheduler(SchedulerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=budget,
                                       max_model_len=max_model_len, enable_chunked_prefill=chunked,
                                       scheduling_policy=policy, preemption_mode=mode),
-                      KVCacheManager(pool, block_size), host_pool=host, costs=costs)
+                      KVCacheManager(pool, block_size, host), costs=costs)
     rng = random.Random(0)
     next_id = 0
     shared_prefix = [7] * 40  # lets prefix caching find hits
@@ -104,7 +105,7 @@ def test_random_interleavings_keep_invariants(ops, num_blocks, block_size, budge
             out = sched.schedule()
             check_invariants(sched, pool, out)
             sampled = {r.request_id: rng.choice([EOS, 3, 5, 8]) for r in out.scheduled if r.sample}
-            sched.update_from_output(out, sampled)
+            sched.update_from_output(out, StepResult(sampled))
         check_invariants(sched, pool)
     # Drain: everything must finish (no request stuck) and every block come back.
     for _ in range(10_000):
@@ -113,9 +114,9 @@ def test_random_interleavings_keep_invariants(ops, num_blocks, block_size, budge
         out = sched.schedule()
         check_invariants(sched, pool, out)
         assert out.scheduled, "requests remain but nothing could be scheduled"
-        sched.update_from_output(out, {r.request_id: 3 for r in out.scheduled if r.sample})
+        sched.update_from_output(out, StepResult({r.request_id: 3 for r in out.scheduled if r.sample}))
     assert not sched.has_unfinished()
     assert pool.num_free_blocks == pool.num_blocks
     assert not sched.kv.block_tables
     if host is not None:
-        assert host.num_free_blocks == host.num_blocks and not sched.host_tables
+        assert host.num_free_blocks == host.num_blocks and not sched.kv.host_tables

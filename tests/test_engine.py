@@ -98,7 +98,7 @@ def test_bad_requests_change_nothing(llm, prompt, params, field):
     e = llm.engine
     with pytest.raises(ValueError, match=field):
         llm.generate([[1, 2, 3], prompt], [SamplingParams(max_tokens=2), params], use_tqdm=False)
-    assert pool_is_whole(llm) and not e.groups
+    assert pool_is_whole(llm) and not e.output_processor.requests
 
 
 @pytest.mark.parametrize("kw,knob", [

@@ -199,7 +199,7 @@ def test_periodic_log_line(server, client, model, caplog):
 
 def test_busy_ratio_window_and_buckets():
     m = EngineMetrics("m", 100, log_interval=0, busy_window=1.0)
-    from pagedserve.core.scheduler import SchedulerStats
+    from pagedserve.core.outputs import SchedulerStats
     m._window_start = 0.0
     m.record_step(SchedulerStats(), duration=0.5, forward_time=0.25, num_batched_tokens=3)
     m.tick(now=1.0)

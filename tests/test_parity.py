@@ -107,7 +107,7 @@ def test_preemption(llama_case, mode, caching):
     if mode == "swap":
         assert by_mode["swap"] > 0 and sched.total_blocks_swapped["in"] > 0
     assert sched.total_blocks_swapped["in"] == sched.total_blocks_swapped["out"]
-    assert sched.host_pool is None or sched.host_pool.num_free_blocks == sched.host_pool.num_blocks
+    assert sched.kv.host_pool is None or sched.kv.host_pool.num_free_blocks == sched.kv.host_pool.num_blocks
     assert_same(got, ref)
 
 

@@ -8,7 +8,7 @@ from transformers.generation.logits_process import (MinPLogitsWarper, Repetition
                                                     TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper)
 
 from pagedserve import LLM, SamplingParams
-from pagedserve.core.scheduler import ScheduledRequest
+from pagedserve.worker.model_runner import CachedRequestState
 from pagedserve.worker.sampler import Sampler, processed_probs
 
 
@@ -38,7 +38,8 @@ def test_filtered_distribution_matches_hf(kw):
 
 
 def _sched(rid, params, prompt=(1, 2, 3), output=()):
-    return ScheduledRequest(rid, 0, [1], [0], True, params, list(prompt), list(output))
+    """A request as the runner holds it when sampling: prompt, then the outputs fed so far."""
+    return CachedRequestState(rid, list(prompt), params, list(prompt) + list(output), [0])
 
 
 def test_repetition_penalty_matches_hf():

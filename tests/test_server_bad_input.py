@@ -33,7 +33,7 @@ def engine_state(server) -> tuple:
     ae = server.async_engine
     e = ae.engine
     return (e.kv_cache_manager.num_used_blocks, e.block_pool.free_queue.num_free, e.scheduler.num_waiting,
-            e.scheduler.num_running, len(e.groups), ae.num_waiting, len(ae._commands), len(ae._tracked))
+            e.scheduler.num_running, len(e.output_processor.requests), ae.num_waiting, len(ae._commands), len(ae._queues))
 
 
 def post(server, path: str, body=None, headers=AUTH, **kw) -> httpx.Response:
@@ -198,11 +198,11 @@ def test_failure_in_one_request_fails_only_that_request(server, model):
     failed = []
     boom = ae.engine.tokenize("boom")
 
-    def flaky(tracked, out):
+    def flaky(queue, out):
         if out.prompt_token_ids == boom:
             failed.append(out.request_id)
             raise RuntimeError("injected failure")
-        return original(tracked, out)
+        return original(queue, out)
 
     ae._process_output = flaky
     try:

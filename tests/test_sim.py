@@ -10,6 +10,7 @@ import pytest
 
 from pagedserve.bench.workloads import WorkloadRequest, make_workload
 from pagedserve.config import EngineConfig
+from pagedserve.core.engine_core import StepTrace
 from pagedserve.plan.kv_budget import ModelShape
 from pagedserve.sim.cost_model import CostModel, CostParams, ModelCost, fit, step_features
 from pagedserve.sim.executor import SimExecutor
@@ -135,11 +136,11 @@ def test_fit_recovers_known_constants():
         n = rng.randint(1, 8)
         new = [rng.choice([1, 1, 1, rng.randint(2, 600)]) for _ in range(n)]
         ctx = [k + rng.randint(0, 900) for k in new]
-        records.append({"num_reqs": n, "new_tokens": new, "context_lens": ctx, "duration": cm.predict(new, ctx)})
+        records.append(StepTrace(new_tokens=new, context_lens=ctx, duration=cm.predict(new, ctx)))
     params, report = fit(records, m, unit_params())
     fitted = CostModel(m, params)
     for r in records[:50]:
-        assert fitted.predict(r["new_tokens"], r["context_lens"]) == pytest.approx(r["duration"], rel=0.02)
+        assert fitted.predict(r.new_tokens, r.context_lens) == pytest.approx(r.duration, rel=0.02)
     assert report["mean_abs_rel_error"] < 0.01
     # Constants are near the truth; the per-prompt-chunk term is partly collinear with
     # prefill FLOPs, so they are not exactly identifiable: predictions are what must match.
@@ -201,6 +202,9 @@ class Recorder:
                            tuple(out.preempted_ids), len(out.blocks_to_swap_out), len(out.blocks_to_swap_in)))
         return self.inner.execute(out)
 
+    def __getattr__(self, name):  # the rest of the Executor protocol: the inner executor's
+        return getattr(self.inner, name)
+
 
 ENGINE_KW = dict(max_num_seqs=6, max_num_batched_tokens=96, max_model_len=512, num_kv_blocks=40, block_size=16,
                  enable_prefix_caching=False)
@@ -211,8 +215,9 @@ def run_engine_on_virtual_clock(model_dir, workload, executor, **kw):
     from pagedserve.engine import Engine
     from pagedserve.sampling import SamplingParams
 
-    engine = Engine(EngineConfig(model=str(model_dir), **kw), executor=executor, tokenizer=None)
     clock = VirtualClock()
+    executor.inner.clock = clock  # the step takes its simulated time, as in simulate()
+    engine = Engine(EngineConfig(model=str(model_dir), **kw), executor=executor, tokenizer=None)
     engine.scheduler.clock = clock
     order = sorted(range(len(workload)), key=lambda i: workload[i].arrival_time)
     idx = 0
@@ -227,19 +232,19 @@ def run_engine_on_virtual_clock(model_dir, workload, executor, **kw):
             clock.now = workload[order[idx]].arrival_time
             continue
         engine.step()
-        clock.now += engine.last_step_result.duration
     return engine
 
 
-@pytest.mark.parametrize("mode", ["recompute", "swap"])
+@pytest.mark.parametrize("mode", ["recompute", "swap", "auto"])
 def test_simulator_makes_the_engines_decisions(tmp_path, mode):
     model_dir = write_config(tmp_path / "m")
-    kw = dict(ENGINE_KW, preemption_mode=mode, swap_space="1MiB" if mode == "swap" else 0)
+    kw = dict(ENGINE_KW, preemption_mode=mode, swap_space=0 if mode == "recompute" else "1MiB")
     workload = make_workload("random", 30, request_rate=40.0, seed=5, input_len=120, output_len=60,
                              range_ratio=0.5, vocab_size=512)
     dep = build_deployment(EngineConfig(**kw), str(model_dir), cost_params=cpu_params())
-    sim_rec = Recorder(SimExecutor(dep.cost_model, dep.vocab_size, seed=7))
-    result = simulate(dep, workload, executor=sim_rec)
+    sim_clock = VirtualClock()
+    sim_rec = Recorder(SimExecutor(dep.cost_model, dep.vocab_size, seed=7, clock=sim_clock))
+    result = simulate(dep, workload, executor=sim_rec, clock=sim_clock)
 
     eng_rec = Recorder(SimExecutor(dep.cost_model, dep.vocab_size, seed=7))
     engine = run_engine_on_virtual_clock(model_dir, workload, eng_rec, **kw)
@@ -248,8 +253,16 @@ def test_simulator_makes_the_engines_decisions(tmp_path, mode):
     assert len(sim_rec.steps) == len(eng_rec.steps)
     assert sim_rec.steps == eng_rec.steps  # same batches, same chunks, same preemptions, same swaps
     assert result.num_preemptions == engine.scheduler.total_preemptions > 0
+    assert result.preemptions_by_mode == engine.scheduler.total_preemptions_by_mode
     assert result.metrics["completed"] == 30
     assert engine.block_pool.num_free_blocks == 40
+    if mode == "auto":
+        # Both measured their costs through the same executor calls at build time and kept
+        # the recompute estimate current from the same steps: the same numbers at the end.
+        initial = SimExecutor(dep.cost_model).profile_prefill(min(256, ENGINE_KW["max_num_batched_tokens"]))
+        sim_costs, eng_costs = result.preemption_costs, engine.scheduler.costs
+        assert sim_costs == eng_costs and sim_costs.prefill_seconds_per_token != initial
+        assert result.preemptions_by_mode["swap"] > 0
 
 
 def test_simulator_records_and_timeline(tmp_path):

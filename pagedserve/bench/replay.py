@@ -12,6 +12,7 @@ import time
 from typing import Callable, Sequence
 
 from pagedserve.bench.workloads import WorkloadRequest
+from pagedserve.engine.output_processor import OutputKind
 from pagedserve.sampling import SamplingParams
 from pagedserve.sim.report import RequestRecord
 
@@ -40,7 +41,8 @@ def replay(engine, workload: Sequence[WorkloadRequest], *, clock: str = "wall",
             i = order[nxt]
             w = workload[i]
             try:
-                engine.add_request(str(i), w.prompt_token_ids or w.prompt, params_for(w))
+                engine.add_request(str(i), w.prompt_token_ids or w.prompt, params_for(w),
+                                   output_kind=OutputKind.DELTA)
             except ValueError as e:
                 records[i].failed, records[i].error = True, str(e)
             nxt += 1
@@ -57,8 +59,7 @@ def replay(engine, workload: Sequence[WorkloadRequest], *, clock: str = "wall",
             on_step(engine, t)
         for out in outputs:
             rec = records[int(out.request_id)]
-            n = len(out.outputs[0].token_ids)
-            rec.token_times.extend([t] * (n - len(rec.token_times)))
+            rec.token_times.extend([t] * len(out.outputs[0].token_ids))
             if rec.first_token_time is None and rec.token_times:
                 rec.first_token_time = rec.token_times[0]
             if out.finished:

@@ -1,13 +1,22 @@
-"""Per-request block tables on top of the BlockPool.
+"""The KV-cache manager: per-request block tables over the device pool, the host pool for
+swapped requests, and the prefix cache's lookups and counters.
 
-The manager knows which blocks each request holds; the pool knows the blocks. A request
-holds exactly ceil(num_computed_or_scheduled_tokens / block_size) blocks: blocks are taken
-only when the tokens that need them are scheduled, and given back the moment it ends.
+The scheduler asks it questions and gets block ids back; it never sees a table or a pool.
+
+Invariants this module keeps:
+- a running request holds exactly the blocks its computed-or-scheduled tokens need:
+  ceil(tokens / block_size), taken only when those tokens are scheduled;
+- a call that cannot be satisfied returns None and changes nothing (no partial allocation);
+- a swapped request holds host blocks only (one per device block it gave up), a running one
+  device blocks only; a finished one nothing;
+- a block's ref_cnt equals the number of tables holding it (the pool keeps the free queue).
 """
 from __future__ import annotations
 
+from typing import Sequence
+
 from pagedserve.core.block_pool import BlockPool, KVBlock
-from pagedserve.request import Request
+from pagedserve.core.request import Request
 
 
 def cdiv(a: int, b: int) -> int:
@@ -20,16 +29,22 @@ def chain_hash(parent_hash: int | None, token_ids: tuple[int, ...]) -> int:
 
 
 class KVCacheManager:
-    def __init__(self, pool: BlockPool, block_size: int) -> None:
+    def __init__(self, pool: BlockPool, block_size: int, host_pool: BlockPool | None = None) -> None:
         self.pool = pool
         self.block_size = block_size
+        self.host_pool = host_pool                     # swap space; None = recompute only
         self.block_tables: dict[str, list[KVBlock]] = {}
+        self.host_tables: dict[str, list[KVBlock]] = {}
         self._block_hashes: dict[str, list[int]] = {}  # hashes of a request's full blocks, in order
         self._num_published: dict[str, int] = {}       # leading blocks already offered to the cache
-        self.prefix_queries = 0  # tokens looked up in the prefix cache
+        self.prefix_queries = 0  # prompt tokens looked up in the prefix cache (cumulative)
         self.prefix_hits = 0     # of which found
 
-    # -- counts for metrics ---------------------------------------------------------
+    # -- pool state ---------------------------------------------------------------------
+    @property
+    def num_total_blocks(self) -> int:
+        return self.pool.num_blocks
+
     @property
     def num_free_blocks(self) -> int:
         return self.pool.num_free_blocks
@@ -48,7 +63,7 @@ class KVCacheManager:
     def num_blocks_held(self, request_id: str) -> int:
         return len(self.block_tables.get(request_id, ()))
 
-    # -- prefix cache -----------------------------------------------------------------
+    # -- prefix cache -------------------------------------------------------------------
     def _hashes_for(self, request: Request, num_full_blocks: int) -> list[int]:
         hashes = self._block_hashes.setdefault(request.request_id, [])
         bs = self.block_size
@@ -58,11 +73,12 @@ class KVCacheManager:
             hashes.append(chain_hash(parent, tuple(request.all_token_ids[i * bs:(i + 1) * bs])))
         return hashes
 
-    def find_cached_prefix(self, request: Request) -> list[KVBlock]:
-        """The longest run of cached full blocks matching the request's tokens. The last
-        token is never served from cache: its logits must be computed to sample from."""
+    def get_computed_blocks(self, request: Request) -> tuple[list[KVBlock], int]:
+        """The longest run of cached full blocks matching the request's tokens, and the number
+        of tokens they hold. The last token is never served from cache: its logits must be
+        computed to sample from. Looks only: nothing is taken until allocate_slots."""
         if not self.pool.enable_caching:
-            return []
+            return [], 0
         num_full = (request.num_tokens - 1) // self.block_size
         found: list[KVBlock] = []
         for h in self._hashes_for(request, num_full):
@@ -70,21 +86,21 @@ class KVCacheManager:
             if block is None:
                 break
             found.append(block)
-        return found
+        return found, len(found) * self.block_size
 
-    def record_prefix_lookup(self, request: Request, num_hit_tokens: int) -> None:
-        self.prefix_queries += request.num_tokens
+    def record_prefix_lookup(self, num_query_tokens: int, num_hit_tokens: int) -> None:
+        self.prefix_queries += num_query_tokens
         self.prefix_hits += num_hit_tokens
 
-    def cache_full_blocks(self, request: Request) -> None:
-        """Publish the request's newly computed full blocks to the prefix cache."""
+    def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
+        """Publish the request's full blocks up to num_computed_tokens to the prefix cache."""
         if not self.pool.enable_caching:
             return
         rid = request.request_id
         table = self.block_tables.get(rid)
         if not table:
             return
-        num_full = min(request.num_computed_tokens // self.block_size, len(table))
+        num_full = min(num_computed_tokens // self.block_size, len(table))
         done = self._num_published.get(rid, 0)
         if num_full <= done:
             return  # only blocks that became full since the last call are new
@@ -93,44 +109,75 @@ class KVCacheManager:
             self.pool.cache(table[i], hashes[i])
         self._num_published[rid] = num_full
 
-    # -- allocation -------------------------------------------------------------------
-    def allocate_slots(self, request: Request, num_new_tokens: int,
-                       cached: list[KVBlock] | None = None) -> bool:
-        """Make room for `num_new_tokens` more tokens after request.num_computed_tokens.
+    # -- allocation ---------------------------------------------------------------------
+    def allocate_slots(self, request: Request, num_new_tokens: int, num_new_computed_tokens: int = 0,
+                       new_computed_blocks: Sequence[KVBlock] = ()) -> list[int] | None:
+        """Room for `num_new_tokens` tokens after the request's computed ones and the
+        `num_new_computed_tokens` that `new_computed_blocks` (prefix-cache hits, for a request
+        holding nothing yet) bring along.
 
-        `cached` (only for a request holding nothing yet) are prefix-cache hits that the
-        request adopts; request.num_computed_tokens must already count their tokens.
-        Returns False and changes nothing if the pool cannot supply the blocks.
+        Returns the ids of the blocks appended to its table (hits first), or None and changes
+        nothing when the pool cannot supply them.
         """
-        cached = cached or []
         table = self.block_tables.get(request.request_id)
-        if cached and table:
+        if new_computed_blocks and table:
             raise RuntimeError("cached blocks can only be adopted by a request holding none")
-        held = len(table) if table else len(cached)
-        needed = max(cdiv(request.num_computed_tokens + num_new_tokens, self.block_size) - held, 0)
-        revived = sum(1 for b in cached if b.ref_cnt == 0)
+        held = (len(table) if table else 0) + len(new_computed_blocks)
+        num_tokens = request.num_computed_tokens + num_new_computed_tokens + num_new_tokens
+        needed = max(cdiv(num_tokens, self.block_size) - held, 0)
+        revived = sum(1 for b in new_computed_blocks if b.ref_cnt == 0)  # leave the free queue
         if needed + revived > self.pool.num_free_blocks:
-            return False
+            return None
         if table is None:
             table = self.block_tables[request.request_id] = []
-        for block in cached:
+        for block in new_computed_blocks:
             self.pool.touch(block)
-            table.append(block)
-        if needed:
-            table.extend(self.pool.allocate(needed))
-        return True
+        appended = list(new_computed_blocks) + (self.pool.allocate(needed) if needed else [])
+        table.extend(appended)
+        return [b.block_id for b in appended]
 
     def free(self, request: Request) -> None:
-        """Return all of the request's blocks. Reversed, so that when prefix caching keeps
-        them, a prefix's tail is evicted before its head (the head is likelier shared)."""
-        table = self.block_tables.pop(request.request_id, None)
-        self._block_hashes.pop(request.request_id, None)
-        self._num_published.pop(request.request_id, None)
+        """Return all of the request's blocks, device and host. Reversed, so that when prefix
+        caching keeps them, a prefix's tail is evicted before its head (likelier shared)."""
+        rid = request.request_id
+        table = self.block_tables.pop(rid, None)
+        self._forget_hashes(rid)
         if table:
             self.pool.free(list(reversed(table)))
+        host = self.host_tables.pop(rid, None)
+        if host:
+            self.host_pool.free(host)
 
-    def take_blocks(self, request: Request) -> list[KVBlock]:
-        """Remove the request's table without freeing it (the caller frees, e.g. after a swap copy)."""
-        self._block_hashes.pop(request.request_id, None)
-        self._num_published.pop(request.request_id, None)
-        return self.block_tables.pop(request.request_id, [])
+    def _forget_hashes(self, request_id: str) -> None:
+        self._block_hashes.pop(request_id, None)
+        self._num_published.pop(request_id, None)
+
+    # -- swap ---------------------------------------------------------------------------
+    def can_swap_out(self, request: Request) -> bool:
+        """Whether the host pool has room for all of the request's device blocks."""
+        return self.host_pool is not None and self.host_pool.num_free_blocks >= self.num_blocks_held(request.request_id)
+
+    def swap_out(self, request: Request) -> list[tuple[int, int]]:
+        """Move the request's blocks to the host pool; returns (device, host) copy pairs. The
+        device blocks are free at once: the executor copies them out before any reuse."""
+        if not self.can_swap_out(request):
+            raise RuntimeError(f"no host room to swap out {request.request_id}")
+        device = self.block_tables.pop(request.request_id, [])
+        self._forget_hashes(request.request_id)
+        host = self.host_pool.allocate(len(device))
+        self.host_tables[request.request_id] = host
+        self.pool.free(list(reversed(device)))
+        return [(d.block_id, h.block_id) for d, h in zip(device, host)]
+
+    def swap_in(self, request: Request, num_new_tokens: int) -> list[tuple[int, int]] | None:
+        """Give a swapped request device blocks for its saved KV plus `num_new_tokens`; returns
+        (host, device) copy pairs, or None and changes nothing if the pool cannot."""
+        host = self.host_tables[request.request_id]
+        needed = max(cdiv(request.num_computed_tokens + num_new_tokens, self.block_size), len(host))
+        if needed > self.pool.num_free_blocks:
+            return None
+        device = self.pool.allocate(needed)
+        self.block_tables[request.request_id] = device
+        del self.host_tables[request.request_id]
+        self.host_pool.free(host)
+        return [(h.block_id, d.block_id) for h, d in zip(host, device)]

@@ -25,7 +25,8 @@ import pagedserve
 from pagedserve.metrics import CONTENT_TYPE
 from pagedserve.outputs import RequestOutput
 from pagedserve.sampling import SamplingParams
-from pagedserve.server.async_engine import AsyncEngine, EngineDead, EngineOverloaded
+from pagedserve.engine.async_llm import AsyncLLM, EngineDead, EngineOverloaded
+from pagedserve.engine.output_processor import OutputKind
 from pagedserve.server.protocol import (ChatCompletionRequest, ChatMessage, CompletionRequest, DetokenizeRequest,
                                         ErrorResponse, TokenizeRequest)
 
@@ -71,7 +72,7 @@ class _Prompt:
 class OpenAIServer:
     """Request handling, independent of the routes: easier to read and to test."""
 
-    def __init__(self, async_engine: AsyncEngine, api_key: str | None = None) -> None:
+    def __init__(self, async_engine: AsyncLLM, api_key: str | None = None) -> None:
         self.async_engine = async_engine
         self.engine = async_engine.engine
         self.api_key = api_key
@@ -125,15 +126,15 @@ class OpenAIServer:
     def validate(self, prompts: list[_Prompt], params: SamplingParams) -> None:
         for p in prompts:
             try:
-                self.engine.validate_request(p.token_ids, params)
+                self.engine.input_processor.validate(p.token_ids, params)
             except ValueError as e:
                 raise bad_request(e) from None
 
     def tokenize_text(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        tokenizer = self.engine.tokenizer
-        if tokenizer is None:
-            raise APIError(400, "prompt: this model has no tokenizer; send token ids instead", "prompt")
-        return list(tokenizer(text, add_special_tokens=add_special_tokens).input_ids)
+        try:
+            return self.engine.input_processor.tokenize(text, add_special_tokens)
+        except ValueError as e:
+            raise bad_request(e) from None
 
     def decode(self, token_ids: list[int]) -> str:
         tokenizer = self.engine.tokenizer
@@ -182,12 +183,12 @@ class OpenAIServer:
         return _Prompt(text, self.tokenize_text(text, add_special_tokens=False))
 
     # -- running requests ------------------------------------------------------------
-    def submit(self, base_id: str, prompts: list[_Prompt], params: SamplingParams,
-               priority: int) -> tuple[asyncio.Queue, list[str]]:
+    def submit(self, base_id: str, prompts: list[_Prompt], params: SamplingParams, priority: int,
+               kind: OutputKind) -> tuple[asyncio.Queue, list[str]]:
         ids = [base_id if len(prompts) == 1 else f"{base_id}-{i}" for i in range(len(prompts))]
         try:
-            queue = self.async_engine.submit_batch([(rid, p.token_ids) for rid, p in zip(ids, prompts)], params,
-                                                   priority)
+            queue = self.async_engine.submit([(rid, p.text, p.token_ids) for rid, p in zip(ids, prompts)], params,
+                                             priority, kind)
         except EngineOverloaded as e:
             raise APIError(503, str(e), headers={"Retry-After": str(RETRY_AFTER_SECONDS)}) from None
         except EngineDead as e:
@@ -269,7 +270,7 @@ class OpenAIServer:
 
     async def completion(self, body: CompletionRequest, prompts: list[_Prompt], params: SamplingParams) -> dict:
         rid = f"cmpl-{uuid.uuid4().hex}"
-        queue, ids = self.submit(rid, prompts, params, body.priority)
+        queue, ids = self.submit(rid, prompts, params, body.priority, OutputKind.FINAL_ONLY)
         final: dict[int, RequestOutput] = {}
         async for i, out in self.results(queue, ids):
             final[i] = out
@@ -297,13 +298,13 @@ class OpenAIServer:
                 "total_tokens": num_prompt + num_generated}
 
     async def _sse(self, rid: str, obj: str, include_usage: bool, prompts: list[_Prompt], n: int,
-                   queue: asyncio.Queue, ids: list[str], opening: list[dict], make_choice) -> AsyncIterator[str]:
+                   queue: asyncio.Queue, ids: list[str], make_choice) -> AsyncIterator[str]:
         """The SSE loop both endpoints share: one chunk per step that produced tokens (even when
         their text is empty, as vLLM), a usage chunk on request, then [DONE]; an error ends the
-        stream with an OpenAI error body. `make_choice(index, comp, text_from, tok_from)` builds
-        one choice from the unsent part of a sample."""
+        stream with an OpenAI error body. Outputs are deltas: `make_choice(index, comp, first)`
+        builds one choice from what a sample gained (`first`: its first chunk)."""
         created = int(time.time())
-        sent: dict[tuple[int, int], tuple[int, int]] = {}  # (prompt, sample) -> (chars, tokens) sent
+        started: set[int] = set()
         num_generated = 0
 
         def chunk(choices: list[dict], usage=None) -> str:
@@ -313,18 +314,13 @@ class OpenAIServer:
             return f"data: {json.dumps(payload)}\n\n"
 
         try:
-            if opening:
-                yield chunk(opening)
             async for i, out in self.results(queue, ids):
                 choices = []
                 for comp in out.outputs:
-                    text_from, tok_from = sent.get((i, comp.index), (0, 0))
-                    if len(comp.token_ids) == tok_from and comp.finish_reason is None:
-                        continue  # nothing new this step
-                    choices.append(make_choice(i * n + comp.index, comp, text_from, tok_from))
-                    sent[(i, comp.index)] = (len(comp.text), len(comp.token_ids))
-                    if comp.finish_reason is not None:
-                        num_generated += len(comp.token_ids)
+                    index = i * n + comp.index
+                    choices.append(make_choice(index, comp, index not in started))
+                    started.add(index)
+                    num_generated += len(comp.token_ids)
                 if choices:
                     yield chunk(choices)
             if include_usage:
@@ -334,23 +330,21 @@ class OpenAIServer:
             yield f"data: {json.dumps(error_body(e.status, e.message, e.type, e.param))}\n\n"
             yield "data: [DONE]\n\n"
 
-    def completion_stream(self, body: CompletionRequest, prompts: list[_Prompt], params: SamplingParams,
+    def completion_stream(self, body: CompletionRequest, rid: str, prompts: list[_Prompt], params: SamplingParams,
                           queue: asyncio.Queue, ids: list[str]) -> AsyncIterator[str]:
-        rid = ids[0] if len(ids) == 1 else ids[0].rsplit("-", 1)[0]
-        opening = []
-        if body.echo:
-            opening = [{"index": i * params.n + j, "text": self._echo(body, p), "logprobs": None,
-                        "finish_reason": None, "stop_reason": None}
-                       for i, p in enumerate(prompts) for j in range(params.n)]
+        sent_chars: dict[int, int] = {}
 
-        def make_choice(index, comp, text_from, tok_from):
-            new_lps = comp.logprobs[tok_from:] if comp.logprobs is not None else None
-            return {"index": index, "text": comp.text[text_from:],
-                    "logprobs": self.completion_logprobs(new_lps, text_from) if new_lps is not None else None,
+        def make_choice(index, comp, first):
+            text = (self._echo(body, prompts[index // params.n]) if first else "") + comp.text
+            offset = sent_chars.get(index, 0)
+            sent_chars[index] = offset + len(text)
+            return {"index": index, "text": text,
+                    "logprobs": (self.completion_logprobs(comp.logprobs, offset + len(text) - len(comp.text))
+                                 if comp.logprobs is not None else None),
                     "finish_reason": comp.finish_reason, "stop_reason": comp.stop_reason}
 
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return self._sse(rid, "text_completion", include_usage, prompts, params.n, queue, ids, opening, make_choice)
+        return self._sse(rid, "text_completion", include_usage, prompts, params.n, queue, ids, make_choice)
 
     # -- /v1/chat/completions --------------------------------------------------------
     def prepare_chat(self, body: ChatCompletionRequest):
@@ -370,7 +364,7 @@ class OpenAIServer:
 
     async def chat(self, body: ChatCompletionRequest, prompt: _Prompt, params: SamplingParams, top_n: int) -> dict:
         rid = f"chatcmpl-{uuid.uuid4().hex}"
-        queue, ids = self.submit(rid, [prompt], params, body.priority)
+        queue, ids = self.submit(rid, [prompt], params, body.priority, OutputKind.FINAL_ONLY)
         final = None
         async for _, out in self.results(queue, ids):
             final = out
@@ -385,22 +379,20 @@ class OpenAIServer:
         return {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": self.model_name,
                 "choices": choices, "usage": self._usage([prompt], num_generated)}
 
-    def chat_stream(self, body: ChatCompletionRequest, prompt: _Prompt, params: SamplingParams, top_n: int,
-                    queue: asyncio.Queue, ids: list[str]) -> AsyncIterator[str]:
-        opening = [{"index": j, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                    "finish_reason": None} for j in range(params.n)]
-
-        def make_choice(index, comp, text_from, tok_from):
-            new_lps = comp.logprobs[tok_from:] if comp.logprobs is not None else None
-            new_tokens = len(comp.token_ids) > tok_from
-            delta = comp.text[text_from:]
-            return {"index": index, "delta": {"content": delta} if delta or new_tokens else {},
-                    "logprobs": self.chat_logprobs(new_lps, top_n) if new_lps is not None else None,
+    def chat_stream(self, body: ChatCompletionRequest, rid: str, prompt: _Prompt, params: SamplingParams,
+                    top_n: int, queue: asyncio.Queue, ids: list[str]) -> AsyncIterator[str]:
+        def make_choice(index, comp, first):
+            # The role comes with the first generated token, as vLLM sends it: a client timing
+            # its first chunk then measures the real time to first token.
+            delta = {"role": "assistant", "content": comp.text} if first else {"content": comp.text}
+            if not first and not comp.token_ids and not comp.text:
+                delta = {}
+            return {"index": index, "delta": delta,
+                    "logprobs": self.chat_logprobs(comp.logprobs, top_n) if comp.logprobs is not None else None,
                     "finish_reason": comp.finish_reason, "stop_reason": comp.stop_reason}
 
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return self._sse(ids[0], "chat.completion.chunk", include_usage, [prompt], params.n, queue, ids, opening,
-                         make_choice)
+        return self._sse(rid, "chat.completion.chunk", include_usage, [prompt], params.n, queue, ids, make_choice)
 
 
 async def _wait_for_disconnect(request: Request) -> None:
@@ -432,7 +424,7 @@ class _EngineStream(StreamingResponse):
     """SSE response that aborts its engine requests however it ends (also if the client leaves
     before the first chunk, when the body generator never ran its own finally)."""
 
-    def __init__(self, gen: AsyncIterator[str], async_engine: AsyncEngine, ids: list[str]) -> None:
+    def __init__(self, gen: AsyncIterator[str], async_engine: AsyncLLM, ids: list[str]) -> None:
         super().__init__(gen, media_type="text/event-stream",
                          headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         self._async_engine = async_engine
@@ -446,7 +438,7 @@ class _EngineStream(StreamingResponse):
                 self._async_engine.abort(rid)
 
 
-def build_app(async_engine: AsyncEngine, api_key: str | None = None, manage_engine: bool = True) -> FastAPI:
+def build_app(async_engine: AsyncLLM, api_key: str | None = None, manage_engine: bool = True) -> FastAPI:
     """The FastAPI app. With manage_engine the engine thread starts and stops with the app."""
     server = OpenAIServer(async_engine, api_key)
     metrics = async_engine.metrics
@@ -497,8 +489,9 @@ def build_app(async_engine: AsyncEngine, api_key: str | None = None, manage_engi
     @app.get("/health")
     async def health():
         if not async_engine.is_running:
-            return JSONResponse(error_body(503, "engine is not running", "ServiceUnavailableError", None),
-                                status_code=503)
+            detail = async_engine.dead_error
+            message = f"engine is not running: {type(detail).__name__}: {detail}" if detail else "engine is not running"
+            return JSONResponse(error_body(503, message, "ServiceUnavailableError", None), status_code=503)
         return Response(status_code=200)
 
     @app.get("/version")
@@ -523,16 +516,18 @@ def build_app(async_engine: AsyncEngine, api_key: str | None = None, manage_engi
     async def completions(body: CompletionRequest, request: Request):
         prompts, params = server.prepare_completion(body)
         if body.stream:
-            queue, ids = server.submit(f"cmpl-{uuid.uuid4().hex}", prompts, params, body.priority)
-            return _EngineStream(server.completion_stream(body, prompts, params, queue, ids), async_engine, ids)
+            rid = f"cmpl-{uuid.uuid4().hex}"
+            queue, ids = server.submit(rid, prompts, params, body.priority, OutputKind.DELTA)
+            return _EngineStream(server.completion_stream(body, rid, prompts, params, queue, ids), async_engine, ids)
         return await _unless_disconnected(request, server.completion(body, prompts, params))
 
     @app.post("/v1/chat/completions", dependencies=guarded, responses=_ERROR_RESPONSES)
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         prompt, params, top_n = server.prepare_chat(body)
         if body.stream:
-            queue, ids = server.submit(f"chatcmpl-{uuid.uuid4().hex}", [prompt], params, body.priority)
-            return _EngineStream(server.chat_stream(body, prompt, params, top_n, queue, ids), async_engine, ids)
+            rid = f"chatcmpl-{uuid.uuid4().hex}"
+            queue, ids = server.submit(rid, [prompt], params, body.priority, OutputKind.DELTA)
+            return _EngineStream(server.chat_stream(body, rid, prompt, params, top_n, queue, ids), async_engine, ids)
         return await _unless_disconnected(request, server.chat(body, prompt, params, top_n))
 
     @app.post("/tokenize", dependencies=guarded, responses=_ERROR_RESPONSES)

@@ -10,17 +10,17 @@ import uvicorn
 from pagedserve.config import EngineConfig
 from pagedserve.metrics import EngineMetrics
 from pagedserve.server.app import build_app
-from pagedserve.server.async_engine import AsyncEngine
+from pagedserve.engine.async_llm import AsyncLLM
 
 
 def build_server(config: EngineConfig, api_key: str | None = None, max_queue_len: int | None = None,
                  log_interval: float = 10.0):
     """(app, async_engine) for a fresh Engine; the engine thread starts with the app."""
-    from pagedserve.engine import Engine
+    from pagedserve.engine.llm_engine import Engine
 
     engine = Engine(config)
     metrics = EngineMetrics(engine.model_name, engine.config.max_model_len, log_interval=log_interval)
-    async_engine = AsyncEngine(engine, metrics, max_queue_len=max_queue_len)
+    async_engine = AsyncLLM(engine, metrics, max_queue_len=max_queue_len)
     return build_app(async_engine, api_key=api_key), async_engine
 
 

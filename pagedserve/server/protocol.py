@@ -1,7 +1,7 @@
 """OpenAI-compatible request bodies (pydantic), with vLLM's extra sampling fields.
 
 Only the shape is checked here (types, finite numbers); the values are checked by
-SamplingParams and Engine.validate_request, whose ValueErrors name the field. Unknown
+SamplingParams and the engine's InputProcessor.validate, whose ValueErrors name the field. Unknown
 fields are ignored, as vLLM and OpenAI do.
 """
 from __future__ import annotations

@@ -40,6 +40,7 @@ from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Iterable, Sequence
 
+from pagedserve.core.engine_core import StepTrace
 from pagedserve.plan.kv_budget import ModelShape, dtype_bytes, kv_bytes_per_token
 from pagedserve.plan.models import param_breakdown
 
@@ -303,13 +304,13 @@ def load_params(path: str | Path) -> CostParams:
 # ---------------------------------------------------------------------------------------
 # Calibration: least squares on the engine's step trace.
 # ---------------------------------------------------------------------------------------
-def read_trace(path: str | Path) -> list[dict]:
-    """One JSON object per line, as Engine._write_trace writes them."""
+def read_trace(path: str | Path) -> list[StepTrace]:
+    """One StepTrace per line, as the engine core writes them (--step-trace-path)."""
     records = []
     for line in Path(path).read_text().splitlines():
         line = line.strip()
         if line:
-            records.append(json.loads(line))
+            records.append(StepTrace.from_dict(json.loads(line)))
     if not records:
         raise ValueError(f"trace: {path} holds no step records")
     return records
@@ -334,7 +335,7 @@ def _nnls(a, b, iters: int = 50):
     return x
 
 
-def fit(records: Iterable[dict], model: ModelCost, base: CostParams, *, block_size: int = 16,
+def fit(records: Iterable[StepTrace], model: ModelCost, base: CostParams, *, block_size: int = 16,
         iterations: int = 20, trim: float = 3.0, max_factor_tokens: int = 8,
         min_factor_steps: int = 20) -> tuple[CostParams, dict]:
     """Fit MFU/MBU of both parts and the CPU overheads to logged step durations.
@@ -356,13 +357,13 @@ def fit(records: Iterable[dict], model: ModelCost, base: CostParams, *, block_si
 
     rows, y, counts, has_prefill = [], [], [], []
     for r in records:
-        if not r.get("num_reqs"):
+        if not r.num_reqs:
             continue
-        f = step_features(model, r["new_tokens"], r["context_lens"], 0, block_size, base.attention_layout)
+        f = step_features(model, r.new_tokens, r.context_lens, 0, block_size, base.attention_layout)
         rows.append((1.0, f.num_reqs, f.linear_flops, f.linear_bytes, f.attn_flops, f.attn_bytes, f.num_prefills))
-        # A whole-step time (schedule to outputs), when the trace has one, is what a step
-        # costs the server; `duration` is the executor's share only.
-        y.append(float(r.get("step_time", r["duration"])))
+        # The whole step (schedule to outputs) is what a step costs the server; `duration`
+        # is the executor's share only.
+        y.append(float(r.step_time))
         counts.append(f.num_tokens)
         has_prefill.append(f.num_prefills > 0)
     if len(rows) < 8:

@@ -1,28 +1,53 @@
-"""SimExecutor: the engine's executor interface with a cost model in place of a model.
+"""SimExecutor: the engine core's Executor with a cost model in place of a model.
 
 `execute(SchedulerOutput) -> StepResult` like worker.model_runner.ModelRunner: every
 request whose step reaches its end gets a sampled token (any valid id; requests end by
-their max_tokens, the workload's output length, since the simulator sets ignore_eos),
-and the step's duration comes from the cost model. No tensors, no torch.
+their max_tokens, the workload's output length, since the simulator sets ignore_eos), and
+the step takes the time the cost model says: the virtual clock moves by it during
+execute(), so the core stamps tokens when the step ends, as on real hardware. What auto
+preemption weighs (host copy bandwidth, prefill time per token) comes from the same cost
+model, through the calls the engine core makes of a real executor. No tensors, no torch.
 """
 from __future__ import annotations
 
 import random
 
-from pagedserve.core.scheduler import StepResult
+from pagedserve.core.outputs import StepResult
 
 
 class SimExecutor:
-    def __init__(self, cost_model, vocab_size: int = 32000, seed: int = 0) -> None:
+    def __init__(self, cost_model, vocab_size: int = 32000, seed: int = 0, clock=None) -> None:
         self.cost_model = cost_model
+        self.clock = clock  # a VirtualClock: advanced by each step's duration
         self._rng = random.Random(seed)
         self._low = min(16, max(vocab_size - 1, 0))  # skip special ids, as the workloads do
         self._high = max(vocab_size, self._low + 1)
         self._ids = [self._rng.randrange(self._low, self._high) for _ in range(4099)]
         self._next = 0
-        self.total_time = 0.0
-        self.num_steps = 0
 
+    # -- what the engine core asks at build time ---------------------------------------
+    def profile_kv_budget(self, gpu_memory_utilization: float, max_num_batched_tokens: int,
+                          max_num_seqs: int) -> int:
+        raise ValueError("kv_cache_memory: the simulator sizes the pool from `pagedserve plan` or "
+                         "--kv-cache-memory/--num-kv-blocks; it has no device to profile")
+
+    def initialize_cache(self, num_blocks: int, num_host_blocks: int) -> None:
+        pass  # no tensors
+
+    def measure_host_bandwidth(self) -> float:
+        params = self.cost_model.params
+        host = params.host_bandwidth * params.host_link_efficiency
+        if not host:  # a CPU "host pool" is a memcpy: take the calibrated KV read rate
+            host = params.mem_bandwidth * (params.attn_mbu or 1.0)
+        return host
+
+    def profile_prefill(self, num_tokens: int) -> float:
+        return self.cost_model.predict([num_tokens], [num_tokens]) / num_tokens
+
+    def shutdown(self) -> None:
+        pass
+
+    # -- the step -------------------------------------------------------------------------
     def execute(self, out) -> StepResult:
         # Token ids from a pre-drawn random cycle: as good as fresh draws for anything the
         # scheduler looks at (stop checks, prefix hashes), at a fraction of the cost.
@@ -34,6 +59,6 @@ class SimExecutor:
                 k = (k + 1) % len(ids)
         self._next = k
         duration = self.cost_model.step_time(out) if not out.is_empty else 0.0
-        self.total_time += duration
-        self.num_steps += 1
+        if self.clock is not None:
+            self.clock.now += duration
         return StepResult(sampled=sampled, duration=duration, forward_time=duration)

@@ -31,9 +31,10 @@ from typing import Callable, Sequence
 
 from pagedserve.bench.workloads import WorkloadRequest
 from pagedserve.config import EngineConfig, resolve_dtype
-from pagedserve.core.scheduler import Scheduler
-from pagedserve.plan.kv_budget import blocks_per_request
-from pagedserve.request import Request
+from pagedserve.core.engine_core import (EngineCore, check_pool_fits, check_request_length, num_host_blocks_for,
+                                         size_pool)
+from pagedserve.core.request import Request
+from pagedserve.plan.kv_budget import KVPoolSize
 from pagedserve.sampling import SamplingParams
 from pagedserve.sim.cost_model import CostModel, CostParams, ModelCost, load_params
 from pagedserve.sim.executor import SimExecutor
@@ -66,32 +67,20 @@ class Deployment:
     bytes_per_block: int = 0    # one rank's bytes per KV block (sizes the host swap pool)
 
     @property
+    def pool(self) -> KVPoolSize:
+        """One rank's pool, as the engine core is built with it."""
+        block_size = self.config.block_size
+        return KVPoolSize(self.num_blocks, block_size, self.bytes_per_block // block_size)
+
+    @property
     def num_host_blocks(self) -> int:
         """The host swap pool, as the engine sizes it: swap_space // bytes_per_block."""
-        if self.config.preemption_mode == "recompute" or not self.bytes_per_block:
-            return 0
-        return int(self.config.swap_space // self.bytes_per_block)
-
-    def preemption_costs(self):
-        """What `auto` preemption weighs, from the cost model (the engine measures them)."""
-        from pagedserve.core.scheduler import PreemptionCosts
-
-        params = self.cost_model.params
-        host = params.host_bandwidth * params.host_link_efficiency
-        if not host:  # a CPU "host pool" is a memcpy: take the calibrated KV read rate
-            host = params.mem_bandwidth * (params.attn_mbu or 1.0)
-        n = min(256, self.config.max_num_batched_tokens)
-        per_token = self.cost_model.predict([n], [n]) / n
-        return PreemptionCosts(bytes_per_block=self.bytes_per_block, host_bandwidth=host,
-                               prefill_seconds_per_token=per_token)
+        return num_host_blocks_for(self.config, self.pool)
 
 
-def build_scheduler(deployment: Deployment, clock) -> Scheduler:
-    """The core, built the way Engine.__init__ builds it (same from_config, same host pool)."""
-    config = deployment.config
-    num_host = deployment.num_host_blocks
-    costs = deployment.preemption_costs() if config.preemption_mode == "auto" and num_host else None
-    return Scheduler.from_config(config, deployment.num_blocks, clock=clock, num_host_blocks=num_host, costs=costs)
+def build_core(deployment: Deployment, executor, clock) -> EngineCore:
+    """The engine's own core, built by the engine's own factory, on a virtual clock."""
+    return EngineCore.build(deployment.config, executor, deployment.pool, clock=clock)
 
 
 def build_deployment(config: EngineConfig, model: str, *, gpu: str | None = None, tp: int = 1,
@@ -132,8 +121,6 @@ def build_deployment(config: EngineConfig, model: str, *, gpu: str | None = None
         mcost = ModelCost.from_shape(shape, weight_dtype, plan.kv_dtype, tp)
         device = spec.name
     else:
-        from pagedserve.engine import size_pool
-
         if tp != 1:
             raise ValueError("tensor_parallel_size: the CPU engine runs one rank; use --gpu for TP")
         config.device = "cpu"
@@ -149,11 +136,7 @@ def build_deployment(config: EngineConfig, model: str, *, gpu: str | None = None
         params = cost_params
         mcost = ModelCost.from_shape(shape, dtype, dtype, 1)
         device = "cpu"
-    need = blocks_per_request(config.max_model_len, config.block_size)
-    if num_blocks < need:
-        raise ValueError(f"kv_cache_memory: the KV pool holds {num_blocks} blocks but one request of "
-                         f"max_model_len={config.max_model_len} needs {need}; lower --max-model-len or give "
-                         f"the pool more memory")
+    check_pool_fits(KVPoolSize(num_blocks, config.block_size, bytes_per_block // config.block_size), config)
     return Deployment(config, num_blocks, CostModel(mcost, params, config.block_size), info.name,
                       shape.vocab_size or 32000, device, tp, note, bytes_per_block)
 
@@ -201,6 +184,7 @@ class SimResult:
     sim_wall_s: float
     busy_time: float
     preemptions_by_mode: dict = field(default_factory=dict)
+    preemption_costs: object = None  # auto mode: what the core weighed at the end (PreemptionCosts)
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
 
@@ -297,17 +281,19 @@ def _prompt_ids(w: WorkloadRequest, index: int, vocab_size: int, rng: random.Ran
 
 def simulate(deployment: Deployment, workload: Sequence[WorkloadRequest], *, max_concurrency: int | None = None,
              goodput_slos: dict[str, float] | None = None, executor=None, seed: int = 0,
-             on_step: Callable | None = None, max_steps: int | None = None) -> SimResult:
-    """Run `workload` through the deployment's scheduler on a virtual clock.
+             on_step: Callable | None = None, max_steps: int | None = None,
+             clock: VirtualClock | None = None) -> SimResult:
+    """Run `workload` through the deployment's engine core on a virtual clock.
 
-    `executor` defaults to SimExecutor(deployment.cost_model); tests pass a recording one.
-    `on_step(out, result, now)` is called after every step (for checks and debugging).
+    `executor` defaults to SimExecutor(deployment.cost_model) advancing `clock`; tests pass
+    a recording one that advances the clock they pass. `on_step(core_outputs)` is called
+    after every step.
     """
     wall0 = time.perf_counter()
     config = deployment.config
-    clock = VirtualClock()
-    scheduler = build_scheduler(deployment, clock)
-    executor = executor or SimExecutor(deployment.cost_model, deployment.vocab_size, seed)
+    clock = clock or VirtualClock()
+    executor = executor or SimExecutor(deployment.cost_model, deployment.vocab_size, seed, clock=clock)
+    core = build_core(deployment, executor, clock)
     vocab = deployment.vocab_size
     id_rng = random.Random(seed) if config.enable_prefix_caching else None
     if max_concurrency is not None and max_concurrency < 1:
@@ -338,68 +324,63 @@ def simulate(deployment: Deployment, workload: Sequence[WorkloadRequest], *, max
             sent = max(w.arrival_time, slot_free_at) if max_concurrency is not None else w.arrival_time
             rec = RequestRecord(str(i), sent, w.prompt_len, w.output_len)
             records[i] = rec
-            if w.prompt_len >= max_len or w.prompt_len + w.output_len > max_len:
+            try:
+                check_request_length(w.prompt_len, w.output_len, max_len)
+            except ValueError as e:
                 rec.failed = True  # the engine rejects it with a 400 before it is queued
-                rec.error = f"prompt {w.prompt_len} + output {w.output_len} tokens exceed max_model_len {max_len}"
+                rec.error = str(e)
                 continue
             params = SamplingParams(max_tokens=w.output_len, ignore_eos=True)
-            req = Request(rec.request_id, _prompt_ids(w, i, vocab, id_rng), params, frozenset(), sent,
-                          0, max_len)
-            scheduler.add_request(req)
+            core.add_request(Request(rec.request_id, _prompt_ids(w, i, vocab, id_rng), params, frozenset(), sent,
+                                     0, max_len))
             live[rec.request_id] = rec
             in_flight += 1
 
+    scheduler = core.scheduler
     while True:
         admit()
-        if not scheduler.has_unfinished():
+        if not core.has_unfinished_requests():
             if next_idx >= len(order):
                 break
             clock.now = max(clock.now, workload[order[next_idx]].arrival_time)
             continue
-        out = scheduler.schedule()
-        if out.is_empty:
-            # Nothing can run: only an arrival can change that (the engine would idle).
+        outs = core.step()
+        st = outs.stats
+        if not st.num_batched_tokens and not st.num_blocks_swapped_out and not st.num_blocks_swapped_in:
+            # Nothing could run: only an arrival can change that (the engine would idle).
             if next_idx < len(order) and (max_concurrency is None or in_flight < max_concurrency):
                 clock.now = max(clock.now, workload[order[next_idx]].arrival_time)
                 continue
-            raise RuntimeError(f"simulation stuck at t={clock.now:.3f}s: {scheduler.num_waiting} waiting, "
-                               f"{scheduler.num_running} running, nothing schedulable")
-        result = executor.execute(out)
-        clock.now += result.duration
-        busy += result.duration
-        # Record preemption counts before update_from_output may finish the request.
-        for rid in out.preempted_ids:
-            rec = live.get(rid)
-            if rec is not None:
-                rec.num_preemptions += 1
-        updated, finished = scheduler.update_from_output(out, result.sampled)
-        now = clock.now
-        for req in updated:
-            rec = live[req.request_id]
+            raise RuntimeError(f"simulation stuck at t={clock.now:.3f}s: {st.num_waiting} waiting, "
+                               f"{st.num_running} running, nothing schedulable")
+        busy += outs.execute_time
+        now = outs.timestamp
+        for out in outs.outputs:
+            rec = live[out.request_id]
             if rec.first_token_time is None:
                 rec.first_token_time = now
             rec.token_times.append(now)
-        for req in finished:
-            rec = live.pop(req.request_id)
-            rec.finish = now
-            in_flight -= 1
-            slot_free_at = now
-        st = out.stats
-        n_pre = len(out.preempted_ids)
+            if out.finished:
+                live.pop(out.request_id)
+                rec.finish = now
+                rec.num_preemptions = out.num_preemptions
+                in_flight -= 1
+                slot_free_at = now
+        n_pre = sum(st.num_preempted.values())
         preemptions += n_pre
         recomputed += st.num_recomputed_tokens
         swapped_out += st.num_blocks_swapped_out
         swapped_in += st.num_blocks_swapped_in
         timeline.time.append(now)
-        timeline.num_running.append(scheduler.num_running)
-        timeline.num_waiting.append(scheduler.num_waiting)
+        timeline.num_running.append(st.num_running)
+        timeline.num_waiting.append(st.num_waiting)
         timeline.num_swapped.append(st.num_swapped)
-        timeline.kv_usage.append(scheduler.kv.usage)
-        timeline.num_batched_tokens.append(out.num_batched_tokens)
+        timeline.kv_usage.append(st.kv_usage)
+        timeline.num_batched_tokens.append(st.num_batched_tokens)
         timeline.num_preempted.append(n_pre)
         steps += 1
         if on_step is not None:
-            on_step(out, result, now)
+            on_step(outs)
         if max_steps is not None and steps >= max_steps:
             break
 
@@ -408,4 +389,5 @@ def simulate(deployment: Deployment, workload: Sequence[WorkloadRequest], *, max
     metrics = compute_metrics(records, duration, goodput_slos=goodput_slos)
     return SimResult(records, metrics, timeline, steps, deployment.num_blocks, preemptions, recomputed,
                      swapped_out, swapped_in, time.perf_counter() - wall0, busy,
-                     dict(scheduler.total_preemptions_by_mode), scheduler.kv.prefix_queries, scheduler.kv.prefix_hits)
+                     dict(scheduler.total_preemptions_by_mode), scheduler.costs, scheduler.kv.prefix_queries,
+                     scheduler.kv.prefix_hits)

@@ -1,19 +1,24 @@
-"""ModelRunner: the real executor. execute(SchedulerOutput) -> StepResult.
+"""ModelRunner: the real executor (core.executor.Executor). execute(SchedulerOutput) -> StepResult.
 
 It owns the model, the device KV pool ([layers, 2, num_blocks * block_size, kv_heads,
-head_dim]) and the sampler; it never calls back into the scheduler.
+head_dim]), the sampler, and what it has been told about each request (CachedRequestState):
+the scheduler sends a request's prompt and parameters once, then per-step diffs (new
+tokens, new blocks). It never calls back into the scheduler.
 """
 from __future__ import annotations
 
 import ctypes
 import logging
 import time
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from pagedserve.attention.torch_backend import build_metadata
-from pagedserve.core.scheduler import SchedulerOutput, StepResult
+from pagedserve.core.outputs import StepResult
+from pagedserve.core.scheduler import NewRequestData, ScheduledRequest, SchedulerOutput
+from pagedserve.sampling import SamplingParams
 from pagedserve.model.loader import TORCH_DTYPES, ModelConfig, load_model
 from pagedserve.worker.sampler import Sampler
 
@@ -49,6 +54,34 @@ def allocate_zeroed(shape: tuple, dtype: torch.dtype, device: torch.device) -> t
     return torch.from_numpy(raw).view(dtype)
 
 
+@dataclass
+class CachedRequestState:
+    """What the runner keeps about one request between steps."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    token_ids: list[int]        # every token whose position the runner has seen: prompt, then fed outputs
+    block_ids: list[int]
+
+    @classmethod
+    def new(cls, data: NewRequestData) -> "CachedRequestState":
+        return cls(data.request_id, data.prompt_token_ids, data.sampling_params, list(data.prompt_token_ids), [])
+
+    def apply(self, sr: ScheduledRequest) -> None:
+        self.token_ids[sr.start_pos:sr.context_len] = sr.token_ids
+        if sr.resumed:
+            self.block_ids = list(sr.new_block_ids)
+        elif sr.new_block_ids:
+            self.block_ids.extend(sr.new_block_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        """Output tokens fed so far: all of them when this step samples. A copy: only
+        penalties need it."""
+        return self.token_ids[len(self.prompt_token_ids):]
+
+
 class ModelRunner:
     def __init__(self, model_config: ModelConfig, dtype: str, device: str, block_size: int,
                  eos_token_ids: frozenset[int], seed: int) -> None:
@@ -63,8 +96,9 @@ class ModelRunner:
         self.sampler = Sampler(eos_token_ids, seed, self.device)
         self.num_blocks = 0
         self.kv_cache = self.host_cache = None
+        self.requests: dict[str, CachedRequestState] = {}
 
-    def allocate_kv_cache(self, num_blocks: int, num_host_blocks: int = 0) -> None:
+    def initialize_cache(self, num_blocks: int, num_host_blocks: int = 0) -> None:
         """The device pool, and swap space in the same layout in host memory (pinned on
         CUDA so block copies can be asynchronous)."""
         cfg = self.model_config
@@ -77,8 +111,8 @@ class ModelRunner:
             self.host_cache = self.host_cache.pin_memory()
 
     @torch.inference_mode()
-    def profile_gpu_kv_budget(self, gpu_memory_utilization: float, max_num_batched_tokens: int,
-                              max_num_seqs: int) -> int:
+    def profile_kv_budget(self, gpu_memory_utilization: float, max_num_batched_tokens: int,
+                          max_num_seqs: int) -> int:
         """CUDA: bytes left for the KV pool = total x utilization - weights - measured
         activation peak (a dummy forward of max_num_batched_tokens, logits for max_num_seqs)
         - non-torch memory. The same subtraction `pagedserve plan` makes with estimates."""
@@ -153,10 +187,23 @@ class ModelRunner:
             torch.cuda.synchronize()
         return (time.perf_counter() - t0) / num_tokens
 
+    def _apply_diffs(self, out: SchedulerOutput) -> list[CachedRequestState]:
+        for rid in out.finished_ids:
+            self.requests.pop(rid, None)
+        self.sampler.forget(out.finished_ids)
+        for data in out.new_requests:
+            self.requests[data.request_id] = CachedRequestState.new(data)
+        states = []
+        for sr in out.scheduled:
+            state = self.requests[sr.request_id]
+            state.apply(sr)
+            states.append(state)
+        return states
+
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> StepResult:
         t0 = time.perf_counter()
-        self.sampler.forget(out.finished_ids)
+        states = self._apply_diffs(out)
         # Swap-outs first: their device blocks may be handed to others in this very step.
         if out.blocks_to_swap_out:
             self.copy_blocks(out.blocks_to_swap_out, self.kv_cache, self.host_cache)
@@ -167,35 +214,40 @@ class ModelRunner:
             result.duration = time.perf_counter() - t0
             return result
         # Decodes (one new token) first, then prefill chunks: see attention.torch_backend.
-        decodes = [r for r in out.scheduled if r.num_new_tokens == 1]
-        prefills = [r for r in out.scheduled if r.num_new_tokens > 1]
-        ordered = decodes + prefills
+        order = sorted(range(len(states)), key=lambda i: out.scheduled[i].num_new_tokens != 1)
+        decodes = [i for i in order if out.scheduled[i].num_new_tokens == 1]
+        prefills = [i for i in order if out.scheduled[i].num_new_tokens != 1]
+        sched = out.scheduled
         meta, positions = build_metadata(
-            [(np.asarray(r.block_ids, dtype=np.int64), r.start_pos) for r in decodes],
-            [(np.asarray(r.block_ids, dtype=np.int64), r.start_pos, r.num_new_tokens) for r in prefills],
+            [(np.asarray(states[i].block_ids, dtype=np.int64), sched[i].start_pos) for i in decodes],
+            [(np.asarray(states[i].block_ids, dtype=np.int64), sched[i].start_pos, sched[i].num_new_tokens)
+             for i in prefills],
             self.block_size, self.model_config.sliding_window, self.device)
-        token_ids = np.fromiter((t for r in ordered for t in r.token_ids), dtype=np.int64)
+        token_ids = np.fromiter((t for i in order for t in sched[i].token_ids), dtype=np.int64)
         input_ids = torch.from_numpy(token_ids).to(self.device)
         pos = torch.from_numpy(positions).to(self.device)
 
         # Only requests that reach their last token this step produce a token.
         last_rows, sampling = [], []
         row = 0
-        for r in ordered:
-            row += r.num_new_tokens
-            if r.sample:
+        for i in order:
+            row += sched[i].num_new_tokens
+            if sched[i].sample:
                 last_rows.append(row - 1)
-                sampling.append(r)
+                sampling.append(states[i])
         t1 = time.perf_counter()
         hidden = self.model(input_ids, pos, self.kv_cache, meta)
         if sampling:
             logits = self.model.compute_logits(hidden[torch.tensor(last_rows, device=self.device)])
             tokens, logprobs = self.sampler(logits, sampling)
-            for r, tok, lp in zip(sampling, tokens, logprobs):
-                result.sampled[r.request_id] = tok
+            for state, tok, lp in zip(sampling, tokens, logprobs):
+                result.sampled[state.request_id] = tok
                 if lp is not None:
-                    result.logprobs[r.request_id] = lp
+                    result.logprobs[state.request_id] = lp
         t2 = time.perf_counter()
         result.forward_time = t2 - t1
         result.duration = t2 - t0
         return result
+
+    def shutdown(self) -> None:
+        self.requests.clear()

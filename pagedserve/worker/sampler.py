@@ -6,19 +6,23 @@ own generator, so the same seed gives the same text whatever else shares the bat
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
-from pagedserve.core.scheduler import ScheduledRequest
+from pagedserve.core.outputs import TokenLogprobs
+from pagedserve.sampling import SamplingParams
 
 
-@dataclass
-class TokenLogprobs:
-    token_id: int
-    logprob: float
-    rank: int                       # 1 = most likely
-    top: list[tuple[int, float]]    # the `logprobs` most likely (id, logprob)
+class SamplingRow(Protocol):
+    """What the sampler reads of a request (worker.model_runner.CachedRequestState)."""
+
+    request_id: str
+    sampling_params: SamplingParams
+    prompt_token_ids: list[int]
+
+    @property
+    def output_token_ids(self) -> list[int]: ...
 
 
 class Sampler:
@@ -33,7 +37,7 @@ class Sampler:
         for rid in request_ids:
             self.generators.pop(rid, None)
 
-    def _generator(self, req: ScheduledRequest) -> torch.Generator:
+    def _generator(self, req: SamplingRow) -> torch.Generator:
         seed = req.sampling_params.seed
         if seed is None:
             return self.default_generator
@@ -43,7 +47,7 @@ class Sampler:
             gen.manual_seed(seed)
         return gen
 
-    def _apply_penalties(self, logits: torch.Tensor, reqs: list[ScheduledRequest]) -> None:
+    def _apply_penalties(self, logits: torch.Tensor, reqs: list[SamplingRow]) -> None:
         for row, req in enumerate(reqs):
             p = req.sampling_params
             if p.repetition_penalty != 1.0:
@@ -60,7 +64,7 @@ class Sampler:
                 if banned:
                     logits[row, sorted(banned)] = float("-inf")
 
-    def __call__(self, logits: torch.Tensor, reqs: list[ScheduledRequest]) -> tuple[list[int], list[TokenLogprobs | None]]:
+    def __call__(self, logits: torch.Tensor, reqs: list[SamplingRow]) -> tuple[list[int], list[TokenLogprobs | None]]:
         logits = logits.to(torch.float32, copy=True)  # penalties edit in place; keep the caller's intact
         self._apply_penalties(logits, reqs)
         want_logprobs = any(r.sampling_params.logprobs is not None for r in reqs)
@@ -93,7 +97,7 @@ class Sampler:
                 lps[row] = TokenLogprobs(tok, lp, rank, top)
         return token_list, lps
 
-    def _sample_row(self, logits: torch.Tensor, req: ScheduledRequest) -> int:
+    def _sample_row(self, logits: torch.Tensor, req: SamplingRow) -> int:
         probs = processed_probs(logits, req.sampling_params)
         # Exponential race: argmax(p / E) with E ~ Exp(1) draws index i with probability p_i.
         noise = torch.empty_like(probs).exponential_(generator=self._generator(req))

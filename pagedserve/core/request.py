@@ -1,4 +1,8 @@
-"""A request's state as the scheduler sees it, and its timestamps for metrics."""
+"""A request's state as the engine core sees it, and its timestamps for metrics.
+
+One request is one sequence: a parallel-sampling group (n > 1) is several requests, tied
+together by the front-end (engine/output_processor.py), never by parsing their ids.
+"""
 from __future__ import annotations
 
 import enum
@@ -6,6 +10,20 @@ import time
 from dataclasses import dataclass
 
 from pagedserve.sampling import SamplingParams
+
+
+class FinishReason(str, enum.Enum):
+    """Why a sequence ended, spelled as the OpenAI API spells `finish_reason`."""
+
+    STOP = "stop"
+    LENGTH = "length"
+    ABORT = "abort"
+
+    def __str__(self) -> str:
+        return self.value
+
+    def __format__(self, spec: str) -> str:
+        return format(self.value, spec)
 
 
 class RequestStatus(enum.Enum):
@@ -18,7 +36,16 @@ class RequestStatus(enum.Enum):
 
     @property
     def finished(self) -> bool:
-        return self in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_ABORTED)
+        return self in _FINISH_REASONS
+
+    @property
+    def finish_reason(self) -> FinishReason | None:
+        return _FINISH_REASONS.get(self)
+
+
+_FINISH_REASONS = {RequestStatus.FINISHED_STOPPED: FinishReason.STOP,
+                   RequestStatus.FINISHED_LENGTH: FinishReason.LENGTH,
+                   RequestStatus.FINISHED_ABORTED: FinishReason.ABORT}
 
 
 @dataclass
@@ -40,13 +67,12 @@ class Request:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
         self.all_token_ids = list(prompt_token_ids)
-        self.output_token_ids: list[int] = []
         self.sampling_params = sampling_params
         self.eos_token_ids = eos_token_ids
         self.priority = priority
         self.max_model_len = max_model_len
         self.num_computed_tokens = 0
-        self.num_cached_tokens = 0  # prompt tokens served from the prefix cache at admission
+        self.num_cached_tokens = 0  # prompt tokens served from the prefix cache at first admission
         self.status = RequestStatus.WAITING
         self.stop_reason: int | str | None = None
         self.num_preemptions = 0
@@ -62,7 +88,12 @@ class Request:
 
     @property
     def num_output_tokens(self) -> int:
-        return len(self.output_token_ids)
+        return len(self.all_token_ids) - len(self.prompt_token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        """A copy: O(output length). The step never needs it; tests and reports do."""
+        return self.all_token_ids[len(self.prompt_token_ids):]
 
     @property
     def is_finished(self) -> bool:
@@ -77,7 +108,6 @@ class Request:
         return limit if room is None else min(limit, room)
 
     def append_output_token(self, token_id: int) -> None:
-        self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)
 
     def __repr__(self) -> str:

@@ -1,0 +1,195 @@
+"""EngineCore: one step of the engine, torch-free.
+
+    step():  scheduler.schedule()            who runs, how many tokens, who is preempted
+             executor.execute(out)           the model (or the simulator's cost model)
+             scheduler.update_from_output()  advance, append tokens, token stop rules
+             -> EngineCoreOutputs            per-request deltas + this step's stats
+
+The real engine and the simulator drive this same object, built by the same factory
+(`EngineCore.build`): the same scheduler, the same preemption cost estimate and its updates,
+so for the same arrivals and step times they make the same decisions. The front-ends
+(engine.Engine, engine.AsyncLLM) add tokenization, detokenization, stop strings and
+parallel-sample groups around it; the core knows nothing of text.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Callable, Iterable
+
+from pagedserve.config import EngineConfig, PreemptionMode
+from pagedserve.core.executor import Executor
+from pagedserve.core.outputs import EngineCoreOutputs, SchedulerStats
+from pagedserve.core.request import Request, RequestStatus
+from pagedserve.core.scheduler import PreemptionCosts, Scheduler, SchedulerOutput
+from pagedserve.plan.kv_budget import KVPoolSize, ModelShape, blocks_per_request, dtype_bytes, size_kv_pool
+
+logger = logging.getLogger("pagedserve.engine")
+
+# A step computing fewer tokens than this says little about the per-token prefill cost.
+_COST_UPDATE_MIN_TOKENS = 64
+_COST_UPDATE_WEIGHT = 0.2
+
+
+@dataclass
+class StepTrace:
+    """One engine step as `--step-trace-path` records it; `pagedserve simulate calibrate`
+    fits the cost model to these."""
+
+    new_tokens: list[int]     # per scheduled request: tokens computed this step
+    context_lens: list[int]   # per scheduled request: its context after this step
+    num_swap_blocks: int = 0
+    duration: float = 0.0     # execute() only
+    step_time: float = 0.0    # the whole step: schedule, execute, update
+
+    def __post_init__(self) -> None:
+        if not self.step_time:  # traces written before step_time existed
+            self.step_time = self.duration
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.new_tokens)
+
+    @property
+    def num_reqs(self) -> int:
+        return len(self.new_tokens)
+
+    @classmethod
+    def of(cls, out: SchedulerOutput, duration: float, step_time: float) -> "StepTrace":
+        return cls(new_tokens=[r.num_new_tokens for r in out.scheduled],
+                   context_lens=[r.context_len for r in out.scheduled],
+                   num_swap_blocks=len(out.blocks_to_swap_out) + len(out.blocks_to_swap_in),
+                   duration=duration, step_time=step_time)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "StepTrace":
+        return cls(**{k: v for k, v in d.items() if k in cls.__dataclass_fields__})
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+
+def size_pool(config: EngineConfig, shape: ModelShape, dtype: str) -> KVPoolSize:
+    """How many blocks the pool gets: the very function `pagedserve plan` calls. An exact
+    num_kv_blocks (tests, reproductions) wins over bytes."""
+    pool = size_kv_pool(shape, config.kv_cache_memory or 0, kv_dtype_bytes=dtype_bytes(dtype),
+                        block_size=config.block_size)
+    if config.num_kv_blocks is not None:
+        pool = KVPoolSize(config.num_kv_blocks, config.block_size, pool.bytes_per_token)
+    return pool
+
+
+def check_pool_fits(pool: KVPoolSize, config: EngineConfig) -> None:
+    """Refuse, with the numbers, a pool that cannot hold one max_model_len request."""
+    need = blocks_per_request(config.max_model_len, config.block_size)
+    if pool.num_blocks < need:
+        raise ValueError(
+            f"kv_cache_memory: the KV pool holds {pool.num_blocks} blocks ({pool.num_tokens} tokens, "
+            f"{pool.num_bytes / 2**20:.1f} MiB at {pool.bytes_per_token} bytes per token), but one request of "
+            f"max_model_len={config.max_model_len} tokens needs {need} blocks "
+            f"({need * pool.bytes_per_block / 2**20:.1f} MiB); raise kv_cache_memory/num_kv_blocks "
+            f"or lower max_model_len")
+
+
+def check_request_length(num_prompt_tokens: int, max_tokens: int | None, max_model_len: int) -> None:
+    """Raise ValueError (naming the field) for a request that cannot fit max_model_len."""
+    if num_prompt_tokens >= max_model_len:
+        raise ValueError(f"prompt: this model's maximum context length is {max_model_len} tokens, "
+                         f"but the prompt has {num_prompt_tokens} tokens (no room for any output)")
+    if max_tokens is not None and num_prompt_tokens + max_tokens > max_model_len:
+        raise ValueError(f"max_tokens: this model's maximum context length is {max_model_len} tokens; "
+                         f"you requested {num_prompt_tokens + max_tokens} tokens ({num_prompt_tokens} in the "
+                         f"prompt, {max_tokens} for the completion)")
+
+
+def num_host_blocks_for(config: EngineConfig, pool: KVPoolSize) -> int:
+    """The host swap pool: swap_space bytes cut into blocks of the device pool's size."""
+    if config.preemption_mode == PreemptionMode.RECOMPUTE or not pool.bytes_per_block:
+        return 0
+    return int(config.swap_space // pool.bytes_per_block)
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig, scheduler: Scheduler, executor: Executor,
+                 pool: KVPoolSize, trace_path: str | None = None) -> None:
+        self.config = config
+        self.scheduler = scheduler
+        self.executor = executor
+        self.pool = pool
+        self._trace = open(trace_path, "a") if trace_path else None
+
+    @classmethod
+    def build(cls, config: EngineConfig, executor: Executor, pool: KVPoolSize,
+              clock: Callable[[], float] = time.monotonic) -> "EngineCore":
+        """The one way to make a core: check the pool, allocate it (and the host pool),
+        measure what auto preemption weighs, build the scheduler."""
+        check_pool_fits(pool, config)
+        num_host_blocks = num_host_blocks_for(config, pool)
+        if num_host_blocks:
+            logger.info("swap space: %d blocks (%.2f GiB host memory)", num_host_blocks,
+                        num_host_blocks * pool.bytes_per_block / 2**30)
+        executor.initialize_cache(pool.num_blocks, num_host_blocks)
+        costs = None
+        if config.preemption_mode == PreemptionMode.AUTO and num_host_blocks:
+            costs = PreemptionCosts(
+                bytes_per_block=pool.bytes_per_block,
+                host_bandwidth=executor.measure_host_bandwidth(),
+                prefill_seconds_per_token=executor.profile_prefill(min(256, config.max_num_batched_tokens)))
+            logger.info("auto preemption: host copy %.2f GB/s, prefill %.1f us/token",
+                        costs.host_bandwidth / 1e9, costs.prefill_seconds_per_token * 1e6)
+        scheduler = Scheduler.from_config(config, pool.num_blocks, clock=clock, num_host_blocks=num_host_blocks,
+                                          costs=costs)
+        return cls(config, scheduler, executor, pool, config.step_trace_path)
+
+    # -- requests -----------------------------------------------------------------------
+    def add_request(self, request: Request) -> None:
+        self.scheduler.add_request(request)
+
+    def finish_requests(self, request_ids: Iterable[str],
+                        status: RequestStatus = RequestStatus.FINISHED_ABORTED,
+                        stop_reason: int | str | None = None) -> None:
+        """End requests now (aborts; stop strings the front-end found): blocks return at once."""
+        for rid in request_ids:
+            self.scheduler.finish_request(rid, status, stop_reason)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # -- the step -------------------------------------------------------------------------
+    def step(self) -> EngineCoreOutputs:
+        clock = self.scheduler.clock  # wall time in the engine, virtual time in the simulator
+        t0 = clock()
+        out = self.scheduler.schedule()
+        result = self.executor.execute(out)
+        outputs = self.scheduler.update_from_output(out, result)
+        self._update_costs(out, result.forward_time)
+        self.scheduler.fill_state(out.stats)
+        t1 = clock()
+        step_time = t1 - t0
+        if self._trace is not None and not out.is_empty:
+            self._trace.write(StepTrace.of(out, result.duration, step_time).to_json() + "\n")
+            self._trace.flush()
+        return EngineCoreOutputs(outputs, out.stats, t1, step_time, result.duration, result.forward_time)
+
+    def _update_costs(self, out: SchedulerOutput, forward_time: float) -> None:
+        """Keep the recompute estimate current: prefill-heavy steps tell the per-token cost."""
+        costs = self.scheduler.costs
+        if costs is None or out.num_batched_tokens < _COST_UPDATE_MIN_TOKENS:
+            return
+        per_token = forward_time / out.num_batched_tokens
+        costs.prefill_seconds_per_token += _COST_UPDATE_WEIGHT * (per_token - costs.prefill_seconds_per_token)
+
+    def snapshot(self) -> EngineCoreOutputs:
+        """No step: the queue and pool state as of now (so gauges fall to 0 when idle)."""
+        stats = SchedulerStats()
+        self.scheduler.fill_state(stats)
+        return EngineCoreOutputs([], stats, self.scheduler.clock())
+
+    def shutdown(self) -> None:
+        if self._trace is not None:
+            self._trace.close()
+            self._trace = None
+        self.executor.shutdown()
+

@@ -1,0 +1,39 @@
+"""The executor seam: what the engine core asks of whatever runs the model.
+
+Implementations: worker.executor.UniExecutor (the model in this process), and
+sim.executor.SimExecutor (a cost model on a virtual clock, no tensors). An executor never
+calls back into the scheduler; it keeps what NewRequestData told it and applies each
+step's diffs.
+"""
+from __future__ import annotations
+
+from typing import Protocol, runtime_checkable
+
+from pagedserve.core.outputs import StepResult
+from pagedserve.core.scheduler import SchedulerOutput
+
+
+@runtime_checkable
+class Executor(Protocol):
+    def profile_kv_budget(self, gpu_memory_utilization: float, max_num_batched_tokens: int,
+                          max_num_seqs: int) -> int:
+        """Bytes a device KV pool may take (asked only when no size was configured)."""
+        ...
+
+    def initialize_cache(self, num_blocks: int, num_host_blocks: int) -> None:
+        """Allocate the device KV pool and the host swap pool (0 blocks = none)."""
+        ...
+
+    def measure_host_bandwidth(self) -> float:
+        """Bytes/s of a device <-> host block copy (auto preemption weighs it)."""
+        ...
+
+    def profile_prefill(self, num_tokens: int) -> float:
+        """Seconds per token of a prefill of `num_tokens` (auto preemption weighs it)."""
+        ...
+
+    def execute(self, out: SchedulerOutput) -> StepResult:
+        ...
+
+    def shutdown(self) -> None:
+        ...

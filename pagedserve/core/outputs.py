@@ -1,0 +1,98 @@
+"""What crosses the engine core's boundaries, as plain torch-free data.
+
+    executor  -> core:      StepResult         (sampled token and logprobs per request that sampled)
+    core -> front-end:      EngineCoreOutputs  (per-request deltas of one step + that step's stats)
+
+Deltas only: an output carries the tokens a request gained in this step, never its whole
+history, so a step costs the same at the 10th and the 10,000th token.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from pagedserve.core.request import FinishReason
+
+
+@dataclass
+class TokenLogprobs:
+    token_id: int
+    logprob: float
+    rank: int                       # 1 = most likely
+    top: list[tuple[int, float]]    # the `logprobs` most likely (id, logprob)
+
+
+@dataclass
+class StepResult:
+    """What an executor returns for one SchedulerOutput: the real model runner and the
+    simulator's cost model both produce it."""
+
+    sampled: dict[str, int] = field(default_factory=dict)   # request id -> token, for requests that sampled
+    logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)
+    duration: float = 0.0          # seconds spent in execute()
+    forward_time: float = 0.0      # of which in the model forward + sampling
+
+
+@dataclass
+class SchedulerStats:
+    """One step, as the scheduler saw it. Counts (preemptions, swaps, prefix lookups) are this
+    step's; queue and pool fields are the state after the step."""
+
+    num_batched_tokens: int = 0      # tokens computed this step (prefill chunks + decodes)
+    num_prefill_tokens: int = 0      # of which prompt (or recomputed) tokens
+    num_decode_tokens: int = 0       # of which decodes (one per running sequence)
+    num_running: int = 0
+    num_waiting: int = 0
+    num_swapped: int = 0
+    kv_usage: float = 0.0
+    num_used_blocks: int = 0
+    num_total_blocks: int = 0
+    num_total_tokens: int = 0
+    num_preempted: dict[str, int] = field(default_factory=dict)  # by mode
+    num_recomputed_tokens: int = 0
+    num_blocks_swapped_out: int = 0
+    num_blocks_swapped_in: int = 0
+    prefix_cache_queries: int = 0  # tokens looked up this step
+    prefix_cache_hits: int = 0
+
+
+@dataclass
+class RequestMetrics:
+    """One sequence's life, assembled by the front-end when it finishes."""
+
+    arrival_time: float
+    first_scheduled_time: float | None
+    first_token_time: float | None
+    last_token_time: float | None
+    finished_time: float | None
+    num_preemptions: int
+    num_cached_tokens: int
+
+
+@dataclass
+class EngineCoreOutput:
+    """What one request gained in one step (the step's time is EngineCoreOutputs.timestamp)."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_logprobs: list[TokenLogprobs] | None = None
+    finish_reason: FinishReason | None = None
+    stop_reason: int | str | None = None
+    num_preemptions: int = 0
+    first_scheduled_time: float | None = None  # on a request's first output only
+    num_cached_tokens: int = 0                 # on a request's first output only
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class EngineCoreOutputs:
+    """One engine step: the per-request deltas, the step's stats and timings."""
+
+    outputs: list[EngineCoreOutput] = field(default_factory=list)
+    stats: SchedulerStats = field(default_factory=SchedulerStats)
+    timestamp: float = 0.0          # the core's clock at the end of the step
+    step_time: float = 0.0          # wall seconds of the whole step (schedule, execute, update)
+    execute_time: float = 0.0       # of which in the executor
+    forward_time: float = 0.0       # of which in the model forward + sampling

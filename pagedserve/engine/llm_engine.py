@@ -1,0 +1,151 @@
+"""Engine: the synchronous front-end around one EngineCore (add_request / step / abort).
+
+One step, end to end:
+    engine_core.step()                  schedule -> execute -> update: per-request token deltas + stats
+    output_processor.process_outputs()  detokenize, stop strings, parallel-sample groups -> RequestOutputs
+    engine_core.finish_requests()       the samples a stop string ended give their blocks back now
+
+The core knows nothing of text; this front-end knows nothing of blocks. AsyncLLM (the
+server's front-end) is built from an Engine and drives the same three parts from a thread
+and an event loop.
+"""
+from __future__ import annotations
+
+import itertools
+import json
+import logging
+from pathlib import Path
+from typing import Sequence
+
+from pagedserve.config import EngineConfig, resolve_dtype
+from pagedserve.core.engine_core import EngineCore, size_pool
+from pagedserve.core.request import RequestStatus
+from pagedserve.engine.input_processor import InputProcessor
+from pagedserve.engine.output_processor import OutputKind, OutputProcessor, make_core_requests
+from pagedserve.outputs import RequestOutput
+from pagedserve.plan.kv_budget import ModelShape, kv_cache_log_lines
+from pagedserve.sampling import SamplingParams
+
+logger = logging.getLogger("pagedserve.engine")
+
+
+def default_model_dir() -> str:
+    from pagedserve.default_model_path import DEFAULT_MODEL_DIR
+    return str(DEFAULT_MODEL_DIR)
+
+
+class Engine:
+    def __init__(self, config: EngineConfig, executor=None, tokenizer=None) -> None:
+        from pagedserve.model.loader import read_model_config
+
+        if config.model is None:
+            config.model = default_model_dir()
+        self.config = config
+        self.model_config = read_model_config(config.model)
+        config.resolve(self.model_config.max_position_embeddings)
+        self.dtype = resolve_dtype(config.dtype, self.model_config.checkpoint_dtype, config.device)
+        self.tokenizer = tokenizer if tokenizer is not None else self._load_tokenizer()
+        self.eos_token_ids = self._eos_token_ids()
+        if executor is None:
+            from pagedserve.worker.model_runner import ModelRunner
+            executor = ModelRunner(self.model_config, self.dtype, config.device, config.block_size,
+                                   self.eos_token_ids, config.seed)
+        if config.kv_cache_memory is None and config.num_kv_blocks is None:  # CUDA: measure, then subtract
+            config.kv_cache_memory = executor.profile_kv_budget(
+                config.gpu_memory_utilization, config.max_num_batched_tokens, config.max_num_seqs)
+        self.pool_sizing = size_pool(config, ModelShape.from_hf_config(self.model_config.hf_config), self.dtype)
+        for line in kv_cache_log_lines(self.pool_sizing, config.max_model_len, device=config.device.upper()):
+            logger.info(line)
+        logger.info("KV cache pool: %.3f GiB, %d bytes per token", self.pool_sizing.num_bytes / 2**30,
+                    self.pool_sizing.bytes_per_token)
+        self.engine_core = EngineCore.build(config, executor, self.pool_sizing)
+        self.input_processor = InputProcessor(config, self.model_config.vocab_size, self.tokenizer)
+        self.output_processor = OutputProcessor(self.tokenizer)
+        self._ids = itertools.count()
+
+    @property
+    def model_name(self) -> str:
+        return self.config.served_model_name or self.model_config.name
+
+    # -- looking inside (tests, benchmarks; the step never goes through these) -------------
+    @property
+    def executor(self):
+        return self.engine_core.executor
+
+    @property
+    def scheduler(self):
+        return self.engine_core.scheduler
+
+    @property
+    def kv_cache_manager(self):
+        return self.engine_core.scheduler.kv
+
+    @property
+    def block_pool(self):
+        return self.engine_core.scheduler.kv.pool
+
+    # -- set-up helpers -------------------------------------------------------------------
+    def _load_tokenizer(self):
+        from transformers import AutoTokenizer
+        path = self.config.tokenizer or self.config.model
+        try:
+            return AutoTokenizer.from_pretrained(path)
+        except Exception as e:  # a checkpoint without tokenizer files can still run token ids
+            logger.warning("no tokenizer loaded from %s (%s); only token-id prompts will work", path, e)
+            return None
+
+    def _eos_token_ids(self) -> frozenset[int]:
+        ids: set[int] = set()
+        gen_cfg = Path(self.config.model) / "generation_config.json"
+        if gen_cfg.is_file():
+            eos = json.loads(gen_cfg.read_text()).get("eos_token_id")
+            ids.update(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+        eos = self.model_config.hf_config.get("eos_token_id")
+        ids.update(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
+            ids.add(self.tokenizer.eos_token_id)
+        return frozenset(ids)
+
+    # -- requests in -------------------------------------------------------------------
+    def tokenize(self, prompt: str) -> list[int]:
+        return self.input_processor.tokenize(prompt)
+
+    def next_request_id(self) -> str:
+        return str(next(self._ids))
+
+    def add_request(self, request_id: str | None, prompt: str | Sequence[int], params: SamplingParams | None = None,
+                    arrival_time: float | None = None, priority: int = 0,
+                    prompt_token_ids: Sequence[int] | None = None,
+                    output_kind: OutputKind = OutputKind.FINAL_ONLY) -> str:
+        """Queue a request. A text prompt is tokenized unless its `prompt_token_ids` are given."""
+        params = params or SamplingParams()
+        request_id = self.next_request_id() if request_id is None else request_id
+        text = prompt if isinstance(prompt, str) else None
+        if prompt_token_ids is not None:
+            token_ids = list(prompt_token_ids)
+        else:
+            token_ids = self.input_processor.tokenize(prompt) if isinstance(prompt, str) else list(prompt)
+        self.input_processor.validate(token_ids, params)
+        core_requests = make_core_requests(request_id, token_ids, params, self.eos_token_ids, arrival_time,
+                                           priority, self.config.max_model_len)
+        self.output_processor.add_request(request_id, text, token_ids, core_requests, output_kind)
+        for req in core_requests:
+            self.engine_core.add_request(req)
+        return request_id
+
+    def abort(self, request_id: str) -> bool:
+        """End a request now; its blocks return to the pool immediately."""
+        if request_id not in self.output_processor.requests:
+            return False
+        self.engine_core.finish_requests(self.output_processor.abort_request(request_id))
+        return True
+
+    def has_unfinished_requests(self) -> bool:
+        return len(self.output_processor) > 0
+
+    # -- the step ------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        processed = self.output_processor.process_outputs(self.engine_core.step())
+        for core_id, stop in processed.stopped:
+            self.engine_core.finish_requests([core_id], RequestStatus.FINISHED_STOPPED, stop)
+        return processed.request_outputs
