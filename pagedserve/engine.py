@@ -86,7 +86,7 @@ class Engine:
             config.model = default_model_dir()
         self.config = config
         self.model_config = read_model_config(config.model)
-        config.resolve(self.model_config.max_position_embeddings)
+        config.resolve(self.model_config.max_model_len)
         self.dtype = resolve_dtype(config.dtype, self.model_config.checkpoint_dtype, config.device)
         self.tokenizer = tokenizer if tokenizer is not None else self._load_tokenizer()
         self.eos_token_ids = self._eos_token_ids()
@@ -123,6 +123,10 @@ class Engine:
         self.scheduler = Scheduler.from_config(config, self.pool_sizing.num_blocks, num_host_blocks=num_host_blocks,
                                                costs=self.preemption_costs)
         self.kv_cache_manager = self.scheduler.kv
+        if self.model_config.rope.depends_on_prompt_len:
+            # Dynamic NTK RoPE: a long prompt's K depends on its length, so prefix-cache keys must too.
+            rope = self.model_config.rope
+            self.kv_cache_manager.extra_keys_for = lambda req: rope.prefix_cache_key(req.num_prompt_tokens)
         self.block_pool = self.kv_cache_manager.pool
         self.groups: dict[str, _Group] = {}
         self._sample_to_group: dict[str, tuple[_Group, _Sample]] = {}
