@@ -335,6 +335,9 @@ def _sliding_window(arch: str, cfg: dict) -> int | None:
             return None
         if kinds == {"sliding_attention"} and window is not None:
             return _window_value(window)
+        if "sliding_attention" in kinds and window is None:
+            raise _refuse(f"layer_types marks layers sliding_attention but no window applies (sliding_window="
+                          f"{cfg.get('sliding_window')!r}, use_sliding_window={cfg.get('use_sliding_window', False)})")
         raise _refuse(f"layer_types={sorted(kinds)} with sliding_window={window!r} "
                       f"(use_sliding_window={cfg.get('use_sliding_window', False)}): per-layer attention types "
                       "are not implemented; only all-full or all-sliding layers run")
