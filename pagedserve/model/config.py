@@ -46,7 +46,7 @@ CONFIG_FIELDS: dict[str, tuple[str, str]] = {
     "max_position_embeddings": (HONOURED, "context limit, and the reference length of dynamic NTK RoPE"),
     "tie_word_embeddings": (HONOURED, "the head reuses the embedding matrix"),
     "rope_parameters": (HONOURED, "transformers>=5 RoPE layout: rope_theta, rope_type and its factors "
-                                  "(see ROPE_KEYS); per-layer-type nesting and unknown rope_types are refused"),
+                                  "(see ROPE_TYPES); per-layer-type nesting and unknown rope_types are refused"),
     "rope_theta": (HONOURED, "transformers<5 layout; refused if it disagrees with rope_parameters.rope_theta"),
     "rope_scaling": (HONOURED, "transformers<5 layout of the RoPE scaling dict (`type` or `rope_type`); "
                                "refused if it disagrees with rope_parameters"),
