@@ -4,7 +4,12 @@ Invariants this module keeps:
 - every block is either in the free queue (ref_cnt == 0) or referenced (ref_cnt >= 1), never both;
 - a free block may still carry a hash: it is cached and reusable until it is handed out
   again, at which point its hash is dropped (eviction), oldest-freed first;
-- ref_cnt equals the number of block tables that hold the block (the manager keeps that).
+- ref_cnt equals the number of block tables that hold the block (the manager keeps that);
+- a cached block records what its KV was computed from: its own content (tokens and extra
+  keys) and its parent, the cached block before it as of the parent's `epoch`. A block's
+  epoch grows each time it is handed out for new content. A lookup serves a block only if
+  all three match, so what the prefix cache serves never rests on the hash alone: a hash
+  collision costs a cache miss, never another prompt's KV.
 """
 from __future__ import annotations
 
@@ -15,13 +20,22 @@ from dataclasses import dataclass
 class KVBlock:
     block_id: int
     ref_cnt: int = 0
-    block_hash: int | None = None
+    block_hash: bytes | None = None
+    epoch: int = 0                     # times handed out: a parent identity that outlives reuse
+    content: bytes | None = None       # set while cached: what the KV was computed from...
+    parent: "KVBlock | None" = None    # ...after this cached block...
+    parent_epoch: int = 0              # ...as it was at this epoch
     # Intrusive free-list links: no allocation or search to move a block in or out.
     prev_free: "KVBlock | None" = None
     next_free: "KVBlock | None" = None
 
     def __repr__(self) -> str:
-        return f"KVBlock({self.block_id}, ref={self.ref_cnt}, hash={self.block_hash})"
+        digest = self.block_hash.hex()[:12] if self.block_hash else None
+        return f"KVBlock({self.block_id}, ref={self.ref_cnt}, hash={digest})"
+
+    def holds(self, content: bytes, parent: "KVBlock | None", parent_epoch: int) -> bool:
+        """True if this cached block's KV was computed from `content` after exactly `parent`."""
+        return self.content == content and self.parent is parent and self.parent_epoch == parent_epoch
 
 
 class FreeBlockQueue:
@@ -74,7 +88,7 @@ class BlockPool:
         self.enable_caching = enable_caching
         self.blocks = [KVBlock(i) for i in range(num_blocks)]
         self.free_queue = FreeBlockQueue(self.blocks)
-        self.hash_to_block: dict[int, KVBlock] = {}
+        self.hash_to_block: dict[bytes, KVBlock] = {}
 
     @property
     def num_free_blocks(self) -> int:
@@ -111,8 +125,13 @@ class BlockPool:
                 self.free_queue.append(block)
 
     # -- prefix cache -------------------------------------------------------------
-    def lookup(self, block_hash: int) -> KVBlock | None:
-        return self.hash_to_block.get(block_hash)
+    def lookup(self, block_hash: bytes, content: bytes, parent: KVBlock | None) -> KVBlock | None:
+        """The cached block under `block_hash` if it holds `content` after `parent` (a block
+        this lookup chain found just before, so its epoch is current), else None."""
+        block = self.hash_to_block.get(block_hash)
+        if block is None or not block.holds(content, parent, parent.epoch if parent else 0):
+            return None
+        return block
 
     def touch(self, block: KVBlock) -> None:
         """Take a reference on a cached block, reviving it from the free queue if needed."""
@@ -120,17 +139,34 @@ class BlockPool:
             self.free_queue.remove(block)
         block.ref_cnt += 1
 
-    def cache(self, block: KVBlock, block_hash: int) -> None:
-        """Record that `block` holds the full block whose chained hash is `block_hash`."""
-        if not self.enable_caching or block.block_hash is not None:
-            return
-        if block_hash in self.hash_to_block:
-            return  # an identical block is already cached; keep the first
+    def cache(self, block: KVBlock, block_hash: bytes, content: bytes, parent: KVBlock | None,
+              parent_epoch: int) -> KVBlock | None:
+        """Publish `block` as holding `content` after `parent` (as of `parent_epoch`).
+
+        Returns the cached block that now stands for this prefix: `block`, or an identical
+        one cached earlier (the first is kept). None when nothing stands for it: caching is
+        off, the parent has been handed out again since, or the key belongs to a different
+        prefix (a hash collision); then blocks after this one cannot be published either.
+        """
+        if not self.enable_caching:
+            return None
+        if parent is not None and parent.epoch != parent_epoch:
+            return None
+        existing = self.hash_to_block.get(block_hash)
+        if existing is not None:
+            return existing if existing.holds(content, parent, parent_epoch) else None
+        if block.block_hash is not None:
+            return None  # cached under another key: its content is not this one
         block.block_hash = block_hash
+        block.content, block.parent, block.parent_epoch = content, parent, parent_epoch
         self.hash_to_block[block_hash] = block
+        return block
 
     def _evict(self, block: KVBlock) -> None:
+        """`block` is being handed out for new content: drop its cache entry and start a new epoch."""
         if block.block_hash is not None:
             if self.hash_to_block.get(block.block_hash) is block:
                 del self.hash_to_block[block.block_hash]
             block.block_hash = None
+            block.content = block.parent = None
+        block.epoch += 1

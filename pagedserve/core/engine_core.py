@@ -122,9 +122,11 @@ class EngineCore:
 
     @classmethod
     def build(cls, config: EngineConfig, executor: Executor, pool: KVPoolSize,
-              clock: Callable[[], float] = time.monotonic) -> "EngineCore":
+              clock: Callable[[], float] = time.monotonic,
+              prefix_extra_keys: Callable[[Request], bytes] | None = None) -> "EngineCore":
         """The one way to make a core: check the pool, allocate it (and the host pool),
-        measure what auto preemption weighs, build the scheduler."""
+        measure what auto preemption weighs, build the scheduler. `prefix_extra_keys` names
+        what else a request's KV depends on (see core/kv_cache.py)."""
         check_pool_fits(pool, config)
         num_host_blocks = num_host_blocks_for(config, pool)
         if num_host_blocks:
@@ -140,7 +142,7 @@ class EngineCore:
             logger.info("auto preemption: host copy %.2f GB/s, prefill %.1f us/token",
                         costs.host_bandwidth / 1e9, costs.prefill_seconds_per_token * 1e6)
         scheduler = Scheduler.from_config(config, pool.num_blocks, clock=clock, num_host_blocks=num_host_blocks,
-                                          costs=costs)
+                                          costs=costs, prefix_extra_keys=prefix_extra_keys)
         return cls(config, scheduler, executor, pool, config.step_trace_path)
 
     # -- requests -----------------------------------------------------------------------

@@ -10,33 +10,65 @@ Invariants this module keeps:
 - a swapped request holds host blocks only (one per device block it gave up), a running one
   device blocks only; a finished one nothing;
 - a block's ref_cnt equals the number of tables holding it (the pool keeps the free queue).
+
+Prefix cache keys: a full block's key is SHA-256 over its parent's key and its content (its
+token ids packed as int64, and for a request's first block the request's extra keys: what
+else its KV depends on, e.g. a LoRA id, a cache salt, or a dynamic-RoPE prompt length). So a
+key names the whole prefix, and two prefixes share one only through a SHA-256 collision.
+Lookups do not rest on that alone: the pool serves a block only if its recorded content and
+parent match (block_pool), so even a broken hash could cost hits, never correctness. Each
+key is computed once per full block of a request and kept until the request leaves.
 """
 from __future__ import annotations
 
-from typing import Sequence
+import hashlib
+from array import array
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 
 from pagedserve.core.block_pool import BlockPool, KVBlock
 from pagedserve.core.request import Request
+
+ROOT_HASH = bytes(32)  # the "parent" of a request's first block
 
 
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def chain_hash(parent_hash: int | None, token_ids: tuple[int, ...]) -> int:
-    """Hash of a full block given its parent's: equal hashes mean equal whole prefixes."""
-    return hash((parent_hash, token_ids))
+def block_content(token_ids: Sequence[int], extra_keys: bytes = b"") -> bytes:
+    """The bytes a block's KV depends on besides its parent. Tokens come first, packed at a
+    fixed 8 bytes each, so for one block size no token run can pose as extra keys."""
+    return array("q", token_ids).tobytes() + extra_keys
+
+
+def chain_hash(parent_hash: bytes | None, content: bytes) -> bytes:
+    """Key of a full block given its parent's key (None for a first block)."""
+    return hashlib.sha256((parent_hash or ROOT_HASH) + content).digest()
+
+
+@dataclass
+class _PrefixChain:
+    """A request's full blocks as the prefix cache sees them."""
+
+    hashes: list[bytes] = field(default_factory=list)
+    contents: list[bytes] = field(default_factory=list)
+    # Per published block: the cached block standing for that prefix and its epoch then,
+    # or None where nothing could be published (nothing after it can be either).
+    published: list[tuple[KVBlock, int] | None] = field(default_factory=list)
 
 
 class KVCacheManager:
-    def __init__(self, pool: BlockPool, block_size: int, host_pool: BlockPool | None = None) -> None:
+    def __init__(self, pool: BlockPool, block_size: int, host_pool: BlockPool | None = None,
+                 extra_keys_for: Callable[[Request], bytes] | None = None) -> None:
         self.pool = pool
         self.block_size = block_size
         self.host_pool = host_pool                     # swap space; None = recompute only
         self.block_tables: dict[str, list[KVBlock]] = {}
         self.host_tables: dict[str, list[KVBlock]] = {}
-        self._block_hashes: dict[str, list[int]] = {}  # hashes of a request's full blocks, in order
-        self._num_published: dict[str, int] = {}       # leading blocks already offered to the cache
+        # What a request's KV depends on besides its tokens (b"" when nothing): keys its first block.
+        self.extra_keys_for = extra_keys_for or (lambda request: b"")
+        self._chains: dict[str, _PrefixChain] = {}
         self.prefix_queries = 0  # prompt tokens looked up in the prefix cache (cumulative)
         self.prefix_hits = 0     # of which found
 
@@ -64,14 +96,17 @@ class KVCacheManager:
         return len(self.block_tables.get(request_id, ()))
 
     # -- prefix cache -------------------------------------------------------------------
-    def _hashes_for(self, request: Request, num_full_blocks: int) -> list[int]:
-        hashes = self._block_hashes.setdefault(request.request_id, [])
+    def _chain(self, request: Request, num_full_blocks: int) -> _PrefixChain:
+        """The request's chain with keys for at least its first `num_full_blocks` blocks."""
+        chain = self._chains.setdefault(request.request_id, _PrefixChain())
         bs = self.block_size
-        while len(hashes) < num_full_blocks:
-            i = len(hashes)
-            parent = hashes[-1] if hashes else None
-            hashes.append(chain_hash(parent, tuple(request.all_token_ids[i * bs:(i + 1) * bs])))
-        return hashes
+        while len(chain.hashes) < num_full_blocks:
+            i = len(chain.hashes)
+            content = block_content(request.all_token_ids[i * bs:(i + 1) * bs],
+                                    self.extra_keys_for(request) if i == 0 else b"")
+            chain.hashes.append(chain_hash(chain.hashes[-1] if i else None, content))
+            chain.contents.append(content)
+        return chain
 
     def get_computed_blocks(self, request: Request) -> tuple[list[KVBlock], int]:
         """The longest run of cached full blocks matching the request's tokens, and the number
@@ -80,9 +115,10 @@ class KVCacheManager:
         if not self.pool.enable_caching:
             return [], 0
         num_full = (request.num_tokens - 1) // self.block_size
+        chain = self._chain(request, num_full)
         found: list[KVBlock] = []
-        for h in self._hashes_for(request, num_full):
-            block = self.pool.lookup(h)
+        for block_hash, content in zip(chain.hashes[:num_full], chain.contents[:num_full]):
+            block = self.pool.lookup(block_hash, content, found[-1] if found else None)
             if block is None:
                 break
             found.append(block)
@@ -96,18 +132,19 @@ class KVCacheManager:
         """Publish the request's full blocks up to num_computed_tokens to the prefix cache."""
         if not self.pool.enable_caching:
             return
-        rid = request.request_id
-        table = self.block_tables.get(rid)
+        table = self.block_tables.get(request.request_id)
         if not table:
             return
         num_full = min(num_computed_tokens // self.block_size, len(table))
-        done = self._num_published.get(rid, 0)
-        if num_full <= done:
-            return  # only blocks that became full since the last call are new
-        hashes = self._hashes_for(request, num_full)
-        for i in range(done, num_full):
-            self.pool.cache(table[i], hashes[i])
-        self._num_published[rid] = num_full
+        chain = self._chain(request, num_full)
+        for i in range(len(chain.published), num_full):  # only blocks that became full since the last call
+            before = chain.published[i - 1] if i else (None, 0)
+            if before is None:
+                chain.published.append(None)
+                continue
+            parent, parent_epoch = before
+            stands = self.pool.cache(table[i], chain.hashes[i], chain.contents[i], parent, parent_epoch)
+            chain.published.append(None if stands is None else (stands, stands.epoch))
 
     # -- allocation ---------------------------------------------------------------------
     def allocate_slots(self, request: Request, num_new_tokens: int, num_new_computed_tokens: int = 0,
@@ -149,8 +186,7 @@ class KVCacheManager:
             self.host_pool.free(host)
 
     def _forget_hashes(self, request_id: str) -> None:
-        self._block_hashes.pop(request_id, None)
-        self._num_published.pop(request_id, None)
+        self._chains.pop(request_id, None)
 
     # -- swap ---------------------------------------------------------------------------
     def can_swap_out(self, request: Request) -> bool:

@@ -131,7 +131,8 @@ class Scheduler:
 
     @classmethod
     def from_config(cls, config, num_blocks: int, clock: Callable[[], float] = time.monotonic,
-                    num_host_blocks: int = 0, costs: PreemptionCosts | None = None) -> "Scheduler":
+                    num_host_blocks: int = 0, costs: PreemptionCosts | None = None,
+                    prefix_extra_keys: Callable[[Request], bytes] | None = None) -> "Scheduler":
         """Pool + KV manager + scheduler from an EngineConfig (EngineCore.build comes here)."""
         pool = BlockPool(num_blocks, enable_caching=config.enable_prefix_caching)
         host_pool = (BlockPool(num_host_blocks)
@@ -144,7 +145,7 @@ class Scheduler:
             long_prefill_token_threshold=config.long_prefill_token_threshold,
             scheduling_policy=SchedulingPolicy(config.scheduling_policy),
             preemption_mode=PreemptionMode(config.preemption_mode),
-        ), KVCacheManager(pool, config.block_size, host_pool), clock=clock, costs=costs)
+        ), KVCacheManager(pool, config.block_size, host_pool, prefix_extra_keys), clock=clock, costs=costs)
 
     # -- queue order -------------------------------------------------------------------
     def _queue_key(self, req: Request) -> tuple:

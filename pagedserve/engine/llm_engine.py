@@ -42,7 +42,7 @@ class Engine:
             config.model = default_model_dir()
         self.config = config
         self.model_config = read_model_config(config.model)
-        config.resolve(self.model_config.max_position_embeddings)
+        config.resolve(self.model_config.max_model_len)
         self.dtype = resolve_dtype(config.dtype, self.model_config.checkpoint_dtype, config.device)
         self.tokenizer = tokenizer if tokenizer is not None else self._load_tokenizer()
         self.eos_token_ids = self._eos_token_ids()
@@ -58,7 +58,12 @@ class Engine:
             logger.info(line)
         logger.info("KV cache pool: %.3f GiB, %d bytes per token", self.pool_sizing.num_bytes / 2**30,
                     self.pool_sizing.bytes_per_token)
-        self.engine_core = EngineCore.build(config, executor, self.pool_sizing)
+        prefix_extra_keys = None
+        if self.model_config.rope.depends_on_prompt_len:
+            # Dynamic NTK RoPE: a long prompt's K depends on its length, so prefix-cache keys must too.
+            rope = self.model_config.rope
+            prefix_extra_keys = lambda req: rope.prefix_cache_key(req.num_prompt_tokens)  # noqa: E731
+        self.engine_core = EngineCore.build(config, executor, self.pool_sizing, prefix_extra_keys=prefix_extra_keys)
         self.input_processor = InputProcessor(config, self.model_config.vocab_size, self.tokenizer)
         self.output_processor = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()

@@ -6,14 +6,13 @@ each layer runs two GEMMs fewer.
 """
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from pagedserve.attention.torch_backend import AttentionMetadata, paged_attention
-from pagedserve.model.loader import ModelConfig
+from pagedserve.model.config import ModelConfig
+from pagedserve.model.rope import RotaryEmbedding
 
 
 class RMSNorm(nn.Module):
@@ -29,29 +28,6 @@ class RMSNorm(nn.Module):
         return self.weight * x32.to(dtype)
 
 
-def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
-    dim = cfg.head_dim
-    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
-    scaling = cfg.rope_scaling or {}
-    kind = scaling.get("rope_type") or scaling.get("type") or "default"
-    if kind == "default":
-        return inv_freq
-    if kind == "linear":
-        return inv_freq / scaling["factor"]
-    if kind == "llama3":
-        factor = scaling["factor"]
-        low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
-        old_len = scaling["original_max_position_embeddings"]
-        low_wavelen, high_wavelen = old_len / low, old_len / high
-        wavelen = 2 * math.pi / inv_freq
-        scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
-        smooth = (old_len / wavelen - low) / (high - low)
-        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
-        medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
-        return torch.where(medium, smoothed, scaled)
-    raise ValueError(f"model: rope_scaling type {kind!r} is not supported (default, linear, llama3)")
-
-
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
@@ -64,7 +40,7 @@ class Attention(nn.Module):
         self.q_size = cfg.num_heads * cfg.head_dim
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
         self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias)
-        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
+        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=cfg.o_proj_bias)
         self.scale = self.head_dim ** -0.5
 
     def forward(self, x, cos, sin, k_cache, v_cache, meta: AttentionMetadata):
@@ -82,8 +58,8 @@ class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.inter = cfg.intermediate_size
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
 
     def forward(self, x):
         gate, up = self.gate_up_proj(x).split([self.inter, self.inter], dim=-1)
@@ -147,21 +123,18 @@ class LlamaForCausalLM(nn.Module):
             raise ValueError(f"model: checkpoint is missing tensors: {missing[:5]}{'...' if len(missing) > 5 else ''}")
 
     def init_buffers(self, device) -> None:
-        inv_freq = rope_inv_freq(self.cfg).to(device)
-        pos = torch.arange(self.cfg.max_position_embeddings, device=device, dtype=torch.float32)
-        freqs = pos[:, None] * inv_freq[None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)
-        dtype = self.embed_tokens.weight.dtype
-        self.cos_cache = emb.cos().to(dtype)
-        self.sin_cache = emb.sin().to(dtype)
+        self.rotary = RotaryEmbedding(self.cfg.rope, self.cfg.head_dim, self.embed_tokens.weight.dtype, device)
 
     # -- forward ----------------------------------------------------------------------
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
-                meta: AttentionMetadata) -> torch.Tensor:
-        """kv_cache: [layers, 2, num_slots, kv_heads, head_dim]. Returns hidden [T, H]."""
+                meta: AttentionMetadata, prompt_lens: torch.Tensor | None = None) -> torch.Tensor:
+        """kv_cache: [layers, 2, num_slots, kv_heads, head_dim]. prompt_lens: [T], each token's
+        request prompt length, read only when `self.rotary.needs_prompt_lens` (dynamic NTK RoPE).
+        Returns hidden [T, H]."""
         h = self.embed_tokens(input_ids)
-        cos = self.cos_cache[positions].unsqueeze(1)
-        sin = self.sin_cache[positions].unsqueeze(1)
+        # computed per step rather than cached per position: cheap next to one layer, and
+        # no table of max_position_embeddings rows (128 MB for a 128k-context model)
+        cos, sin = self.rotary(positions, prompt_lens)
         for i, layer in enumerate(self.layers):
             h = layer(h, cos, sin, kv_cache[i, 0], kv_cache[i, 1], meta)
         return self.norm(h)

@@ -226,6 +226,11 @@ class ModelRunner:
         token_ids = np.fromiter((t for i in order for t in sched[i].token_ids), dtype=np.int64)
         input_ids = torch.from_numpy(token_ids).to(self.device)
         pos = torch.from_numpy(positions).to(self.device)
+        prompt_lens = None
+        if self.model.rotary.needs_prompt_lens:  # dynamic NTK RoPE: see model/rope.py
+            per_token = np.repeat([len(states[i].prompt_token_ids) for i in order],
+                                  [sched[i].num_new_tokens for i in order])
+            prompt_lens = torch.from_numpy(per_token.astype(np.int64)).to(self.device)
 
         # Only requests that reach their last token this step produce a token.
         last_rows, sampling = [], []
@@ -236,7 +241,7 @@ class ModelRunner:
                 last_rows.append(row - 1)
                 sampling.append(states[i])
         t1 = time.perf_counter()
-        hidden = self.model(input_ids, pos, self.kv_cache, meta)
+        hidden = self.model(input_ids, pos, self.kv_cache, meta, prompt_lens)
         if sampling:
             logits = self.model.compute_logits(hidden[torch.tensor(last_rows, device=self.device)])
             tokens, logprobs = self.sampler(logits, sampling)
