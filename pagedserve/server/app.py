@@ -1,8 +1,9 @@
 """The OpenAI-compatible HTTP app: completions, chat, models, tokenize, health, metrics.
 
-Every check that can fail runs before anything is queued (model name, API key, body shape,
-sampling values, prompt length, queue room), so a rejected request changes no engine state.
-Errors use OpenAI's body: {"error": {"message", "type", "param", "code"}}.
+Every check that can fail runs before anything is queued (API key and body size at the gate,
+then model name, body shape, sampling values, prompt length, queue room), so a rejected
+request changes no engine state. Tokenization and chat templates run on one worker thread,
+never on the event loop. Errors use OpenAI's body: {"error": {"message", "type", "param", "code"}}.
 """
 from __future__ import annotations
 
@@ -10,16 +11,17 @@ import asyncio
 import json
 import logging
 import math
-import secrets
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import AsyncIterator
 
-from fastapi import Depends, FastAPI, Request
+from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import pagedserve
 from pagedserve.metrics import CONTENT_TYPE
@@ -27,6 +29,7 @@ from pagedserve.outputs import RequestOutput
 from pagedserve.sampling import SamplingParams
 from pagedserve.engine.async_llm import AsyncLLM, EngineDead, EngineOverloaded
 from pagedserve.engine.output_processor import OutputKind
+from pagedserve.server.gate import Gate
 from pagedserve.server.protocol import (ChatCompletionRequest, ChatMessage, CompletionRequest, DetokenizeRequest,
                                         ErrorResponse, TokenizeRequest)
 
@@ -34,7 +37,15 @@ logger = logging.getLogger("pagedserve.server")
 
 RETRY_AFTER_SECONDS = 1
 _LOGPROB_FLOOR = -9999.0  # JSON has no -inf
-_ERROR_RESPONSES = {code: {"model": ErrorResponse} for code in (400, 401, 404, 503)}
+_ERROR_RESPONSES = {code: {"model": ErrorResponse} for code in (400, 401, 404, 413, 503)}
+# Bytes of request body allowed per token of max_model_len (JSON escapes and chat markup
+# included), and the least any server allows.
+_BODY_BYTES_PER_TOKEN = 32
+_MIN_BODY_BYTES = 1 << 20
+
+
+def default_max_request_bytes(max_model_len: int) -> int:
+    return max(_MIN_BODY_BYTES, _BODY_BYTES_PER_TOKEN * max_model_len)
 
 
 class APIError(Exception):
@@ -48,7 +59,7 @@ class APIError(Exception):
     @property
     def type(self) -> str:
         return {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError",
-                503: "ServiceUnavailableError"}.get(self.status, "InternalServerError")
+                413: "RequestTooLargeError", 503: "ServiceUnavailableError"}.get(self.status, "InternalServerError")
 
 
 def error_body(status: int, message: str, type_: str, param: str | None) -> dict:
@@ -72,25 +83,23 @@ class _Prompt:
 class OpenAIServer:
     """Request handling, independent of the routes: easier to read and to test."""
 
-    def __init__(self, async_engine: AsyncLLM, api_key: str | None = None) -> None:
+    def __init__(self, async_engine: AsyncLLM, enable_prompt_tokens_details: bool = False) -> None:
         self.async_engine = async_engine
         self.engine = async_engine.engine
-        self.api_key = api_key
+        self.enable_prompt_tokens_details = enable_prompt_tokens_details
         self.model_name = self.engine.model_name
         self.created = int(time.time())
+        # One thread: the tokenizer is not made for concurrent calls, and the loop must not wait on it.
+        self._tokenizer_thread = ThreadPoolExecutor(1, thread_name_prefix="pagedserve-tokenizer")
+
+    async def off_loop(self, fn, *args):
+        """Run a tokenizing call on the tokenizer thread (a long prompt never stalls the loop)."""
+        return await asyncio.get_running_loop().run_in_executor(self._tokenizer_thread, fn, *args)
 
     # -- checks ----------------------------------------------------------------------
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_name:
             raise APIError(404, f"The model `{model}` does not exist.", "model")
-
-    def check_api_key(self, request: Request) -> None:
-        if self.api_key is None:
-            return
-        given = request.headers.get("authorization", "")
-        scheme, _, token = given.partition(" ")
-        if scheme.lower() != "bearer" or not secrets.compare_digest(token.strip().encode(), self.api_key.encode()):
-            raise APIError(401, "Incorrect or missing API key: send 'Authorization: Bearer <key>'.")
 
     def sampling_params(self, body, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         if body.n > self.engine.config.max_num_seqs:
@@ -289,13 +298,17 @@ class OpenAIServer:
                     "stop_reason": comp.stop_reason,
                 })
         return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": self.model_name,
-                "choices": choices, "usage": self._usage(prompts, num_generated)}
+                "choices": choices, "usage": self._usage(prompts, num_generated, final.values())}
 
-    @staticmethod
-    def _usage(prompts: list[_Prompt], num_generated: int) -> dict:
+    def _usage(self, prompts: list[_Prompt], num_generated: int, finals) -> dict:
+        """`finals`: each prompt's finished RequestOutput (their metrics say what the prefix cache served)."""
         num_prompt = sum(len(p.token_ids) for p in prompts)
-        return {"prompt_tokens": num_prompt, "completion_tokens": num_generated,
-                "total_tokens": num_prompt + num_generated}
+        usage = {"prompt_tokens": num_prompt, "completion_tokens": num_generated,
+                 "total_tokens": num_prompt + num_generated}
+        if self.enable_prompt_tokens_details:
+            cached = sum(max((m.num_cached_tokens for m in out.metrics), default=0) for out in finals)
+            usage["prompt_tokens_details"] = {"cached_tokens": cached}
+        return usage
 
     async def _sse(self, rid: str, obj: str, include_usage: bool, prompts: list[_Prompt], n: int,
                    queue: asyncio.Queue, ids: list[str], make_choice) -> AsyncIterator[str]:
@@ -306,6 +319,7 @@ class OpenAIServer:
         created = int(time.time())
         started: set[int] = set()
         num_generated = 0
+        finals: dict[int, RequestOutput] = {}
 
         def chunk(choices: list[dict], usage=None) -> str:
             payload = {"id": rid, "object": obj, "created": created, "model": self.model_name, "choices": choices}
@@ -315,6 +329,8 @@ class OpenAIServer:
 
         try:
             async for i, out in self.results(queue, ids):
+                if out.finished:
+                    finals[i] = out
                 choices = []
                 for comp in out.outputs:
                     index = i * n + comp.index
@@ -324,7 +340,7 @@ class OpenAIServer:
                 if choices:
                     yield chunk(choices)
             if include_usage:
-                yield chunk([], self._usage(prompts, num_generated))
+                yield chunk([], self._usage(prompts, num_generated, finals.values()))
             yield "data: [DONE]\n\n"
         except APIError as e:
             yield f"data: {json.dumps(error_body(e.status, e.message, e.type, e.param))}\n\n"
@@ -377,7 +393,7 @@ class OpenAIServer:
         } for comp in final.outputs]
         num_generated = sum(len(c.token_ids) for c in final.outputs)
         return {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": self.model_name,
-                "choices": choices, "usage": self._usage([prompt], num_generated)}
+                "choices": choices, "usage": self._usage([prompt], num_generated, [final])}
 
     def chat_stream(self, body: ChatCompletionRequest, rid: str, prompt: _Prompt, params: SamplingParams,
                     top_n: int, queue: asyncio.Queue, ids: list[str]) -> AsyncIterator[str]:
@@ -438,10 +454,14 @@ class _EngineStream(StreamingResponse):
                 self._async_engine.abort(rid)
 
 
-def build_app(async_engine: AsyncLLM, api_key: str | None = None, manage_engine: bool = True) -> FastAPI:
-    """The FastAPI app. With manage_engine the engine thread starts and stops with the app."""
-    server = OpenAIServer(async_engine, api_key)
+def build_app(async_engine: AsyncLLM, api_key: str | None = None, manage_engine: bool = True,
+              max_request_bytes: int | None = None, enable_prompt_tokens_details: bool = False) -> FastAPI:
+    """The FastAPI app. With manage_engine the engine thread starts and stops with the app.
+    `max_request_bytes`: None = default_max_request_bytes(max_model_len); 0 = no limit."""
+    server = OpenAIServer(async_engine, enable_prompt_tokens_details)
     metrics = async_engine.metrics
+    if max_request_bytes is None:
+        max_request_bytes = default_max_request_bytes(async_engine.engine.config.max_model_len)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -456,6 +476,17 @@ def build_app(async_engine: AsyncLLM, api_key: str | None = None, manage_engine:
     app = FastAPI(title="pagedserve", version=pagedserve.__version__, lifespan=lifespan)
     app.state.server = server
     app.state.async_engine = async_engine
+    app.add_middleware(Gate, api_key=api_key, max_request_bytes=max_request_bytes or None)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, e: StarletteHTTPException):
+        # FastAPI's own refusals (a body that is not UTF-8, an unknown route, a wrong method)
+        # in OpenAI's error shape too.
+        status = e.status_code
+        param = "body" if status == 400 else None
+        message = f"body: {e.detail}" if status == 400 else str(e.detail)
+        return JSONResponse(error_body(status, message, APIError(status, "").type, param), status_code=status,
+                            headers=getattr(e, "headers", None))
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, e: APIError):
@@ -471,6 +502,9 @@ def build_app(async_engine: AsyncLLM, api_key: str | None = None, manage_engine:
         if first.get("type") == "json_invalid":
             message = f"body: malformed JSON ({first.get('msg', 'invalid')})"
             param = "body"
+        elif first.get("type") == "value_error" and ":" in str(first.get("ctx", {}).get("error", "")):
+            message = str(first["ctx"]["error"])  # our own validator's "field: reason"
+            param = message.split(":", 1)[0]
         else:
             message = f"{param}: {first.get('msg', 'invalid value')}"
         return JSONResponse(error_body(400, message, "BadRequestError", param), status_code=400)
@@ -481,12 +515,7 @@ def build_app(async_engine: AsyncLLM, api_key: str | None = None, manage_engine:
         return JSONResponse(error_body(500, f"internal error: {type(e).__name__}: {e}", "InternalServerError",
                                        None), status_code=500)
 
-    def auth(request: Request) -> None:
-        server.check_api_key(request)
-
-    guarded = [Depends(auth)]
-
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])
     async def health():
         if not async_engine.is_running:
             detail = async_engine.dead_error
@@ -498,13 +527,13 @@ def build_app(async_engine: AsyncLLM, api_key: str | None = None, manage_engine:
     async def version():
         return {"version": pagedserve.__version__}
 
-    @app.get("/metrics")
+    @app.api_route("/metrics", methods=["GET", "HEAD"])
     async def prometheus_metrics():
         if metrics is None:
             return Response(b"", media_type=CONTENT_TYPE)
         return Response(metrics.render(), media_type=CONTENT_TYPE)
 
-    @app.get("/v1/models", dependencies=guarded, responses=_ERROR_RESPONSES)
+    @app.get("/v1/models", responses=_ERROR_RESPONSES)
     async def models():
         engine = server.engine
         return {"object": "list", "data": [{
@@ -512,36 +541,37 @@ def build_app(async_engine: AsyncLLM, api_key: str | None = None, manage_engine:
             "root": str(engine.config.model), "parent": None, "max_model_len": engine.config.max_model_len,
         }]}
 
-    @app.post("/v1/completions", dependencies=guarded, responses=_ERROR_RESPONSES)
+    @app.post("/v1/completions", responses=_ERROR_RESPONSES)
     async def completions(body: CompletionRequest, request: Request):
-        prompts, params = server.prepare_completion(body)
+        prompts, params = await server.off_loop(server.prepare_completion, body)
         if body.stream:
             rid = f"cmpl-{uuid.uuid4().hex}"
             queue, ids = server.submit(rid, prompts, params, body.priority, OutputKind.DELTA)
             return _EngineStream(server.completion_stream(body, rid, prompts, params, queue, ids), async_engine, ids)
         return await _unless_disconnected(request, server.completion(body, prompts, params))
 
-    @app.post("/v1/chat/completions", dependencies=guarded, responses=_ERROR_RESPONSES)
+    @app.post("/v1/chat/completions", responses=_ERROR_RESPONSES)
     async def chat_completions(body: ChatCompletionRequest, request: Request):
-        prompt, params, top_n = server.prepare_chat(body)
+        prompt, params, top_n = await server.off_loop(server.prepare_chat, body)
         if body.stream:
             rid = f"chatcmpl-{uuid.uuid4().hex}"
             queue, ids = server.submit(rid, [prompt], params, body.priority, OutputKind.DELTA)
             return _EngineStream(server.chat_stream(body, rid, prompt, params, top_n, queue, ids), async_engine, ids)
         return await _unless_disconnected(request, server.chat(body, prompt, params, top_n))
 
-    @app.post("/tokenize", dependencies=guarded, responses=_ERROR_RESPONSES)
+    @app.post("/tokenize", responses=_ERROR_RESPONSES)
     async def tokenize(body: TokenizeRequest):
         server.check_model(body.model)
         if (body.prompt is None) == (body.messages is None):
             raise APIError(400, "prompt: give exactly one of prompt or messages", "prompt")
         if body.prompt is not None:
-            tokens = server.tokenize_text(body.prompt, body.add_special_tokens)
+            tokens = await server.off_loop(server.tokenize_text, body.prompt, body.add_special_tokens)
         else:
-            tokens = server.chat_prompt(body.messages, body.add_generation_prompt).token_ids
+            prompt = await server.off_loop(server.chat_prompt, body.messages, body.add_generation_prompt)
+            tokens = prompt.token_ids
         return {"count": len(tokens), "max_model_len": server.engine.config.max_model_len, "tokens": tokens}
 
-    @app.post("/detokenize", dependencies=guarded, responses=_ERROR_RESPONSES)
+    @app.post("/detokenize", responses=_ERROR_RESPONSES)
     async def detokenize(body: DetokenizeRequest):
         server.check_model(body.model)
         vocab = server.engine.model_config.vocab_size
@@ -549,6 +579,6 @@ def build_app(async_engine: AsyncLLM, api_key: str | None = None, manage_engine:
             raise APIError(400, f"tokens: token ids must be in [0, {vocab})", "tokens")
         if server.engine.tokenizer is None:
             raise APIError(400, "tokens: this model has no tokenizer", "tokens")
-        return {"prompt": server.decode(body.tokens)}
+        return {"prompt": await server.off_loop(server.decode, body.tokens)}
 
     return app

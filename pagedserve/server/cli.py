@@ -8,7 +8,8 @@ import yaml
 
 logger = logging.getLogger("pagedserve.server")
 
-_SERVER_DEFAULTS = {"host": "127.0.0.1", "port": 8000, "api_key": None, "max_queue_len": None}
+_SERVER_DEFAULTS = {"host": "127.0.0.1", "port": 8000, "api_key": None, "max_queue_len": None,
+                    "max_request_bytes": None, "enable_prompt_tokens_details": False}
 
 
 def register(sub) -> None:
@@ -25,6 +26,11 @@ def register(sub) -> None:
                         help="require 'Authorization: Bearer KEY' on /v1/* (or env PAGEDSERVE_API_KEY)")
     server.add_argument("--max-queue-len", type=int, default=None,
                         help="reject new requests with 503 + Retry-After while this many wait (default: no limit)")
+    server.add_argument("--max-request-bytes", type=int, default=None,
+                        help="answer 413 to a request body larger than this (default: 32 bytes per token of "
+                             "max_model_len, at least 1 MiB; 0 = no limit)")
+    server.add_argument("--enable-prompt-tokens-details", action="store_true", default=None,
+                        help="report usage.prompt_tokens_details.cached_tokens (prompt tokens the prefix cache served)")
     server.add_argument("--log-interval", type=float, default=10.0,
                         help="seconds between stats log lines (0 = off)")
     server.add_argument("--uvicorn-log-level", default="info")
@@ -47,7 +53,9 @@ def server_settings(args) -> dict:
             settings[name] = value
     if settings["api_key"] is None:
         settings["api_key"] = os.environ.get("PAGEDSERVE_API_KEY") or None
-    port, queue = settings["port"], settings["max_queue_len"]
+    port, queue, size = settings["port"], settings["max_queue_len"], settings["max_request_bytes"]
+    if size is not None and (not isinstance(size, int) or size < 0):
+        raise ValueError(f"max_request_bytes: must be an integer >= 0 (0 = no limit), got {size!r}")
     if not isinstance(port, int) or not 0 <= port <= 65535:
         raise ValueError(f"port: must be an integer in [0, 65535], got {port!r}")
     if queue is not None and (not isinstance(queue, int) or queue < 0):
@@ -64,7 +72,9 @@ def run(args) -> int:
     settings = server_settings(args)
     config = engine_config_from_args(args)
     app, async_engine = build_server(config, api_key=settings["api_key"],
-                                     max_queue_len=settings["max_queue_len"], log_interval=args.log_interval)
+                                     max_queue_len=settings["max_queue_len"], log_interval=args.log_interval,
+                                     max_request_bytes=settings["max_request_bytes"],
+                                     enable_prompt_tokens_details=bool(settings["enable_prompt_tokens_details"]))
     logger.info("serving %s on http://%s:%d", async_engine.engine.model_name, settings["host"], settings["port"])
     uvicorn.run(app, host=settings["host"], port=settings["port"], log_level=args.uvicorn_log_level)
     return 0

@@ -1,21 +1,48 @@
 """OpenAI-compatible request bodies (pydantic), with vLLM's extra sampling fields.
 
-Only the shape is checked here (types, finite numbers); the values are checked by
-SamplingParams and the engine's InputProcessor.validate, whose ValueErrors name the field. Unknown
-fields are ignored, as vLLM and OpenAI do.
+Only the shape is checked here; the values are checked by SamplingParams and the engine's
+InputProcessor.validate, whose ValueErrors name the field. Unknown fields are ignored, as
+vLLM and OpenAI do. Shape rules, as OpenAI applies them:
+- types are strict: "stream": "yes" or "n": "2" is a 400, not a guess (an int is a float);
+- null means the field's default, for every field;
+- numbers are finite; text is valid Unicode (a lone surrogate, which JSON can spell as
+  "\ud800", is a 400 naming the field, not a tokenizer crash).
 """
 from __future__ import annotations
 
 from typing import Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 # torch.Generator.manual_seed takes [-2**63, 2**64); n samples use seed + i.
 SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
 
 
+def _check_unicode(value: Any, path: str) -> None:
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise ValueError(f"{path}: not valid Unicode (a lone surrogate at character {e.start})") from None
+    elif isinstance(value, list):
+        for i, item in enumerate(value):
+            _check_unicode(item, f"{path}[{i}]")
+    elif isinstance(value, dict):
+        for k, item in value.items():
+            _check_unicode(item, f"{path}.{k}")
+
+
 class _Base(BaseModel):
-    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False, strict=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_default(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        for key, value in data.items():
+            _check_unicode(value, key)
+        return {k: v for k, v in data.items() if v is not None}
 
 
 class StreamOptions(_Base):
