@@ -19,7 +19,7 @@ import math
 import sys
 from pathlib import Path
 
-from pagedserve.bench.workloads import add_dataset_args, dataset_kwargs
+from pagedserve.bench.workloads import add_dataset_args, dataset_kwargs, make_workload
 from pagedserve.utils import json_safe
 
 
@@ -73,7 +73,6 @@ def register(subparsers) -> None:
 
 
 def build_workload(args, vocab_size: int):
-    from pagedserve.bench.workloads import make_workload
     from pagedserve.sim.simulator import load_trace_workload
 
     if args.workload_trace:
