@@ -12,7 +12,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from pagedserve.config import EngineConfig
 from pagedserve.engine import LLM
-from pagedserve.metrics import EngineMetrics, build_1_2_5_buckets
+from pagedserve import metric_names
+from pagedserve.metrics import EngineMetrics, build_1_2_5_buckets, token_count_buckets
 from pagedserve.sampling import SamplingParams
 from pagedserve.server.launcher import ServerThread, build_server
 from metrics_scrape import scrape, wait_idle
@@ -68,12 +69,29 @@ def test_every_metric_is_exposed_with_its_type(server):
     m = scrape(server)
     assert m["pagedserve:kv_cache_total_tokens{}"] == 8 * 16
     assert "pagedserve:num_preemptions_total{mode=recompute}" in m
-    # vLLM's buckets
-    ttft = sorted(float(k.split("le=")[1].rstrip("}")) for k in m
-                  if k.startswith("pagedserve:time_to_first_token_seconds_bucket"))
-    assert ttft[:3] == [0.001, 0.005, 0.01] and ttft[-2:] == [2560.0, float("inf")]
-    prompt_buckets = [k for k in m if k.startswith("pagedserve:request_prompt_tokens_bucket")]
-    assert len(prompt_buckets) == len(build_1_2_5_buckets(64)) + 1
+    # Our bounds: 12 per decade where latencies live, up to vLLM's top bound.
+    ttft = bounds(m, "time_to_first_token_seconds")
+    assert ttft[:4] == [0.001, 0.0012, 0.0015, 0.0018] and ttft[-2:] == [2560.0, float("inf")]
+    itl = bounds(m, "inter_token_latency_seconds")
+    assert [b for b in itl if 0.01 <= b <= 0.025] == [0.01, 0.012, 0.015, 0.018, 0.022]
+    # Token counts: every integer to 10, then E24 (7-15% apart), ending at max_model_len (64).
+    assert bounds(m, "request_prompt_tokens") == [*range(1, 11), 11, 12, 13, 15, 16, 18, 20, 22, 24, 27, 30, 33,
+                                                  36, 39, 43, 47, 51, 56, 62, 64, float("inf")]
+    assert bounds(m, "request_num_preemptions")[:11] == [float(n) for n in range(11)]
+
+
+def bounds(scraped: dict, histogram: str) -> list[float]:
+    prefix = f"pagedserve:{histogram}_bucket"
+    return sorted(float(k.split("le=")[1].rstrip("}")) for k in scraped if k.startswith(prefix))
+
+
+def test_exposed_families_are_the_names_table(server):
+    """metrics.py builds from metric_names: the table and the exposition agree both ways."""
+    fams = families(server)
+    ours = {name.removeprefix("pagedserve:") for name in fams if name.startswith("pagedserve:")}
+    assert ours == set(metric_names.SPECS) == set(EXPECTED)
+    for spec in metric_names.METRICS:
+        assert fams["pagedserve:" + spec.name].type == spec.kind, spec.name
 
 
 def test_counters_and_histograms_move_by_known_amounts(server, client, model):
@@ -207,6 +225,10 @@ def test_busy_ratio_window_and_buckets():
     m.tick(now=2.0)  # an idle window
     assert m.engine_busy_ratio._value.get() == 0.0
     assert build_1_2_5_buckets(100) == [1, 2, 5, 10, 20, 50, 100]
+    assert token_count_buckets(12) == list(range(1, 13))
+    # Neighbouring bounds at most 16% apart above 10 tokens, however long the context.
+    ladder = token_count_buckets(131072)
+    assert ladder[-1] == 131072 and max(b / a for a, b in zip(ladder[9:], ladder[10:])) <= 1.16
 
 
 def test_grafana_dashboard_uses_only_exposed_metrics(server):
