@@ -12,7 +12,7 @@ import pytest
 
 from pagedserve.tune import advise_cli
 from pagedserve.tune.advisor import Thresholds, advise, format_report, observe
-from pagedserve.tune.prom import Histogram, histogram_delta, histogram_quantile, naming_label, parse_metrics
+from pagedserve.bench.prom import Histogram, histogram_delta, histogram_quantile, naming_label, parse_metrics
 
 FIXTURES = pathlib.Path(__file__).parent / "fixtures" / "metrics"
 INF = math.inf
