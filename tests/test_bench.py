@@ -181,6 +181,60 @@ def test_empty_summary_is_nan_not_crash():
     assert "n/a" in format_summary(s)
 
 
+def test_one_report_builder_for_bench_and_sim():
+    """Records (simulator, replay) and client results go through one builder: the simulator's
+    flat vLLM keys carry exactly the bench's numbers, P95 included, checked against numpy."""
+    from pagedserve.bench.report import RequestRecord, results_from_records, vllm_flat_keys
+    from pagedserve.sim.report import compute_metrics
+
+    records = [RequestRecord(str(i), arrival=float(i), prompt_len=8, output_len=4, first_token_time=i + 0.1 * (i + 1),
+                             token_times=[i + 0.1 * (i + 1) + 0.02 * k * (i + 1) for k in range(4)],
+                             finish=i + 0.1 * (i + 1) + 0.06 * (i + 1)) for i in range(5)]
+    flat = compute_metrics(records, duration=10.0)
+    nested = summarize(results_from_records(records), 10.0)
+    assert vllm_flat_keys(nested) == {k: v for k, v in flat.items() if k.endswith("_ms")}
+    ttft_ms = [100.0 * (i + 1) for i in range(5)]
+    itl_ms = [20.0 * (i + 1) for i in range(5) for _ in range(3)]
+    assert flat["p95_ttft_ms"] == pytest.approx(np.percentile(ttft_ms, 95))
+    assert nested["itl_ms"]["p95"] == pytest.approx(np.percentile(itl_ms, 95))
+    assert flat["median_e2el_ms"] == pytest.approx(np.median([160.0 * (i + 1) for i in range(5)]))
+
+
+def test_empty_series_are_nan_in_every_shape():
+    from pagedserve.bench.report import RequestRecord
+    from pagedserve.sim.report import compute_metrics
+
+    never_finished = [RequestRecord("0", arrival=0.0, prompt_len=8, output_len=4)]
+    flat = compute_metrics(never_finished, duration=1.0)
+    latency_keys = [k for k in flat if k.endswith("_ms")]
+    assert len(latency_keys) == 4 * 7 and all(math.isnan(flat[k]) for k in latency_keys)
+    nested = summarize([], duration=1.0)
+    assert all(math.isnan(v) for name in ("ttft", "tpot", "itl", "e2el") for v in nested[f"{name}_ms"].values())
+
+
+def test_bench_never_imports_sim():
+    import subprocess
+    import sys
+
+    code = ("import sys, pkgutil, importlib, pagedserve.bench as b\n"
+            "for m in pkgutil.iter_modules(b.__path__): importlib.import_module('pagedserve.bench.' + m.name)\n"
+            "bad = [m for m in sys.modules if m.startswith(('pagedserve.sim', 'pagedserve.tune'))]\n"
+            "assert not bad, bad")
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_simulator_timeline_speaks_the_exposed_names():
+    """The simulated 'inside the server' timeline feeds the same plots as a scrape: same keys."""
+    from pagedserve import metric_names as mn
+    from pagedserve.bench.metrics_scrape import timeline
+    from pagedserve.sim.simulator import Timeline
+
+    simulated = set(Timeline().as_scraped()) - {"t"}
+    assert simulated and simulated <= {spec.exposed for spec in mn.METRICS}
+    scraped = set(timeline([parse_metrics(PAGEDSERVE_BEFORE)])) - {"t"}
+    assert simulated <= scraped | {mn.NUM_REQUESTS_SWAPPED}   # the fixture has no swapped gauge
+
+
 PAGEDSERVE_BEFORE = """
 # TYPE pagedserve:kv_cache_usage_perc gauge
 pagedserve:kv_cache_usage_perc{model_name="m"} 0.0
