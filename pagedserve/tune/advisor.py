@@ -65,8 +65,10 @@ class Observations:
     generation_tokens_per_s: float | None
     requests_per_s: float | None
     ttft_p50_ms: float | None
+    ttft_p90_ms: float | None
     ttft_p99_ms: float | None
     itl_p50_ms: float | None
+    itl_p90_ms: float | None
     itl_p99_ms: float | None
     e2e_p99_s: float | None
     queue_time_p99_ms: float | None
@@ -196,8 +198,10 @@ def observe(first: Snapshot, last: Snapshot, samples: list[Snapshot], interval_s
         generation_tokens_per_s=rate(delta(mn.GENERATION_TOKENS)),
         requests_per_s=rate(finished),
         ttft_p50_ms=_ms(quantile(ttft, 0.5)),
+        ttft_p90_ms=_ms(quantile(ttft, 0.9)),
         ttft_p99_ms=_ms(quantile(ttft, 0.99)),
         itl_p50_ms=_ms(quantile(itl, 0.5)),
+        itl_p90_ms=_ms(quantile(itl, 0.9)),
         itl_p99_ms=_ms(quantile(itl, 0.99)),
         e2e_p99_s=quantile(e2e, 0.99),
         queue_time_p99_ms=_ms(quantile(queue, 0.99)),
@@ -423,8 +427,9 @@ def format_report(report: Report, source: str) -> str:
         f"{_f(o.waiting_mean, 1)} max {_f(o.waiting_max, 0)} (> 0 in {_pct(o.waiting_share)} of samples); "
         f"swapped mean {_f(o.swapped_mean, 1)}",
         f"  preemptions: {_f(o.preemptions, 0)} ({_f(o.preemptions_per_min, 1)}/min)",
-        f"  latency: TTFT P50/P99 {_f(o.ttft_p50_ms, 0)}/{_f(o.ttft_p99_ms, 0)} ms (SLO {t.ttft_p99_ms:g}); "
-        f"ITL P50/P99 {_f(o.itl_p50_ms, 1)}/{_f(o.itl_p99_ms, 1)} ms (SLO {t.itl_p99_ms:g}); "
+        f"  latency: TTFT P50/P90/P99 {_f(o.ttft_p50_ms, 0)}/{_f(o.ttft_p90_ms, 0)}/{_f(o.ttft_p99_ms, 0)} ms "
+        f"(SLO {t.ttft_p99_ms:g}); ITL P50/P90/P99 {_f(o.itl_p50_ms, 1)}/{_f(o.itl_p90_ms, 1)}/"
+        f"{_f(o.itl_p99_ms, 1)} ms (SLO {t.itl_p99_ms:g}); "
         f"queue P99 {_f(o.queue_time_p99_ms, 0)} ms; e2e P99 {_f(o.e2e_p99_s, 2)} s",
         f"  prompt tokens: mean {_f(o.prompt_tokens_mean, 0)}, P90 {_f(o.prompt_tokens_p90, 0)}",
         "",
