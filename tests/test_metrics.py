@@ -1,7 +1,11 @@
 """/metrics: parses with prometheus_client, counters and histograms move by known amounts."""
 from __future__ import annotations
 
+import json
 import logging
+import pathlib
+import re
+import sys
 import threading
 import time
 
@@ -231,17 +235,44 @@ def test_busy_ratio_window_and_buckets():
     assert ladder[-1] == 131072 and max(b / a for a, b in zip(ladder[9:], ladder[10:])) <= 1.16
 
 
-def test_grafana_dashboard_uses_only_exposed_metrics(server):
-    import json
-    import pathlib
-    import re
+DASHBOARD = pathlib.Path(__file__).resolve().parent.parent / "deploy" / "grafana-dashboard.json"
 
-    path = pathlib.Path(__file__).resolve().parent.parent / "deploy" / "grafana-dashboard.json"
-    dashboard = json.loads(path.read_text())
-    exprs = [t["expr"] for p in dashboard["panels"] for t in p.get("targets", [])]
-    used = {m for e in exprs for m in re.findall(r"pagedserve:[a-z0-9_]+", e)}
+
+def dashboard_exprs() -> list[str]:
+    dashboard = json.loads(DASHBOARD.read_text())
+    return [t["expr"] for p in dashboard["panels"] for t in p.get("targets", [])]
+
+
+def test_grafana_dashboard_uses_only_exposed_metrics(server):
+    used = {m for e in dashboard_exprs() for m in re.findall(r"pagedserve:[a-z0-9_]+", e)}
     exposed = set(scrape(server)) | {k.split("{")[0] for k in scrape(server)}
     assert used and used <= exposed, used - exposed
     for name in ("kv_cache_usage_perc", "num_preemptions_total", "time_to_first_token_seconds_bucket",
                  "inter_token_latency_seconds_bucket", "engine_busy_ratio"):
         assert "pagedserve:" + name in used
+
+
+def test_grafana_dashboard_rules():
+    """One data-source mechanism, a mean beside every quantile, instances told apart, and the
+    committed JSON is what deploy/make_dashboard.py writes (so the rules cannot drift)."""
+    sys.path.insert(0, str(DASHBOARD.parent))
+    import make_dashboard
+
+    assert DASHBOARD.read_text() == make_dashboard.render()
+    dashboard = json.loads(DASHBOARD.read_text())
+    assert "__inputs" not in dashboard
+    variables = {v["name"]: v for v in dashboard["templating"]["list"]}
+    assert variables["datasource"]["type"] == "datasource"
+    sources = [p["datasource"] for p in dashboard["panels"] if "datasource" in p]
+    sources += [t["datasource"] for p in dashboard["panels"] for t in p.get("targets", [])]
+    sources += [v["datasource"] for v in variables.values() if "datasource" in v]
+    assert sources and all(ds == {"type": "prometheus", "uid": "${datasource}"} for ds in sources)
+    for p in dashboard["panels"]:
+        targets = p.get("targets", [])
+        for t in targets:
+            assert "{{instance}}" in t["legendFormat"], (p["title"], t["legendFormat"])
+        histograms = {m for t in targets for m in re.findall(r"pagedserve:([a-z0-9_]+)_bucket", t["expr"])}
+        for h in histograms:
+            mean = f"rate(pagedserve:{h}_sum"
+            assert any(mean in t["expr"] and f"pagedserve:{h}_count" in t["expr"] for t in targets), (p["title"], h)
+            assert sum(f"pagedserve:{h}_bucket" in t["expr"] for t in targets) == 3   # P50, P90, P99
