@@ -7,11 +7,14 @@ in the model forward (our "utilisation"). Names and help texts come from `metric
 
 Histogram bounds are ours, not vLLM's (README, "Metrics"): a classic histogram's quantile is a
 linear interpolation inside the bucket that holds it, so it can be off by up to one bucket width.
-Latency bounds therefore follow the E12 preferred numbers (12 per decade, neighbours 18-25%
-apart) over the whole range pagedserve's latencies take on CPU and GPU, token counts are
-exact up to 10 and E24 (24 per decade, 7-15% apart) above (E12 for tokens per step), and preemption counts have a
-bound at every integer a request realistically reaches, so `ceil(histogram_quantile(...))` of
-them is exact. vLLM's bounds stay here as `VLLM_BUCKETS` to compare against (benchmarks).
+Latency bounds therefore follow the preferred numbers over the whole range pagedserve's
+latencies take on CPU and GPU: E24 (24 per decade, neighbours 7-15% apart) for the latencies
+SLOs are written on (TTFT, ITL, E2E), whose P99 often rests on a density cliff or a handful of
+requests, and E12 (12 per decade, 18-25% apart) for queue and step time. Token counts are exact
+up to 10 and E24 above (E12 for tokens per step), and preemption counts have a bound at every
+integer a request realistically reaches, so `ceil(histogram_quantile(...))` of them is exact.
+About 600 bucket series per server and model (vLLM: about 200). vLLM's bounds stay here as
+`VLLM_BUCKETS` to compare against (benchmarks).
 
 Every metric lives in the `EngineMetrics`' own CollectorRegistry, so several engines (tests,
 benchmarks) can live in one process. prometheus_client is thread-safe: the engine thread
@@ -89,12 +92,16 @@ class BucketLayout:
 
 PAGEDSERVE_BUCKETS = BucketLayout(
     name="pagedserve",
-    # Prefill-bound on an idle GPU (a few ms) to minutes in a queue on a loaded CPU.
-    ttft=tuple(preferred_ladder(E12, 0.001, 100.0) + [320.0, 640.0, 1280.0, 2560.0]),
-    # Decode steps: ~2-50 ms on GPU, ~5-100 ms on CPU; a preempted request's gap runs to seconds.
-    itl=tuple([0.0002, 0.0005] + preferred_ladder(E12, 0.001, 1.0) + [1.5, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0]),
-    e2e=tuple(preferred_ladder(E12, 0.01, 1000.0) + [1920.0, 3840.0, 7680.0]),
-    # Mostly ~0 (scheduled in the next step), seconds to minutes when requests queue.
+    # The latencies SLOs are written on (TTFT, ITL, E2E): E24. Their P99 often sits where the density
+    # falls off a cliff (the slowest regular steps, the back of a queue) or on a handful of requests;
+    # there linear interpolation can miss by up to the bucket's width, and 7-15% keeps that near 10%.
+    # TTFT: prefill-bound on an idle GPU (a few ms) to minutes in a queue on a loaded CPU.
+    ttft=tuple([0.001, 0.002, 0.003, 0.004] + preferred_ladder(E24, 0.0047, 100.0)
+               + [160.0, 320.0, 640.0, 1280.0, 2560.0]),
+    # ITL: decode steps take ~2-50 ms on GPU, ~5-100 ms on CPU; a preempted request's gap runs to seconds.
+    itl=tuple([0.0002, 0.0005] + preferred_ladder(E24, 0.001, 1.0) + [1.5, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0]),
+    e2e=tuple(preferred_ladder(E24, 0.01, 300.0) + [400.0, 600.0, 900.0, 1200.0, 1920.0, 3840.0, 7680.0]),
+    # Diagnostics (queue time: mostly ~0, seconds when requests queue; step time): E12, 18-25% apart.
     queue=tuple([0.0001, 0.0005] + preferred_ladder(E12, 0.001, 100.0) + [320.0, 640.0, 1280.0, 2560.0]),
     step=tuple([0.0002, 0.0005] + preferred_ladder(E12, 0.001, 1.0) + [2.5, 5.0, 10.0]),
     preemptions=tuple(float(n) for n in [*range(0, 11), 12, 15, 20, 30, 50, 100]),
