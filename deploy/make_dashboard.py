@@ -8,8 +8,9 @@ the committed JSON is what this script writes:
   where a histogram_quantile is only as good as the bucket it lands in;
 - every series is split by `instance` and says so in its legend (`{{instance}}`), so several servers
   behind one Prometheus are told apart;
-- preemptions per request are whole numbers with a bound at every integer up to 10: their quantiles
-  are shown as `ceil(histogram_quantile(...))`, which is then exact.
+- counts (preemptions per request, tokens per step, prompt and output length) are whole numbers with a
+  bound at every integer up to 10: their quantiles are shown as `ceil(histogram_quantile(...))`,
+  which is then exact there, and changes a reading above 10 by less than one token.
 """
 from __future__ import annotations
 
@@ -25,6 +26,8 @@ PATH = Path(__file__).resolve().parent / "grafana-dashboard.json"
 DATASOURCE = {"type": "prometheus", "uid": "${datasource}"}
 SELECTOR = '{model_name=~"$model_name", instance=~"$instance"}'
 QUANTILES = (0.5, 0.9, 0.99)
+COUNTS = ("Whole numbers with a bucket bound at every integer up to 10: ceil() of the interpolated quantile "
+          "is exact there.")
 
 
 def series(name: str, suffix: str = "") -> str:
@@ -86,8 +89,7 @@ def rows() -> list[tuple[dict, list[dict]]]:
                    (rate(mn.SWAPPED_BLOCKS, "_total", by="instance, direction"),
                     "swapped blocks {{direction}} {{instance}}")]),
             panel("Preemptions per finished request", quantile_targets(mn.REQUEST_NUM_PREEMPTIONS, whole_numbers=True),
-                  description="Whole numbers, a bucket bound at every integer to 10: ceil() of the quantile is "
-                              "exact there."),
+                  description=COUNTS),
         ]),
         (row("Latency"), [
             panel("Time to first token", quantile_targets(mn.TIME_TO_FIRST_TOKEN), "s", latency),
@@ -95,9 +97,9 @@ def rows() -> list[tuple[dict, list[dict]]]:
             panel("End-to-end request latency", quantile_targets(mn.E2E_REQUEST_LATENCY), "s", latency),
             panel("Queue time", quantile_targets(mn.REQUEST_QUEUE_TIME), "s", latency),
             panel("Engine step time", quantile_targets(mn.ENGINE_STEP), "s", latency),
-            panel("Tokens per step", quantile_targets(mn.ITERATION_TOKENS),
+            panel("Tokens per step", quantile_targets(mn.ITERATION_TOKENS, whole_numbers=True),
                   description="Decode steps carry one token per running request, prefill steps up to "
-                              "max_num_batched_tokens."),
+                              "max_num_batched_tokens. " + COUNTS),
         ]),
         (row("Load and utilisation"), [
             panel("Requests", [gauge(mn.NUM_REQUESTS_RUNNING, "running"), gauge(mn.NUM_REQUESTS_WAITING, "waiting"),
@@ -107,10 +109,10 @@ def rows() -> list[tuple[dict, list[dict]]]:
                                        (rate(mn.GENERATION_TOKENS, "_total"), "generation tokens/s {{instance}}")]),
             panel("Finished requests / s", [(rate(mn.REQUEST_SUCCESS, "_total", by="instance, finished_reason"),
                                              "{{finished_reason}} {{instance}}")]),
-            panel("Prompt length (tokens)", quantile_targets(mn.REQUEST_PROMPT_TOKENS),
-                  description="Exact up to 10 tokens, bounds 7-15% apart above."),
-            panel("Output length (tokens)", quantile_targets(mn.REQUEST_GENERATION_TOKENS),
-                  description="Exact up to 10 tokens, bounds 7-15% apart above."),
+            panel("Prompt length (tokens)", quantile_targets(mn.REQUEST_PROMPT_TOKENS, whole_numbers=True),
+                  description=COUNTS + " Above 10, bounds 7-15% apart."),
+            panel("Output length (tokens)", quantile_targets(mn.REQUEST_GENERATION_TOKENS, whole_numbers=True),
+                  description=COUNTS + " Above 10, bounds 7-15% apart."),
         ]),
     ]
 
