@@ -107,8 +107,8 @@ PAGEDSERVE_BUCKETS = BucketLayout(
     preemptions=tuple(float(n) for n in [*range(0, 11), 12, 15, 20, 30, 50, 100]),
     # Lengths: E24, so a fixed benchmark length (every prompt 200 tokens) reads within ~5% at P50.
     request_tokens=token_count_buckets,
-    # Decode steps carry one token per running request, prefill steps up to the budget: E12 is enough
-    # to keep the tail visible (vLLM's 1 -> 8 bucket put P99 below the mean).
+    # Decode steps carry one token per running request, prefill steps up to the budget: exact to 10, E12
+    # above (vLLM's single 1 -> 8 bucket blurs every decode step of up to 8 requests into one).
     iteration_tokens=lambda limit: token_count_buckets(limit, E12),
 )
 

@@ -26,8 +26,8 @@ ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_MODEL = ROOT / "pagedserve" / "default_model"
 
 
-def random_llama(path: Path, hidden: int = 384, layers: int = 6, heads: int = 6, kv_heads: int = 2,
-                 intermediate: int = 1024, seed: int = 0) -> Path:
+def random_llama(path: Path, hidden: int = 512, layers: int = 8, heads: int = 8, kv_heads: int = 4,
+                 intermediate: int = 1536, seed: int = 0) -> Path:
     """A random float32 Llama with the built-in model's tokenizer (vocabulary 4096), written with numpy
     alone (no torch import: seconds, not tens of seconds). Its tokens are noise; its step times are
     what a bigger model's are: mostly matrix products, which release the GIL."""

@@ -11,9 +11,11 @@ import json
 import math
 import time
 
+import httpx
 import numpy as np
 import pytest
 
+from pagedserve.bench.prom import histogram_quantile, parse_metrics
 from prometheus_harness import (ROOT, grafana_to_promql, prometheus, prometheus_binary, random_llama, run_bench,
                                 serving)
 
@@ -23,19 +25,23 @@ pytestmark = pytest.mark.skipif(
            ".ci/run does so as root) to check the dashboard against a real Prometheus")
 
 JOB = "pagedserve"
-NUM_PROMPTS = 120
-# The model: a random 11M-parameter Llama (the built-in tokenizer, float32), not the 4M built-in one,
-# whose steps are mostly Python: the engine thread then holds the GIL the server's event loop needs
-# to deliver tokens, so the client's gaps smear around the engine's by as much as a gap lasts, and
-# the comparison would measure that smear instead of the histograms. Matrix products release the GIL.
-# The load: a pool of 24 blocks of 16 for up to 8 requests of up to 85 tokens, so requests are
-# preempted; Poisson-ish arrivals (burstiness 0.5) faster than the engine serves, so TTFT is mostly
-# queueing (the HTTP layer's share, which the engine cannot see, stays small) with a ragged top.
+NUM_PROMPTS = 100
+# The model: a random 27M-parameter Llama (the built-in tokenizer, float32), not the 4M built-in one.
+# The server's engine runs in a thread and its event loop delivers tokens only when it holds the GIL:
+# while a step runs Python, the tokens of the step before wait, so the client sees a long engine gap
+# shortened by its first token's lateness. With an 11M model on 2 busy cores the dashboard's ITL P99
+# read 23% and 28% above the client's in 2 runs of 4; steps of big matrix products release the GIL.
+# Outputs of ~24 tokens give ~2,300 gaps: with 16, one run in 6 missed ITL P99 by 10.4% (a P99 resting
+# on 15 gaps); with 24-32, six runs were all within 6%. The load: a pool of 24 blocks of 16 for up
+# to 8 requests of up to 100 tokens, so requests are preempted; prompts prefilled in chunks of 128
+# tokens; Poisson arrivals faster than the engine serves, so TTFT is mostly queueing (the HTTP
+# layer's share, which the engine cannot see, stays small).
 SERVE_ARGS = ["--num-kv-blocks", "24", "--block-size", "16", "--max-num-seqs", "8", "--max-model-len", "128",
+              "--max-num-batched-tokens", "128",
               "--enable-prefix-caching", "--log-interval", "0", "--uvicorn-log-level", "warning"]
 BENCH_ARGS = ["--dataset", "random", "--num-prompts", str(NUM_PROMPTS), "--random-input-len", "32",
-              "--random-range-ratio", "0.8", "--random-output-len", "16", "--request-rate", "30",
-              "--burstiness", "0.5", "--seed", "1", "--no-metrics"]
+              "--random-range-ratio", "0.8", "--random-output-len", "24", "--request-rate", "30",
+              "--burstiness", "1", "--seed", "1", "--no-metrics"]
 
 
 def dashboard_targets() -> list[tuple[str, str, str]]:
@@ -49,6 +55,18 @@ def raw_percentiles(result: dict) -> dict[str, dict[float, float]]:
     ttft = [r["ttft"] for r in requests]
     return {name: {q: float(np.percentile(values, 100 * q)) for q in (0.5, 0.9, 0.99)}
             for name, values in (("itl", itl), ("ttft", ttft))}
+
+
+def bucketed_client_quantiles(server: str, result: dict) -> dict[tuple[str, float], float]:
+    snap = parse_metrics(httpx.get(server + "/metrics", trust_env=False).text)
+    requests = [r for r in result["requests"] if r["success"]]
+    out = {}
+    for name, metric, values in (("itl", "inter_token_latency_seconds", [g for r in requests for g in r["itl"]]),
+                                 ("ttft", "time_to_first_token_seconds", [r["ttft"] for r in requests])):
+        counts = [(le, float(sum(v <= le for v in values))) for le, _ in snap.histograms[metric].buckets]
+        for q in (0.5, 0.9, 0.99):
+            out[(name, q)] = histogram_quantile(q, counts)
+    return out
 
 
 def test_dashboard_against_real_prometheus(tmp_path):
@@ -80,7 +98,14 @@ def test_dashboard_against_real_prometheus(tmp_path):
 
         # The dashboard's quantiles of ITL and TTFT vs the raw timings the bench measured.
         truth = raw_percentiles(result)
-        for name, title in (("itl", "Inter-token latency"), ("ttft", "Time to first token")):
-            for q in (0.5, 0.9, 0.99):
-                read = answers[(title, f"P{q * 100:g}")]
-                assert read == pytest.approx(truth[name][q], rel=0.10), (name, q, read, truth[name][q])
+        table = {(name, q): (answers[(title, f"P{q * 100:g}")], truth[name][q])
+                 for name, title in (("itl", "Inter-token latency"), ("ttft", "Time to first token"))
+                 for q in (0.5, 0.9, 0.99)}
+        # What the bounds alone cost: the client's own values counted into the server's buckets. The rest
+        # of an error is where the two measure (engine vs delivery), not the buckets.
+        binned = bucketed_client_quantiles(server, result)
+        report = "  ".join(f"{name} P{q * 100:g}: read {read * 1000:.1f} ms, true {true * 1000:.1f} ms "
+                           f"({read / true - 1:+.1%}; bucketed raw {binned[(name, q)] / true - 1:+.1%})"
+                           for (name, q), (read, true) in table.items())
+        print(report)
+        assert all(read == pytest.approx(true, rel=0.10) for read, true in table.values()), report
