@@ -94,6 +94,7 @@ def iter_checkpoint_tensors(path: Path):
 
 
 def load_model(config: ModelConfig, dtype: str, device: str):
+    from pagedserve.model.layers import prepare_linear_layers
     from pagedserve.model.llama import LlamaForCausalLM
 
     torch_dtype = TORCH_DTYPES[dtype]
@@ -103,4 +104,5 @@ def load_model(config: ModelConfig, dtype: str, device: str):
     model.load_checkpoint(iter_checkpoint_tensors(config.path))
     model.init_buffers(device)
     model.eval()
+    prepare_linear_layers(model, torch_dtype, torch.device(device))
     return model
