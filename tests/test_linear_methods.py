@@ -14,8 +14,8 @@ from pagedserve import LLM, SamplingParams
 from pagedserve.config import resolve_dtype
 from pagedserve.cpu_isa import CpuFeatures, cpu_features, features_from_flags, parse_cpuinfo_flags
 from pagedserve.model import layers
-from pagedserve.model.layers import (LINEAR_METHODS, METHOD_ENV, Linear, choose_linear_methods,
-                                     prepare_linear_layers, rule_for)
+from pagedserve.model.layers import (LINEAR_METHODS, METHOD_ENV, PROBE_ROWS, Linear, choose_linear_methods,
+                                     probe_methods, rule_method)
 
 CPU = torch.device("cpu")
 NO_BF16 = [CpuFeatures(avx2=True), CpuFeatures(avx2=True, avx512f=True)]  # AMD AVX2; AVX-512 without BF16
@@ -75,6 +75,45 @@ def test_packing_replaces_the_plain_weight():
         layer.use(onednn)
 
 
+def fake_timer(seconds_by_method_and_m: dict[tuple[str, int], float]):
+    def timer(method, x, packed):
+        return seconds_by_method_and_m[(method.name, x.shape[0])]
+    return timer
+
+
+def test_probe_picks_the_lowest_summed_relative_time():
+    """onednn is 1.5x slower at M=1 but 2x faster at 8 and 32: it wins on the summed ratios;
+    a method 10% slower everywhere never wins."""
+    times = {}
+    for m in PROBE_ROWS:
+        times[("torch", m)] = 1.0
+        times[("torch-t", m)] = 1.1
+        times[("onednn", m)] = 1.5 if m == 1 else 0.5
+    winner, scores = probe_methods((64, 32), torch.float32, ["torch", "torch-t", "onednn"], fake_timer(times))
+    assert winner == "onednn"
+    assert scores["torch"] == pytest.approx(1 + 2 + 2)
+    times.update({("onednn", m): 1.5 for m in PROBE_ROWS})
+    assert probe_methods((64, 32), torch.float32, ["torch", "torch-t", "onednn"], fake_timer(times))[0] == "torch"
+
+
+def test_probe_choice_is_per_shape_and_only_among_available_methods(monkeypatch):
+    monkeypatch.setenv(METHOD_ENV, "probe")
+    seen = set()
+
+    def timer(method, x, packed):
+        seen.add(method.name)
+        wide = x.shape[1] == 256  # torch-t wins the K=256 shape, onednn the other
+        return {"torch": 1.0, "torch-t": 0.5 if wide else 2.0, "onednn": 2.0 if wide else 0.5}[method.name]
+
+    available = [n for n, m in LINEAR_METHODS.items() if m.available(torch.float32, CPU)]
+    choice = choose_linear_methods([(512, 256), (256, 688)], torch.float32, CPU, timer=timer)
+    assert seen == set(available)
+    if "onednn" in available:
+        assert choice.methods == {(512, 256): "torch-t", (256, 688): "onednn"}
+    meta = torch.device("meta")  # off CPU: plain torch, no probe
+    assert set(choose_linear_methods([(8, 8)], torch.float32, meta, timer=timer).methods.values()) == {"torch"}
+
+
 def test_cpuinfo_flags_parse():
     text = "processor\t: 0\nflags\t\t: fpu avx2 avx512f avx512_bf16 amx_bf16 amx_tile\nbogomips\t: 1\n"
     feats = features_from_flags(parse_cpuinfo_flags(text))
@@ -90,7 +129,6 @@ def test_bfloat16_resolves_to_fp32_without_bf16_hardware(features, caplog):
     with caplog.at_level(logging.WARNING, logger="pagedserve.config"):
         assert resolve_dtype("bfloat16", "bfloat16", "cpu", features) == "float32"
     assert any("computing in float32" in r.getMessage() for r in caplog.records)
-    assert rule_for(torch.float32, CPU, features)[0] == "torch"
 
 
 @pytest.mark.parametrize("features", WITH_BF16)
@@ -132,7 +170,7 @@ def test_engine_without_bf16_hardware_runs_fp32(tiny, monkeypatch):
     assert llm.engine.dtype == "float32"
     assert llm.engine.executor.kv_cache.dtype == torch.float32
     assert model.layers[0].self_attn.qkv_proj.weight.dtype == torch.float32
-    assert all(m.method.name == "torch" for m in model.modules() if isinstance(m, Linear))
+    assert all(m.weight.dtype == torch.float32 for m in model.modules() if isinstance(m, Linear))
 
 
 @pytest.mark.parametrize("name", list(LINEAR_METHODS))
@@ -147,6 +185,18 @@ def test_forced_method_is_token_identical_to_hf_fp32(tiny, monkeypatch, name):
     llm, got = greedy(path, prompts, 12, dtype="float32")
     assert {m.method.name for m in llm.engine.executor.model.modules() if isinstance(m, Linear)} == {name}
     assert got == want
+
+
+def test_rule_by_dtype_and_shape(monkeypatch):
+    monkeypatch.delenv(METHOD_ENV, raising=False)
+    names = [n for n, m in LINEAR_METHODS.items() if m.available(torch.float32, CPU)]
+    choice = choose_linear_methods([(512, 256), (1536, 1024)], torch.float32, CPU)
+    if "onednn" in names:
+        assert choice.methods == {(512, 256): "torch-t", (1536, 1024): "onednn"}
+    assert rule_method((1536, 1024), torch.bfloat16, ["torch", "torch-t", "onednn"]) == "onednn"
+    assert rule_method((512, 256), torch.bfloat16, ["torch", "torch-t", "onednn"]) == "onednn"
+    assert rule_method((512, 256), torch.float32, ["torch"]) == "torch"
+    assert rule_method((512, 256), torch.float16, ["torch", "torch-t", "onednn"]) == "torch"
 
 
 def test_bad_method_env_is_refused(monkeypatch):

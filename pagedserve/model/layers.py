@@ -3,17 +3,23 @@
 Invariants:
 - Until `Linear.use(method)` is called a Linear is exactly nn.Linear (F.linear on a plain
   [out, in] weight), so checkpoint loading sees ordinary parameters.
-- After it, `weight` holds the form the method wants (plain, or a oneDNN-prepacked copy that
-  replaces the plain one: never both, so packing costs no memory) and forward(x) equals
-  F.linear(x, plain_weight, bias) up to the rounding of the compute dtype.
-- A method is only offered where it can run (`available`); "torch" runs everywhere and is
-  the fallback.
+- After it, `weight` holds the form the method wants (plain, transposed in memory, or a
+  oneDNN-prepacked copy) in place of the plain one: never both, so packing costs no memory;
+  and forward(x) equals F.linear(x, plain_weight, bias) up to the rounding of the compute dtype.
+- A method is only offered where it can run (`available`); "torch" runs everywhere and is the
+  only one used off CPU.
+- The method of each distinct weight shape comes from PAGEDSERVE_LINEAR_METHOD: 'auto' (the
+  default) applies `rule_method`, derived from benchmarks/gemm_survey.py on this project's CPUs
+  and deterministic (the same machine always computes the same numbers); 'probe' times every
+  available method on the machine at hand at load (`probe_methods`) and keeps the fastest per
+  shape; a method name forces that method.
 """
 from __future__ import annotations
 
 import logging
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -54,6 +60,17 @@ class TorchLinear(LinearMethod):
         return F.linear(x, weight, bias)
 
 
+class TransposedTorchLinear(TorchLinear):
+    """F.linear on an [out, in] weight stored column-major ([in, out] in memory), so the BLAS
+    reads B untransposed; on small in-features (K <= 512) this was up to 1.6x faster than the
+    row-major weight at M <= 32 in the survey, and equal on large K."""
+
+    name = "torch-t"
+
+    def pack(self, weight):
+        return weight.detach().t().contiguous().t()
+
+
 class OneDNNPackedLinear(LinearMethod):
     """oneDNN inner product on a weight reordered once into the blocked layout its kernel reads
     (AMX tiles for bf16 where the CPU has them), so no per-call weight reorder or transpose."""
@@ -78,7 +95,8 @@ class OneDNNPackedLinear(LinearMethod):
         return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
 
 
-LINEAR_METHODS: dict[str, LinearMethod] = {m.name: m for m in (TorchLinear(), OneDNNPackedLinear())}
+LINEAR_METHODS: dict[str, LinearMethod] = {m.name: m for m in (TorchLinear(), TransposedTorchLinear(),
+                                                                 OneDNNPackedLinear())}
 
 
 class Linear(nn.Module):
@@ -111,6 +129,8 @@ class Linear(nn.Module):
 
 
 METHOD_ENV = "PAGEDSERVE_LINEAR_METHOD"
+PROBE_ROWS = (1, 8, 32)  # decode batch sizes; prefill-sized M is fast with every packed method
+PROBE_ROUNDS = 3
 
 
 @dataclass(frozen=True)
@@ -129,32 +149,80 @@ class LinearChoice:
 
 
 def requested_method() -> str:
-    """PAGEDSERVE_LINEAR_METHOD: 'auto' (default) or a method name, checked before anything loads."""
+    """PAGEDSERVE_LINEAR_METHOD: 'auto' (default), 'probe', or a method name."""
     value = os.environ.get(METHOD_ENV, "auto").strip() or "auto"
-    if value != "auto" and value not in LINEAR_METHODS:
-        raise ValueError(f"{METHOD_ENV}: must be 'auto' or one of {sorted(LINEAR_METHODS)}, got {value!r}")
+    if value not in ("auto", "probe") and value not in LINEAR_METHODS:
+        raise ValueError(f"{METHOD_ENV}: must be 'auto', 'probe' or one of {sorted(LINEAR_METHODS)}, got {value!r}")
     return value
 
 
-def rule_for(dtype: torch.dtype, device: torch.device, features: CpuFeatures) -> tuple[str, str]:
-    """The method the survey (benchmarks/gemm_survey.py) found fastest for this dtype and ISA."""
-    if device.type != "cpu":
-        return "torch", f"{device.type}"
-    if dtype == torch.bfloat16 and features.fast_bf16 and LINEAR_METHODS["onednn"].available(dtype, device):
-        return "onednn", f"bfloat16 on {features.describe()}: prepacked oneDNN weights"
-    return "torch", f"{str(dtype).removeprefix('torch.')} on {features.describe()}"
+SMALL_IN_FEATURES = 512
+
+
+def rule_method(shape: tuple[int, int], dtype: torch.dtype, names: list[str]) -> str:
+    """What the survey found fastest on CPU (benchmarks/README.md, "GEMM survey"), among `names`:
+    bf16: prepacked oneDNN (AMX / AVX512-BF16 kernels reading a pre-blocked weight) at every M;
+    fp32: a column-major weight for small in-features (MKL reads B untransposed), prepacked
+    oneDNN for the rest (ahead from M=8 on; slightly behind at M=1)."""
+    _, in_features = shape
+    if dtype == torch.float32 and in_features <= SMALL_IN_FEATURES and "torch-t" in names:
+        return "torch-t"
+    if dtype in (torch.float32, torch.bfloat16) and "onednn" in names:
+        return "onednn"
+    return "torch"
+
+
+Timer = Callable[[LinearMethod, torch.Tensor, torch.Tensor], float]
+
+
+def time_once(method: LinearMethod, x: torch.Tensor, packed: torch.Tensor) -> float:
+    start = time.perf_counter()
+    method.apply(x, packed, None)
+    return time.perf_counter() - start
+
+
+def probe_methods(shape: tuple[int, int], dtype: torch.dtype, names: list[str],
+                  timer: Timer = time_once) -> tuple[str, dict[str, float]]:
+    """Time each method on a random weight of `shape` at every PROBE_ROWS batch size, the methods
+    interleaved so a burst of other load hits them alike; keep each one's best time.
+
+    Score = sum over M of (time / fastest method's time at that M): every batch size counts
+    the same, however long its GEMM takes. Returns (winner, scores)."""
+    n, k = shape
+    gen = torch.Generator().manual_seed(n * 7919 + k)
+    weight = (torch.randn(n, k, generator=gen) * 0.02).to(dtype)
+    packed = {name: LINEAR_METHODS[name].pack(weight) for name in names}
+    inputs = {m: torch.randn(m, k, generator=gen).to(dtype) for m in PROBE_ROWS}
+    best = {(name, m): float("inf") for name in names for m in PROBE_ROWS}
+    with torch.inference_mode():
+        for round_ in range(PROBE_ROUNDS + 1):  # round 0 warms up (oneDNN primitive creation)
+            for m, x in inputs.items():
+                for name in names:
+                    seconds = timer(LINEAR_METHODS[name], x, packed[name])
+                    if round_:
+                        best[(name, m)] = min(best[(name, m)], seconds)
+    fastest = {m: max(min(best[(name, m)] for name in names), 1e-12) for m in PROBE_ROWS}
+    scores = {name: sum(best[(name, m)] / fastest[m] for m in PROBE_ROWS) for name in names}
+    return min(names, key=lambda name: scores[name]), scores
 
 
 def choose_linear_methods(shapes: list[tuple[int, int]], dtype: torch.dtype, device: torch.device,
-                          features: CpuFeatures | None = None) -> LinearChoice:
-    features = features or cpu_features()
+                          features: CpuFeatures | None = None, timer: Timer = time_once) -> LinearChoice:
     requested = requested_method()
-    if requested != "auto":
+    if requested in LINEAR_METHODS:
         if not LINEAR_METHODS[requested].available(dtype, device):
             raise ValueError(f"{METHOD_ENV}: {requested!r} cannot run {dtype} on {device.type} here")
         return LinearChoice({s: requested for s in shapes}, f"{METHOD_ENV}={requested}")
-    name, reason = rule_for(dtype, device, features)
-    return LinearChoice({s: name for s in shapes}, reason)
+    names = [name for name, method in LINEAR_METHODS.items() if method.available(dtype, device)]
+    if device.type != "cpu" or len(names) == 1:
+        return LinearChoice({s: "torch" for s in shapes}, f"{device.type}: the only method")
+    where = f"{str(dtype).removeprefix('torch.')} on {(features or cpu_features()).describe()}"
+    if requested == "auto":
+        return LinearChoice({s: rule_method(s, dtype, names) for s in shapes}, f"{where}, by rule")
+    start = time.perf_counter()
+    methods = {shape: probe_methods(shape, dtype, names, timer)[0] for shape in shapes}
+    return LinearChoice(methods, f"{where}, fastest of {'/'.join(names)} at M={'/'.join(map(str, PROBE_ROWS))} "
+                                 f"in a {time.perf_counter() - start:.2f} s probe")
 
 
 def prepare_linear_layers(model: nn.Module, dtype: torch.dtype, device: torch.device,
@@ -163,10 +231,9 @@ def prepare_linear_layers(model: nn.Module, dtype: torch.dtype, device: torch.de
     layers = [m for m in model.modules() if isinstance(m, Linear)]
     shapes = list(dict.fromkeys((m.out_features, m.in_features) for m in layers))
     choice = choose_linear_methods(shapes, dtype, device, features)
-    start = time.perf_counter()
     for layer in layers:
         method = LINEAR_METHODS[choice.methods[(layer.out_features, layer.in_features)]]
         if method is not layer.method:
             layer.use(method)
-    logger.info("linear layers: %s; packed in %.2f s", choice.summary(), time.perf_counter() - start)
+    logger.info("linear layers: %s", choice.summary())
     return choice
