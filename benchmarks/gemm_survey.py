@@ -89,16 +89,6 @@ class PlainLinear(Candidate):
         return F.linear(x, w)
 
 
-class TransposedView(Candidate):
-    name = "F.linear(wT view)"
-
-    def prepare(self, w, m):
-        return w.t().contiguous().t()  # [N, K] view of a [K, N] buffer: the GEMM reads B untransposed
-
-    def run(self, x, w):
-        return F.linear(x, w)
-
-
 class MmTransposed(Candidate):
     name = "x@wT (mm)"
 
@@ -170,10 +160,10 @@ def bf16(cls) -> Candidate:
 
 
 def candidates(want_bf16: bool) -> list[Candidate]:
-    out: list[Candidate] = [PlainLinear(), TransposedView(), MmTransposed(), MklPacked(), UtilsMkldnn(),
-                            OneDNNAtM(), EngineMethod("onednn", torch.float32)]
+    out: list[Candidate] = [PlainLinear(), EngineMethod("torch-t", torch.float32), MmTransposed(), MklPacked(),
+                            UtilsMkldnn(), OneDNNAtM(), EngineMethod("onednn", torch.float32)]
     if want_bf16:
-        out += [bf16(PlainLinear), bf16(OneDNNAtM), EngineMethod("onednn", torch.bfloat16)]
+        out += [bf16(PlainLinear), EngineMethod("torch-t", torch.bfloat16), EngineMethod("onednn", torch.bfloat16)]
     return out
 
 

@@ -33,6 +33,9 @@ CONFIGS = [  # (label, dtype, PAGEDSERVE_LINEAR_METHOD)
     ("fp32 old (F.linear)", "float32", "torch"),
     ("fp32 auto", "float32", "auto"),
     ("bf16 auto", "bfloat16", "auto"),
+    ("fp32 onednn (forced)", "float32", "onednn"),
+    ("fp32 torch-t (forced)", "float32", "torch-t"),
+    ("bf16 torch (forced)", "bfloat16", "torch"),
 ]
 
 
@@ -80,7 +83,7 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--reps", type=int, default=2)
-    ap.add_argument("--configs", default=",".join(str(i) for i in range(len(CONFIGS))),
+    ap.add_argument("--configs", default="0,1,2",
                     help="indices into " + "; ".join(f"{i}={c[0]}" for i, c in enumerate(CONFIGS)))
     ap.add_argument("--parity-prompts", type=int, default=16)
     ap.add_argument("--parity-tokens", type=int, default=32)
@@ -119,6 +122,9 @@ def main() -> None:
             llm = None
             gc.collect()
 
+    if {"float32", "bfloat16"} <= hf_ref.keys():  # how far bf16 rounding alone moves greedy decoding
+        agree["HF bf16 vs HF fp32"] = agreement(hf_ref["bfloat16"], hf_ref["float32"])
+        print(f"HF transformers bf16 vs fp32 greedy agreement: {agree['HF bf16 vs HF fp32']:.3f}")
     base = configs[0][0]
     print(f"\noutput tok/s, best of {args.reps} alternating runs; ratio vs {base}")
     print(f"{'config':24}" + "".join(f"{f'bs={bs}':>20}" for bs in batches) + f"{'HF agreement':>16}")
