@@ -62,7 +62,7 @@ class TorchLinear(LinearMethod):
 
 class TransposedTorchLinear(TorchLinear):
     """F.linear on an [out, in] weight stored column-major ([in, out] in memory), so the BLAS
-    reads B untransposed; on small in-features (K <= 512) this was up to 1.6x faster than the
+    reads B untransposed; on small in-features (K <= 768) this was up to 1.6x faster than the
     row-major weight at M <= 32 in the survey, and equal on large K."""
 
     name = "torch-t"
@@ -156,14 +156,15 @@ def requested_method() -> str:
     return value
 
 
-SMALL_IN_FEATURES = 512
+SMALL_IN_FEATURES = 768
 
 
 def rule_method(shape: tuple[int, int], dtype: torch.dtype, names: list[str]) -> str:
     """What the survey found fastest on CPU (benchmarks/README.md, "GEMM survey"), among `names`:
     bf16: prepacked oneDNN (AMX / AVX512-BF16 kernels reading a pre-blocked weight) at every M;
-    fp32: a column-major weight for small in-features (MKL reads B untransposed), prepacked
-    oneDNN for the rest (ahead from M=8 on; slightly behind at M=1)."""
+    fp32: a column-major weight for small in-features (MKL reads B untransposed; 1.1-1.6x on the
+    K=256/688 layers of the 4M/19M models), prepacked oneDNN for the rest (1.2-1.6x end to end on
+    the 246M model at 1-32 sequences, single-threaded; a little behind F.linear at M=1 alone)."""
     _, in_features = shape
     if dtype == torch.float32 and in_features <= SMALL_IN_FEATURES and "torch-t" in names:
         return "torch-t"
