@@ -138,18 +138,6 @@ def test_unknown_architecture_is_one_clear_error(tmp_path):
         LLM(str(tmp_path / "missing"))
 
 
-def test_engine_pool_equals_plan(tiny_llama):
-    from pagedserve.plan.kv_budget import ModelShape, dtype_bytes, size_kv_pool
-
-    engine = Engine(EngineConfig(model=str(tiny_llama), kv_cache_memory="3MiB"))
-    shape = ModelShape.from_hf_config(json.loads((tiny_llama / "config.json").read_text()))
-    plan = size_kv_pool(shape, 3 * 2**20, kv_dtype_bytes=dtype_bytes("float32"), block_size=16)
-    # 2 layers x 2 (K,V) x 2 kv heads x 16 dims x 4 bytes = 512 bytes per token; 3 MiB / (512 x 16) = 384
-    assert plan.num_blocks == 384
-    assert engine.block_pool.num_blocks == plan.num_blocks
-    assert engine.executor.kv_cache.shape[2] == 384 * 16
-
-
 def test_bf16_checkpoint_and_sharded_weights(tmp_path):
     """A bf16 checkpoint computed in fp32, saved in several shards, still matches HF."""
     import torch
