@@ -134,7 +134,8 @@ def run_contended(server, client, model) -> tuple[list[str], dict, dict]:
         for t in threads:
             t.start()
         end = time.monotonic() + 30
-        while ae.num_waiting < 4 and time.monotonic() < end:
+        while ae.num_waiting < 4:
+            assert time.monotonic() < end, f"only {ae.num_waiting} of 4 requests arrived"
             time.sleep(0.02)
     finally:
         ae.resume()
