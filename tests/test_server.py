@@ -199,6 +199,38 @@ def test_logprobs(client, model):
     assert len(content) == 3 and all(len(c.top_logprobs) == 2 for c in content)
 
 
+def test_server_logprobs_equal_llm_logprobs(client, model, llm):
+    """The server reports the engine's logprobs unchanged (values checked against HF in
+    test_logprobs.py): greedy and seeded sampled, completions and chat."""
+    tok = llm.get_tokenizer()
+    for kw in (dict(temperature=0), dict(temperature=1.0, seed=11)):
+        exp = llm.generate([PROMPTS[0]], SamplingParams(max_tokens=8, logprobs=5, ignore_eos=True, **kw),
+                           use_tqdm=False)[0].outputs[0]
+        r = client.completions.create(model=model, prompt=PROMPTS[0], max_tokens=8, logprobs=5,
+                                      extra_body={"ignore_eos": True}, **kw)
+        lp = r.choices[0].logprobs
+        assert lp.tokens == [tok.decode([t]) for t in exp.token_ids]
+        assert lp.token_logprobs == pytest.approx([x.logprob for x in exp.logprobs], abs=1e-6)
+        for got, want in zip(lp.top_logprobs, exp.logprobs):
+            expected = {tok.decode([want.token_id]): want.logprob}  # OpenAI's dict: first text wins
+            for tid, v in want.top:
+                expected.setdefault(tok.decode([tid]), v)
+            assert got == pytest.approx(expected, abs=1e-6)
+    messages = [{"role": "user", "content": "x"}]
+    ids = tok.apply_chat_template(messages, tokenize=True, add_generation_prompt=True)
+    ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+    exp = llm.generate([ids], SamplingParams(max_tokens=4, temperature=0, logprobs=3, ignore_eos=True),
+                       use_tqdm=False)[0].outputs[0]
+    chat = client.chat.completions.create(model=model, messages=messages, max_tokens=4, temperature=0, logprobs=True,
+                                          top_logprobs=3, extra_body={"ignore_eos": True})
+    content = chat.choices[0].logprobs.content
+    assert [c.logprob for c in content] == pytest.approx([x.logprob for x in exp.logprobs], abs=1e-6)
+    for c, x in zip(content, exp.logprobs):
+        assert [t.logprob for t in c.top_logprobs] == pytest.approx([v for _, v in x.top], abs=1e-6)
+    assert [[t.token for t in c.top_logprobs] for c in content] == \
+        [[tok.decode([tid]) for tid, _ in x.top] for x in exp.logprobs]
+
+
 def test_tokenize_detokenize(server, llm):
     r = httpx.post(server.url + "/tokenize", json={"prompt": PROMPTS[0]}).json()
     assert r["tokens"] == llm.get_tokenizer()(PROMPTS[0]).input_ids and r["count"] == len(r["tokens"])
