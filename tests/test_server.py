@@ -187,14 +187,15 @@ def test_stop_string_across_token_boundary(client, model):
 
 
 def test_logprobs(client, model):
-    r = client.completions.create(model=model, prompt=PROMPTS[0], max_tokens=4, temperature=0, logprobs=3)
+    r = client.completions.create(model=model, prompt=PROMPTS[0], max_tokens=4, temperature=0, logprobs=3,
+                                  extra_body={"ignore_eos": True})  # the counts below must not depend on EOS
     lp = r.choices[0].logprobs
     assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 4
     assert all(len(top) >= 3 for top in lp.top_logprobs)
     assert all(v <= 0 for v in lp.token_logprobs)
     assert lp.token_logprobs[0] == max(lp.top_logprobs[0].values())  # greedy took the most likely
     chat = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "x"}], max_tokens=3,
-                                          temperature=0, logprobs=True, top_logprobs=2)
+                                          temperature=0, logprobs=True, top_logprobs=2, extra_body={"ignore_eos": True})
     content = chat.choices[0].logprobs.content
     assert len(content) == 3 and all(len(c.top_logprobs) == 2 for c in content)
 
