@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from checkpoints import hf_greedy
+from checkpoints import HFGreedyReference, hf_greedy
 from pagedserve import LLM, SamplingParams
 from pagedserve.request import RequestStatus
 
@@ -102,11 +102,12 @@ def test_abort_while_swapped_returns_host_blocks_and_the_rerun_is_exact(tiny_lla
     finished = drain(engine)
     assert_all_blocks_back(engine)
     assert set(finished) == set(prompts) - {victim}
-    ref = dict(zip(prompts, hf_greedy(tiny_llama, list(prompts.values()), [36] * 3)))
-    for rid, tokens in finished.items():
-        assert tokens == [ref[rid]]
+    hf = HFGreedyReference(tiny_llama)
+    for rid, [tokens] in finished.items():
+        assert len(tokens) == 36 and hf.first_divergence(prompts[rid], tokens) is None, rid
     rerun = llm.generate([prompts[victim]], SamplingParams(max_tokens=36, **GREEDY), use_tqdm=False)[0]
-    assert rerun.outputs[0].token_ids == ref[victim]
+    tokens = rerun.outputs[0].token_ids
+    assert len(tokens) == 36 and hf.first_divergence(prompts[victim], tokens) is None
     assert_all_blocks_back(engine)
     assert host_pool_size(engine) > 0
 

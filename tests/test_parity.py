@@ -1,12 +1,14 @@
 """Greedy output must equal HF transformers token for token (fp32), whatever the batch
-composition, pool pressure (preemption) or token budget (chunked prefill)."""
+composition, pool pressure (preemption) or token budget (chunked prefill). HF is consulted by
+teacher forcing (checkpoints.HFGreedyReference): equivalent to comparing with HF's generate,
+at one forward per prompt."""
 from __future__ import annotations
 
 import random
 
 import pytest
 
-from checkpoints import hf_greedy, make_checkpoint
+from checkpoints import HFGreedyReference, make_checkpoint
 from pagedserve import LLM, SamplingParams
 from pagedserve.core.scheduler import PreemptionCosts
 
@@ -38,8 +40,13 @@ def _case(arch, tmp_path_factory):
     if arch not in _CASES:
         path = make_checkpoint(tmp_path_factory.mktemp(arch), arch, **ARCHS[arch])
         prompts, max_tokens = make_workload()
-        _CASES[arch] = (arch, path, prompts, max_tokens, hf_greedy(path, prompts, max_tokens))
+        _CASES[arch] = (arch, path, prompts, max_tokens, Reference(HFGreedyReference(path), prompts, max_tokens))
     return _CASES[arch]
+
+
+class Reference:
+    def __init__(self, hf: HFGreedyReference, prompts, max_tokens) -> None:
+        self.hf, self.prompts, self.max_tokens = hf, prompts, max_tokens
 
 
 @pytest.fixture(scope="module", params=list(ARCHS))
@@ -76,9 +83,12 @@ def force_auto_choice(mode: str):
     return apply
 
 
-def assert_same(got, want):
-    for i, (g, w) in enumerate(zip(got, want)):
-        assert g == w, f"prompt {i}: first divergence at token {next(j for j in range(len(w)) if j >= len(g) or g[j] != w[j])}"
+def assert_same(got, ref: Reference):
+    assert len(got) == len(ref.prompts)
+    for i, (g, prompt, n) in enumerate(zip(got, ref.prompts, ref.max_tokens)):
+        assert len(g) == n, f"prompt {i}: {len(g)} tokens, want {n}"
+        j = ref.hf.first_divergence(prompt, g)
+        assert j is None, f"prompt {i}: token {j} is not HF's greedy choice"
 
 
 def assert_prefix_caching(sched, enabled: bool):
