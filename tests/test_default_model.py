@@ -4,7 +4,6 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
 
 from pagedserve.default_model_path import DEFAULT_MODEL_DIR, DEFAULT_MODEL_NAME
 
