@@ -7,7 +7,6 @@ pool and host-pool occupancy, draining with outputs), so an engine redesign adap
 """
 from __future__ import annotations
 
-
 from checkpoints import HFGreedyReference, hf_greedy
 from pagedserve import LLM, SamplingParams
 from pagedserve.request import RequestStatus
