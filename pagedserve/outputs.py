@@ -31,5 +31,10 @@ class RequestOutput:
     finished: bool
     metrics: list[RequestMetrics] = field(default_factory=list)  # one per sample, when finished
 
+    @property
+    def num_cached_tokens(self) -> int:
+        """Prompt tokens the prefix cache served (vLLM's field; known once finished)."""
+        return max((m.num_cached_tokens for m in self.metrics), default=0)
+
 
 __all__ = ["CompletionOutput", "RequestMetrics", "RequestOutput"]
