@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagedserve.attention.torch_backend import AttentionMetadata, paged_attention
+from pagedserve.attention import AttentionMetadata, paged_attention
 from pagedserve.model.loader import ModelConfig
 
 

@@ -12,7 +12,7 @@ import time
 import numpy as np
 import torch
 
-from pagedserve.attention.torch_backend import build_metadata
+from pagedserve.attention import build_metadata
 from pagedserve.core.scheduler import SchedulerOutput, StepResult
 from pagedserve.model.loader import TORCH_DTYPES, ModelConfig, load_model
 from pagedserve.worker.sampler import Sampler

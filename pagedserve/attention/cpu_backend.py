@@ -1,0 +1,154 @@
+"""Paged attention on CPU tensors through the compiled kernel (pagedserve/attention/cpu).
+
+Same contract as torch_backend: a step's tokens are laid out decodes first, then prefill
+chunks; `paged_attention` writes each token's K/V at its slot, then attends. The difference is
+where K/V are read: the kernel walks each sequence's block table in the pool itself, so no
+layer gathers blocks into a padded buffer and no step builds a mask.
+
+Who attends what: decodes, and prefill chunks that see cached keys (a prefix hit, a later chunk
+of a chunked prefill) or a sliding window, or that are short, go to the kernel as one plan;
+a long fresh chunk (no cached prefix, no window) goes to SDPA causally over its own K/V, which
+needs no gather either and whose GEMM-based tiles beat the kernel there (see
+benchmarks/attention_kernel.py). The plan is built once per step and shared by every layer.
+"""
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from pagedserve.attention.cpu import DTYPE_CODES, AttentionPlan, load_kernel
+from pagedserve.attention.torch_backend import slots_for
+
+# A fresh prefill chunk with at least this many tokens runs through SDPA (measured crossover).
+SDPA_MIN_CHUNK = 64
+
+
+@dataclass
+class KernelMetadata:
+    slot_mapping: torch.Tensor          # [T] int64: where each new token's K/V is written
+    num_decodes: int
+    plan: AttentionPlan | None          # rows the kernel attends; None = none this step
+    sdpa_chunks: list[tuple[int, int]]  # (first row, rows) of fresh chunks SDPA runs causally
+    # The arrays behind plan's pointers: they must live as long as the plan.
+    plan_arrays: tuple[np.ndarray, ...] = field(default=(), repr=False)
+
+
+def make_plan(q_start: np.ndarray, q_len: np.ndarray, ctx_len: np.ndarray, tables: list[np.ndarray],
+              block_size: int, sliding_window: int | None) -> tuple[AttentionPlan, tuple[np.ndarray, ...]]:
+    """tables[i] holds at least ceil(ctx_len[i] / block_size) block ids of sequence i."""
+    width = max(1, max(-(-int(c) // block_size) for c in ctx_len))
+    table = np.zeros((len(tables), width), dtype=np.int32)
+    for row, (blocks, ctx) in enumerate(zip(tables, ctx_len)):
+        n = -(-int(ctx) // block_size)
+        if len(blocks) < n:
+            raise ValueError(f"block table {row} has {len(blocks)} blocks for {int(ctx)} tokens of {block_size}")
+        table[row, :n] = blocks[:n]
+    arrays = tuple(np.ascontiguousarray(a, dtype=np.int32) for a in (q_start, q_len, ctx_len)) + (table,)
+    plan = AttentionPlan(len(tables), *(a.ctypes.data for a in arrays), width, block_size, sliding_window or 0)
+    return plan, arrays
+
+
+def build_metadata(decodes: list[tuple[np.ndarray, int]], prefills: list[tuple[np.ndarray, int, int]],
+                   block_size: int, sliding_window: int | None,
+                   device: torch.device) -> tuple[KernelMetadata, np.ndarray]:
+    """decodes: (block_ids, position) per request; prefills: (block_ids, start_pos, q_len).
+
+    Returns the metadata and the positions of all tokens in layout order.
+    """
+    positions: list[np.ndarray] = []
+    slots: list[np.ndarray] = []
+    q_start: list[int] = []
+    q_len: list[int] = []
+    ctx_len: list[int] = []
+    tables: list[np.ndarray] = []
+    for row, (blocks, pos) in enumerate(decodes):
+        q_start.append(row)
+        q_len.append(1)
+        ctx_len.append(pos + 1)
+        tables.append(blocks)
+    if decodes:
+        pos = np.array([p for _, p in decodes], dtype=np.int64)
+        positions.append(pos)
+        slots.append(np.array([b[p // block_size] for b, p in decodes], dtype=np.int64) * block_size + pos % block_size)
+    sdpa_chunks: list[tuple[int, int]] = []
+    row = len(decodes)
+    for blocks, start, n in prefills:
+        pos = np.arange(start, start + n, dtype=np.int64)
+        positions.append(pos)
+        slots.append(slots_for(blocks, pos, block_size))
+        windowed = bool(sliding_window) and start + n > sliding_window
+        if start == 0 and not windowed and n >= SDPA_MIN_CHUNK:
+            sdpa_chunks.append((row, n))
+        else:
+            q_start.append(row)
+            q_len.append(n)
+            ctx_len.append(start + n)
+            tables.append(blocks)
+        row += n
+    plan, arrays = None, ()
+    if tables:
+        plan, arrays = make_plan(np.array(q_start), np.array(q_len), np.array(ctx_len), tables, block_size,
+                                 sliding_window)
+    all_pos = np.concatenate(positions) if positions else np.zeros(0, dtype=np.int64)
+    slot_mapping = torch.from_numpy(np.concatenate(slots) if slots else np.zeros(0, dtype=np.int64))
+    return KernelMetadata(slot_mapping, len(decodes), plan, sdpa_chunks, arrays), all_pos
+
+
+def _token_rows(x: torch.Tensor) -> torch.Tensor:
+    """x [T, heads, head_dim] with each token's heads contiguous (a row stride is fine)."""
+    if x.stride(2) != 1 or x.stride(1) != x.shape[2]:
+        return x.contiguous()
+    return x
+
+
+def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """k_cache[slot_mapping[t]] = k[t], v alike: one row copy per token, no dispatch per element."""
+    if k.dtype != k_cache.dtype:
+        k, v = k.to(k_cache.dtype), v.to(v_cache.dtype)
+    k, v = _token_rows(k), _token_rows(v)
+    size = k.element_size()
+    load_kernel().ps_write_kv(k.data_ptr(), k.stride(0) * size, v.data_ptr(), v.stride(0) * size,
+                              k_cache.data_ptr(), v_cache.data_ptr(), slot_mapping.data_ptr(), k.shape[0],
+                              k.shape[1] * k.shape[2] * size, torch.get_num_threads())
+
+
+def attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor,
+           plan: AttentionPlan, scale: float) -> None:
+    """out[rows of plan] = attention of q over the plan's blocks. q, out: [T, H, D], one dtype with the cache."""
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    code = DTYPE_CODES[str(k_cache.dtype).removeprefix("torch.")]
+    rc = load_kernel().ps_paged_attention(ctypes.byref(plan), q.data_ptr(), q.stride(0), code, k_cache.data_ptr(),
+                                          v_cache.data_ptr(), code, out.data_ptr(), out.stride(0), num_heads,
+                                          k_cache.shape[1], head_dim, scale, torch.get_num_threads())
+    if rc != 0:
+        raise RuntimeError(f"ps_paged_attention failed ({rc}) for q {tuple(q.shape)} {q.dtype}, "
+                           f"cache {tuple(k_cache.shape)} {k_cache.dtype}")
+
+
+def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                    k_cache: torch.Tensor, v_cache: torch.Tensor, meta: KernelMetadata,
+                    scale: float) -> torch.Tensor:
+    """q: [T, H, D]; k, v: [T, KV, D]; k_cache/v_cache: [num_slots, KV, D] (one layer, contiguous).
+
+    Writes k/v into the cache at meta.slot_mapping, returns attention output [T, H, D].
+    """
+    write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+    compute_dtype = q.dtype
+    if q.dtype != k_cache.dtype:  # the kernel reads q and the cache in one dtype
+        q = q.to(k_cache.dtype)
+    q = _token_rows(q)
+    out = torch.empty(q.shape, dtype=q.dtype)
+    if meta.plan is not None:
+        attend(q, k_cache, v_cache, out, meta.plan, scale)
+    gqa = q.shape[1] != k.shape[1]
+    for first, n in meta.sdpa_chunks:
+        rows = slice(first, first + n)
+        qc, kc, vc = (x[rows].to(q.dtype).transpose(0, 1).unsqueeze(0) for x in (q, k, v))  # [1, heads, n, D]
+        o = F.scaled_dot_product_attention(qc, kc, vc, is_causal=True, scale=scale, enable_gqa=gqa)
+        out[rows] = o.squeeze(0).transpose(0, 1)
+    return out.to(compute_dtype)
