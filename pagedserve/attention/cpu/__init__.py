@@ -22,7 +22,8 @@ from pathlib import Path
 
 SOURCE = Path(__file__).with_name("paged_attention.cpp")
 ABI_VERSION = 1
-FLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-std=c++17", "-shared", "-fPIC")
+FLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fno-trapping-math", "-fassociative-math",
+         "-fno-signed-zeros", "-std=c++17", "-shared", "-fPIC")
 DTYPE_CODES = {"float32": 0, "bfloat16": 1, "float16": 2}
 
 

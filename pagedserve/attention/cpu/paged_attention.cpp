@@ -21,6 +21,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #include <omp.h>
@@ -124,7 +125,7 @@ inline int64_t row_floor(const PsAttentionPlan& p, int64_t pos) {
     return p.sliding_window > 0 ? std::max<int64_t>(0, pos - p.sliding_window + 1) : 0;
 }
 
-// Thread-local scratch: the query vectors, accumulators and one block of scores.
+// Thread-local scratch: the query vectors, accumulators and one tile of scores.
 template <typename T>
 struct Scratch {
     std::vector<T> buf;
@@ -136,21 +137,78 @@ struct Scratch {
 thread_local Scratch<float> tls_floats;
 thread_local Scratch<int64_t> tls_ints;
 
-template <typename QT, typename KT, int DH>
+// 16 fp32 lanes in GCC/Clang's portable vector extension: one zmm register with AVX-512, two
+// ymm with AVX2, four xmm with SSE or NEON; the compiler picks for the CPU it targets.
+typedef float v16 __attribute__((vector_size(64)));
+constexpr int kLanes = 16;
+inline v16 load16(const float* p) {
+    v16 x;
+    std::memcpy(&x, p, sizeof x);
+    return x;
+}
+inline void store16(float* p, v16 x) { std::memcpy(p, &x, sizeof x); }
+#define PS_SHUFFLE(a, b, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
+
+// Lane t of the result = the sum of the 16 lanes of in[kSlot[t]]: sixteen horizontal sums for
+// the price of about three vector operations each (a transpose folded into the adds), instead
+// of a reduction tree per dot product.
+constexpr int kSlot[kLanes] = {0, 8, 4, 12, 2, 10, 6, 14, 1, 9, 5, 13, 3, 11, 7, 15};
+inline v16 sum_lanes_16(const v16* in) {
+    v16 c[8], d[4], e[2];
+    for (int i = 0; i < 8; ++i)
+        c[i] = PS_SHUFFLE(in[2 * i], in[2 * i + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+               PS_SHUFFLE(in[2 * i], in[2 * i + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+    for (int i = 0; i < 4; ++i)
+        d[i] = PS_SHUFFLE(c[2 * i], c[2 * i + 1], 0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27) +
+               PS_SHUFFLE(c[2 * i], c[2 * i + 1], 4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31);
+    for (int i = 0; i < 2; ++i)
+        e[i] = PS_SHUFFLE(d[2 * i], d[2 * i + 1], 0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29) +
+               PS_SHUFFLE(d[2 * i], d[2 * i + 1], 2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31);
+    return PS_SHUFFLE(e[0], e[1], 0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30) +
+           PS_SHUFFLE(e[0], e[1], 1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31);
+}
+
+// Rows [0, n) of a tile of K or V as fp32 rows of `padded` floats (zeros past head_dim):
+// read in place when the cache already is fp32 and rows are whole vectors, else converted.
+template <typename KT>
+const float* tile_rows(const KT* first, int64_t token_stride, int64_t n, int64_t dh, int64_t padded,
+                       float* scratch, int64_t& stride_out) {
+    if constexpr (std::is_same_v<KT, float>) {
+        if (dh == padded) {
+            stride_out = token_stride;
+            return first;
+        }
+    }
+    for (int64_t t = 0; t < n; ++t) {
+        const KT* src = first + t * token_stride;
+        float* dst = scratch + t * padded;
+#pragma omp simd
+        for (int64_t d = 0; d < dh; ++d) dst[d] = to_float(src[d]);
+        for (int64_t d = dh; d < padded; ++d) dst[d] = 0.0f;
+    }
+    stride_out = padded;
+    return scratch;
+}
+
+// One item: rows [row0, row0 + nrows) of sequence `seq`, every query head of kv head `kv_head`,
+// over keys [key_lo, key_hi). NCT = head_dim / 16 when fixed at compile time (registers), 0 = any.
+template <typename QT, typename KT, int NCT>
 void attend_item(const PsAttentionPlan& plan, const Shape& sh, const Item& it, const QT* q, const KT* k_cache,
                  const KT* v_cache, QT* out, float* partial_buf) {
-    const int64_t dh = DH > 0 ? DH : sh.head_dim;
+    const int64_t dh = sh.head_dim;
+    const int64_t nc = NCT > 0 ? NCT : (dh + kLanes - 1) / kLanes;
+    const int64_t dp = nc * kLanes;  // head_dim padded to whole vectors
     const int64_t G = sh.group;
     const int64_t bs = plan.block_size;
     const int64_t R = static_cast<int64_t>(it.nrows) * G;
-    float* base = tls_floats.get(static_cast<size_t>(R * dh * 2 + dh * 2 + R * (bs + 2)));
-    float* qf = base;
-    float* acc = qf + R * dh;
-    float* kf = acc + R * dh;
-    float* vf = kf + dh;
-    float* m = vf + dh;
+    float* qf = tls_floats.get(static_cast<size_t>(2 * R * dp + R * (kLanes + 2) + kLanes * kLanes + 2 * kLanes * dp));
+    float* acc = qf + R * dp;
+    float* m = acc + R * dp;
     float* l = m + R;
-    float* sc = l + R;  // [R, bs]
+    float* sc = l + R;                 // [R, 16] scores, then probabilities, of the current tile
+    float* part = sc + R * kLanes;     // [16, 16] per-token partial dot products of one row
+    float* kf = part + kLanes * kLanes;  // [16, dp] converted K rows of the tile
+    float* vf = kf + kLanes * dp;        // [16, dp] converted V rows
     int64_t* row_lo = tls_ints.get(static_cast<size_t>(it.nrows) * 2);  // first key each row sees
     int64_t* row_hi = row_lo + it.nrows;                                   // one past its last
 
@@ -161,77 +219,123 @@ void attend_item(const PsAttentionPlan& plan, const Shape& sh, const Item& it, c
         row_hi[j] = pos + 1;
         const QT* qrow = q + (plan.q_start[s] + it.row0 + j) * sh.q_row_stride + it.kv_head * G * dh;
         for (int64_t h = 0; h < G; ++h) {
-            float* dst = qf + (j * G + h) * dh;
+            float* dst = qf + (j * G + h) * dp;
             const QT* src = qrow + h * dh;
 #pragma omp simd
             for (int64_t d = 0; d < dh; ++d) dst[d] = to_float(src[d]) * sh.scale;
+            for (int64_t d = dh; d < dp; ++d) dst[d] = 0.0f;
         }
     }
-    std::fill(acc, acc + R * dh, 0.0f);
+    std::fill(acc, acc + R * dp, 0.0f);
     std::fill(m, m + R, kNegInf);
     std::fill(l, l + R, 0.0f);
 
     const int32_t* table = plan.block_table + s * plan.table_stride;
     const int64_t head_off = it.kv_head * dh;
+    const int64_t row_bytes = dh * static_cast<int64_t>(sizeof(KT));
     for (int64_t b = it.key_lo / bs; b * bs < it.key_hi; ++b) {
-        const int64_t t_begin = std::max<int64_t>(it.key_lo, b * bs);
-        const int64_t t_end = std::min<int64_t>(it.key_hi, b * bs + bs);
-        const int64_t n = t_end - t_begin;
-        const int64_t first_slot = static_cast<int64_t>(table[b]) * bs + (t_begin - b * bs);
-        const KT* kb = k_cache + first_slot * sh.kv_token_stride + head_off;
-        const KT* vb = v_cache + first_slot * sh.kv_token_stride + head_off;
+        // The next block lies elsewhere in the pool (no hardware prefetcher can guess it):
+        // ask for its rows now, while this block is computed.
+        if ((b + 1) * bs < it.key_hi) {
+            const int64_t next = static_cast<int64_t>(table[b + 1]) * bs * sh.kv_token_stride + head_off;
+            for (int64_t t = 0; t < bs; ++t) {
+                const char* kn = reinterpret_cast<const char*>(k_cache + next + t * sh.kv_token_stride);
+                const char* vn = reinterpret_cast<const char*>(v_cache + next + t * sh.kv_token_stride);
+                for (int64_t byte = 0; byte < row_bytes; byte += 64) {
+                    __builtin_prefetch(kn + byte);
+                    __builtin_prefetch(vn + byte);
+                }
+            }
+        }
+        const int64_t block_end = std::min<int64_t>(it.key_hi, b * bs + bs);
+        for (int64_t tile = std::max<int64_t>(it.key_lo, b * bs); tile < block_end; tile += kLanes) {
+            const int64_t n = std::min<int64_t>(kLanes, block_end - tile);
+            const int64_t first_slot = static_cast<int64_t>(table[b]) * bs + (tile - b * bs);
+            int64_t ks, vs;
+            const float* kt = tile_rows(k_cache + first_slot * sh.kv_token_stride + head_off, sh.kv_token_stride, n,
+                                        dh, dp, kf, ks);
+            const float* vt = tile_rows(v_cache + first_slot * sh.kv_token_stride + head_off, sh.kv_token_stride, n,
+                                        dh, dp, vf, vs);
+            for (int64_t t = n; t < kLanes; ++t) store16(part + kSlot[t] * kLanes, v16{});
 
-        for (int64_t t = 0; t < n; ++t) {
-            const KT* krow = kb + t * sh.kv_token_stride;
-#pragma omp simd
-            for (int64_t d = 0; d < dh; ++d) kf[d] = to_float(krow[d]);
-            const int64_t key_pos = t_begin + t;
+            // Scores of the tile, row by row: q chunks stay in registers across the tokens.
+            for (int64_t r = 0; r < R; ++r) {
+                const float* qr = qf + r * dp;
+                if constexpr (NCT > 0) {
+                    v16 qv[NCT];
+                    for (int c = 0; c < NCT; ++c) qv[c] = load16(qr + c * kLanes);
+                    for (int64_t t = 0; t < n; ++t) {
+                        const float* kr = kt + t * ks;
+                        v16 p = qv[0] * load16(kr);
+                        for (int c = 1; c < NCT; ++c) p += qv[c] * load16(kr + c * kLanes);
+                        store16(part + kSlot[t] * kLanes, p);
+                    }
+                } else {
+                    for (int64_t t = 0; t < n; ++t) {
+                        const float* kr = kt + t * ks;
+                        v16 p = load16(qr) * load16(kr);
+                        for (int64_t c = 1; c < nc; ++c) p += load16(qr + c * kLanes) * load16(kr + c * kLanes);
+                        store16(part + kSlot[t] * kLanes, p);
+                    }
+                }
+                v16 parts[kLanes];
+                for (int t = 0; t < kLanes; ++t) parts[t] = load16(part + t * kLanes);
+                store16(sc + r * kLanes, sum_lanes_16(parts));
+            }
+
+            // Mask, then the online softmax update of each row.
             for (int64_t r = 0; r < R; ++r) {
                 const int64_t j = r / G;
-                float dot = 0.0f;
-                const float* qr = qf + r * dh;
-#pragma omp simd reduction(+ : dot)
-                for (int64_t d = 0; d < dh; ++d) dot += qr[d] * kf[d];
-                const bool visible = key_pos >= row_lo[j] && key_pos < row_hi[j];
-                sc[r * bs + t] = visible ? dot : kNegInf;
-            }
-        }
-        for (int64_t r = 0; r < R; ++r) {
-            float* sr = sc + r * bs;
-            float block_max = kNegInf;
-#pragma omp simd reduction(max : block_max)
-            for (int64_t t = 0; t < n; ++t) block_max = std::max(block_max, sr[t]);
-            if (block_max == kNegInf) {
-                std::fill(sr, sr + n, 0.0f);
-                continue;
-            }
-            const float m_new = std::max(m[r], block_max);
-            float sum = 0.0f;
+                const int64_t lo = row_lo[j] - tile, hi = std::min<int64_t>(row_hi[j] - tile, n);
+                float* sr = sc + r * kLanes;
+                float tile_max = kNegInf;
+#pragma omp simd reduction(max : tile_max)
+                for (int64_t t = 0; t < kLanes; ++t) {
+                    sr[t] = (t >= lo && t < hi) ? sr[t] : kNegInf;
+                    tile_max = std::max(tile_max, sr[t]);
+                }
+                if (tile_max == kNegInf) {
+                    std::fill(sr, sr + kLanes, 0.0f);
+                    continue;
+                }
+                const float m_new = std::max(m[r], tile_max);
+                float sum = 0.0f;
 #pragma omp simd reduction(+ : sum)
-            for (int64_t t = 0; t < n; ++t) {
-                const float p = sr[t] == kNegInf ? 0.0f : fast_exp(sr[t] - m_new);
-                sr[t] = p;
-                sum += p;
-            }
-            if (m_new != m[r]) {
-                const float alpha = fast_exp(m[r] - m_new);
-                float* ar = acc + r * dh;
+                for (int64_t t = 0; t < kLanes; ++t) {
+                    const float p = sr[t] == kNegInf ? 0.0f : fast_exp(sr[t] - m_new);
+                    sr[t] = p;
+                    sum += p;
+                }
+                if (m_new != m[r]) {
+                    const float alpha = fast_exp(m[r] - m_new);
+                    float* ar = acc + r * dp;
 #pragma omp simd
-                for (int64_t d = 0; d < dh; ++d) ar[d] *= alpha;
-                l[r] *= alpha;
-                m[r] = m_new;
+                    for (int64_t d = 0; d < dp; ++d) ar[d] *= alpha;
+                    l[r] *= alpha;
+                    m[r] = m_new;
+                }
+                l[r] += sum;
             }
-            l[r] += sum;
-        }
-        for (int64_t t = 0; t < n; ++t) {
-            const KT* vrow = vb + t * sh.kv_token_stride;
-#pragma omp simd
-            for (int64_t d = 0; d < dh; ++d) vf[d] = to_float(vrow[d]);
+
+            // acc += P V, row by row: the row's accumulator stays in registers across the tokens.
             for (int64_t r = 0; r < R; ++r) {
-                const float p = sc[r * bs + t];
-                float* ar = acc + r * dh;
-#pragma omp simd
-                for (int64_t d = 0; d < dh; ++d) ar[d] += p * vf[d];
+                const float* pr = sc + r * kLanes;
+                float* ar = acc + r * dp;
+                if constexpr (NCT > 0) {
+                    v16 av[NCT];
+                    for (int c = 0; c < NCT; ++c) av[c] = load16(ar + c * kLanes);
+                    for (int64_t t = 0; t < n; ++t) {
+                        const float* vr = vt + t * vs;
+                        for (int c = 0; c < NCT; ++c) av[c] += pr[t] * load16(vr + c * kLanes);
+                    }
+                    for (int c = 0; c < NCT; ++c) store16(ar + c * kLanes, av[c]);
+                } else {
+                    for (int64_t t = 0; t < n; ++t) {
+                        const float* vr = vt + t * vs;
+                        for (int64_t c = 0; c < nc; ++c)
+                            store16(ar + c * kLanes, load16(ar + c * kLanes) + pr[t] * load16(vr + c * kLanes));
+                    }
+                }
             }
         }
     }
@@ -239,14 +343,14 @@ void attend_item(const PsAttentionPlan& plan, const Shape& sh, const Item& it, c
     if (partial_buf != nullptr) {  // layout per item: m[R], l[R], acc[R, dh]
         std::memcpy(partial_buf, m, R * sizeof(float));
         std::memcpy(partial_buf + R, l, R * sizeof(float));
-        std::memcpy(partial_buf + 2 * R, acc, R * dh * sizeof(float));
+        for (int64_t r = 0; r < R; ++r) std::memcpy(partial_buf + 2 * R + r * dh, acc + r * dp, dh * sizeof(float));
         return;
     }
     for (int64_t r = 0; r < R; ++r) {
         const int64_t j = r / G, h = r % G;
         QT* orow = out + (plan.q_start[s] + it.row0 + j) * sh.out_row_stride + (it.kv_head * G + h) * dh;
         const float inv = l[r] > 0.0f ? 1.0f / l[r] : 0.0f;
-        const float* ar = acc + r * dh;
+        const float* ar = acc + r * dp;
         for (int64_t d = 0; d < dh; ++d) store(orow + d, ar[d] * inv);
     }
 }
@@ -321,7 +425,7 @@ int64_t make_items(const PsAttentionPlan& plan, const Shape& sh, int num_threads
     return num_partials;
 }
 
-template <typename QT, typename KT, int DH>
+template <typename QT, typename KT, int NCT>
 void run_attention(const PsAttentionPlan& plan, const Shape& sh, const void* q, const void* k_cache,
                    const void* v_cache, void* out, int num_threads) {
     std::vector<Item> items;
@@ -343,7 +447,7 @@ void run_attention(const PsAttentionPlan& plan, const Shape& sh, const void* q, 
 #pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads) if (num_threads > 1 && n > 1)
     for (int64_t i = 0; i < n; ++i) {
         const Item& it = items[order[i]];
-        attend_item<QT, KT, DH>(plan, sh, it, qp, kp, vp, op,
+        attend_item<QT, KT, NCT>(plan, sh, it, qp, kp, vp, op,
                                 it.partial >= 0 ? partials.data() + it.partial * partial_stride : nullptr);
     }
     if (num_partials == 0) return;
@@ -370,8 +474,8 @@ template <typename QT, typename KT>
 int dispatch_head_dim(const PsAttentionPlan& plan, const Shape& sh, const void* q, const void* k_cache,
                       const void* v_cache, void* out, int num_threads) {
     switch (sh.head_dim) {
-        case 64: run_attention<QT, KT, 64>(plan, sh, q, k_cache, v_cache, out, num_threads); break;
-        case 128: run_attention<QT, KT, 128>(plan, sh, q, k_cache, v_cache, out, num_threads); break;
+        case 64: run_attention<QT, KT, 4>(plan, sh, q, k_cache, v_cache, out, num_threads); break;
+        case 128: run_attention<QT, KT, 8>(plan, sh, q, k_cache, v_cache, out, num_threads); break;
         default: run_attention<QT, KT, 0>(plan, sh, q, k_cache, v_cache, out, num_threads); break;
     }
     return 0;

@@ -1,0 +1,187 @@
+"""Per-layer decode attention + KV write: torch reference backend vs the compiled CPU kernel,
+side by side in one run, and (with --engine) the whole engine step with each backend.
+
+    python benchmarks/attention_kernel.py                       # 246M shape: 16 heads, 4 kv heads, head_dim 64
+    python benchmarks/attention_kernel.py --dtype bfloat16
+    python benchmarks/attention_kernel.py --engine --size 100m  # decode-heavy engine run, backend torch vs cpu
+
+Layer mode: for each (sequences, context) it builds a pool with shuffled block ids, builds each
+backend's step metadata, then times `paged_attention` (write + attend) over enough separate
+layer caches that the rotation does not fit the CPU's caches (as in a real forward, where
+each layer's K/V are cold). Backends alternate repeat by repeat; the median is reported.
+Engine mode: one subprocess per backend (the choice is per process), alternated, best of N.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from pagedserve.attention import cpu_backend, torch_backend  # noqa: E402
+from pagedserve.attention.cpu import load_kernel  # noqa: E402
+
+ROTATION_BYTES = 256 << 20  # K/V touched per rotation of layer caches: well past any LLC here
+
+
+def make_case(num_seqs: int, ctx: int, block_size: int, kv_heads: int, head_dim: int, dtype, rng):
+    blocks_per_seq = -(-(ctx + 1) // block_size)
+    num_blocks = num_seqs * blocks_per_seq + 8
+    ids = rng.permutation(num_blocks)
+    decodes = [(ids[i * blocks_per_seq:(i + 1) * blocks_per_seq].astype(np.int64), ctx) for i in range(num_seqs)]
+    layer_bytes = 2 * num_seqs * (ctx + 1) * kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+    num_layers = max(1, min(16, -(-ROTATION_BYTES // layer_bytes)))
+    pools = [torch.randn(2, num_blocks * block_size, kv_heads, head_dim).to(dtype) for _ in range(num_layers)]
+    return decodes, pools
+
+
+def time_backend(backend, decodes, pools, q, k, v, block_size, scale, min_seconds: float) -> tuple[float, float]:
+    """(seconds per layer for write + attention, seconds per step for the metadata)."""
+    t0 = time.perf_counter()
+    meta, _ = backend.build_metadata(decodes, [], block_size, None, torch.device("cpu"))
+    meta_s = time.perf_counter() - t0
+    calls = 0
+    t0 = time.perf_counter()
+    while True:
+        for pool in pools:
+            backend.paged_attention(q, k, v, pool[0], pool[1], meta, scale)
+        calls += len(pools)
+        elapsed = time.perf_counter() - t0
+        if elapsed >= min_seconds:
+            return elapsed / calls, meta_s
+
+
+def time_write(write, pools, k, v, slots, min_seconds: float) -> float:
+    calls = 0
+    t0 = time.perf_counter()
+    while True:
+        for pool in pools:
+            write(k, v, pool[0], pool[1], slots)
+        calls += len(pools)
+        if (elapsed := time.perf_counter() - t0) >= min_seconds:
+            return elapsed / calls
+
+
+def torch_write(k, v, k_cache, v_cache, slots):
+    k_cache.index_copy_(0, slots, k)
+    v_cache.index_copy_(0, slots, v)
+
+
+def layer_mode(args) -> None:
+    dtype = getattr(torch, args.dtype)
+    load_kernel()
+    rng = np.random.default_rng(0)
+    heads, kv_heads, head_dim, bs = args.heads, args.kv_heads, args.head_dim, args.block_size
+    scale = head_dim ** -0.5
+    print(f"per layer, decode: {heads} heads / {kv_heads} kv heads x {head_dim}, block {bs}, {args.dtype}, "
+          f"torch threads={torch.get_num_threads()}; times in us, ratio = torch / kernel (higher = kernel faster)")
+    print(f"{'seqs':>5}{'ctx':>6} | {'write torch':>11}{'kernel':>8}{'ratio':>7} | {'write+attn torch':>16}"
+          f"{'kernel':>9}{'ratio':>7} | {'metadata/step torch':>19}{'kernel':>8}")
+    results = []
+    for num_seqs in args.seqs:
+        for ctx in args.ctx:
+            decodes, pools = make_case(num_seqs, ctx, bs, kv_heads, head_dim, dtype, rng)
+            fused = torch.randn(num_seqs, (heads + 2 * kv_heads) * head_dim).to(dtype)
+            q, k, v = fused.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
+            q = q.reshape(num_seqs, heads, head_dim)   # the model's q is a fresh tensor after RoPE
+            k = k.reshape(num_seqs, kv_heads, head_dim)
+            v = v.view(num_seqs, kv_heads, head_dim)   # and v a view into the fused projection
+            meta, _ = cpu_backend.build_metadata(decodes, [], bs, None, torch.device("cpu"))
+            slots = meta.slot_mapping
+            for backend in (torch_backend, cpu_backend):  # warm-up: first touch of every pool page
+                time_backend(backend, decodes, pools, q, k, v, bs, scale, 0.0)
+            samples = {"torch": [], "cpu": [], "torch_w": [], "cpu_w": [], "torch_m": [], "cpu_m": []}
+            for _ in range(args.repeats):
+                for name, backend, write in (("torch", torch_backend, torch_write),
+                                             ("cpu", cpu_backend, cpu_backend.write_kv)):
+                    step_s, meta_s = time_backend(backend, decodes, pools, q, k, v, bs, scale, args.min_seconds)
+                    samples[name].append(step_s)
+                    samples[name + "_m"].append(meta_s)
+                    samples[name + "_w"].append(time_write(write, pools, k, v, slots, args.min_seconds / 4))
+            med = {key: statistics.median(vals) * 1e6 for key, vals in samples.items()}
+            print(f"{num_seqs:>5}{ctx:>6} | {med['torch_w']:>11.1f}{med['cpu_w']:>8.1f}{med['torch_w'] / med['cpu_w']:>6.1f}x"
+                  f" | {med['torch']:>16.1f}{med['cpu']:>9.1f}{med['torch'] / med['cpu']:>6.1f}x"
+                  f" | {med['torch_m']:>19.1f}{med['cpu_m']:>8.1f}", flush=True)
+            results.append({"seqs": num_seqs, "ctx": ctx, **{f"{k}_us": v for k, v in med.items()}})
+            del pools
+    out = ROOT / "results"
+    out.mkdir(exist_ok=True)
+    (out / "attention_kernel.json").write_text(json.dumps({"args": vars(args), "layer": results}, indent=2))
+
+
+ENGINE_RUN = r"""
+import json, random, sys, time
+sys.path.insert(0, {bench!r})
+from common import benchmark_checkpoint
+from pagedserve import LLM, SamplingParams
+from pagedserve.attention import backend_for
+path = benchmark_checkpoint({size!r})
+llm = LLM(str(path), dtype="float32", max_model_len={prompt} + {new} + 16, max_num_seqs={seqs},
+          max_num_batched_tokens=4096, enable_prefix_caching=False, kv_cache_memory="2GiB")
+rng = random.Random(0)
+vocab = llm.engine.model_config.vocab_size
+prompts = [[rng.randrange(3, vocab) for _ in range({prompt})] for _ in range({seqs})]
+sp = SamplingParams(max_tokens={new}, temperature=0.0, ignore_eos=True)
+llm.generate(prompts[:2], SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
+t0 = time.perf_counter()
+outs = llm.generate(prompts, sp, use_tqdm=False)
+dt = time.perf_counter() - t0
+n = sum(len(o.outputs[0].token_ids) for o in outs)
+print(json.dumps(dict(backend=backend_for("cpu"), seconds=dt, out_tok_s=n / dt)))
+"""
+
+
+def engine_mode(args) -> None:
+    code = ENGINE_RUN.format(bench=str(ROOT / "benchmarks"), size=args.size, prompt=args.prompt_len,
+                             new=args.new_tokens, seqs=args.engine_seqs)
+    best: dict[str, float] = {}
+    print(f"engine: random Llama {args.size}, {args.engine_seqs} sequences x ({args.prompt_len} prompt + "
+          f"{args.new_tokens} new tokens), fp32, greedy; output tok/s per run")
+    for run in range(args.engine_runs):
+        for backend in ("torch", "cpu"):
+            env = dict(os.environ, PAGEDSERVE_ATTENTION_BACKEND=backend, PYTHONPATH=str(ROOT))
+            done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+            res = json.loads(done.stdout.strip().splitlines()[-1])
+            assert res["backend"] == backend, res
+            print(f"  run {run + 1} {backend:>5}: {res['out_tok_s']:8.1f} tok/s ({res['seconds']:.1f} s)", flush=True)
+            best[backend] = max(best.get(backend, 0.0), res["out_tok_s"])
+    print(f"best of {args.engine_runs}: torch {best['torch']:.1f} tok/s, cpu kernel {best['cpu']:.1f} tok/s, "
+          f"ratio {best['cpu'] / best['torch']:.2f}x")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--seqs", type=int, nargs="+", default=[1, 8, 32, 256])
+    ap.add_argument("--ctx", type=int, nargs="+", default=[128, 512, 2048])
+    ap.add_argument("--heads", type=int, default=16)
+    ap.add_argument("--kv-heads", type=int, default=4)
+    ap.add_argument("--head-dim", type=int, default=64)
+    ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--min-seconds", type=float, default=0.05, help="per timed sample")
+    ap.add_argument("--engine", action="store_true", help="time whole engine runs instead of one layer")
+    ap.add_argument("--size", default="100m")
+    ap.add_argument("--engine-seqs", type=int, default=32)
+    ap.add_argument("--prompt-len", type=int, default=128)
+    ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--engine-runs", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch default)")
+    args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    engine_mode(args) if args.engine else layer_mode(args)
+
+
+if __name__ == "__main__":
+    main()
