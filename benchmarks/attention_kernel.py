@@ -3,6 +3,7 @@ side by side in one run, and (with --engine) the whole engine step with each bac
 
     python benchmarks/attention_kernel.py                       # 246M shape: 16 heads, 4 kv heads, head_dim 64
     python benchmarks/attention_kernel.py --dtype bfloat16
+    python benchmarks/attention_kernel.py --prefill             # one prefill chunk: reference vs SDPA vs kernel
     python benchmarks/attention_kernel.py --engine --size 100m  # decode-heavy engine run, backend torch vs cpu
 
 Layer mode: for each (sequences, context) it builds a pool with shuffled block ids, builds each
@@ -119,6 +120,58 @@ def layer_mode(args) -> None:
     (out / "attention_kernel.json").write_text(json.dumps({"args": vars(args), "layer": results}, indent=2))
 
 
+def prefill_mode(args) -> None:
+    """One prefill chunk of n tokens after `start` cached ones: the torch reference (SDPA; a
+    gather and a mask when start > 0), SDPA causal over the chunk's own K/V (start 0 only),
+    and the kernel reading the pool. cpu_backend.KERNEL_MAX_FRESH_CHUNK / KERNEL_MAX_CACHED_CHUNK
+    (longer chunks go to SDPA) come from this table."""
+    dtype = getattr(torch, args.dtype)
+    load_kernel()
+    heads, kv_heads, head_dim, bs = args.heads, args.kv_heads, args.head_dim, args.block_size
+    scale = head_dim ** -0.5
+    rng = np.random.default_rng(0)
+    print(f"per layer, one prefill chunk: {heads} heads / {kv_heads} kv heads x {head_dim}, {args.dtype}, "
+          f"torch threads={torch.get_num_threads()}; us, ratio = reference / kernel")
+    print(f"{'start':>6}{'tokens':>7} | {'reference':>10}{'sdpa own':>10}{'kernel':>9}{'ref/kernel':>11}{'sdpa/kernel':>12}")
+    routed = cpu_backend.KERNEL_MAX_FRESH_CHUNK, cpu_backend.KERNEL_MAX_CACHED_CHUNK
+    for start in args.prefix:
+        for n in args.chunk:
+            blocks_needed = -(-(start + n) // bs)
+            num_blocks = blocks_needed + 8
+            blocks = rng.permutation(num_blocks)[:blocks_needed].astype(np.int64)
+            pools = [torch.randn(2, num_blocks * bs, kv_heads, head_dim).to(dtype) for _ in range(4)]
+            fused = torch.randn(n, (heads + 2 * kv_heads) * head_dim).to(dtype)
+            q, k, v = fused.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
+            q, k, v = q.reshape(n, heads, head_dim), k.reshape(n, kv_heads, head_dim), v.view(n, kv_heads, head_dim)
+            prefills = [(blocks, start, n)]
+            timings: dict[str, list[float]] = {"ref": [], "sdpa": [], "kernel": []}
+            for _ in range(args.repeats):
+                timings["ref"].append(time_prefill(torch_backend, prefills, pools, q, k, v, bs, scale, args.min_seconds))
+                for name, limit in (("sdpa", 0), ("kernel", 1 << 30)):
+                    if name == "sdpa" and start > 0:
+                        timings[name].append(float("nan"))
+                        continue
+                    cpu_backend.KERNEL_MAX_FRESH_CHUNK = cpu_backend.KERNEL_MAX_CACHED_CHUNK = limit
+                    timings[name].append(time_prefill(cpu_backend, prefills, pools, q, k, v, bs, scale,
+                                                      args.min_seconds))
+                cpu_backend.KERNEL_MAX_FRESH_CHUNK, cpu_backend.KERNEL_MAX_CACHED_CHUNK = routed
+            med = {key: statistics.median(vals) * 1e6 for key, vals in timings.items()}
+            print(f"{start:>6}{n:>7} | {med['ref']:>10.1f}{med['sdpa']:>10.1f}{med['kernel']:>9.1f}"
+                  f"{med['ref'] / med['kernel']:>10.2f}x{med['sdpa'] / med['kernel']:>11.2f}x", flush=True)
+
+
+def time_prefill(backend, prefills, pools, q, k, v, block_size, scale, min_seconds: float) -> float:
+    meta, _ = backend.build_metadata([], prefills, block_size, None, torch.device("cpu"))
+    backend.paged_attention(q, k, v, pools[0][0], pools[0][1], meta, scale)
+    calls = 0
+    t0 = time.perf_counter()
+    while (elapsed := time.perf_counter() - t0) < min_seconds or calls == 0:
+        for pool in pools:
+            backend.paged_attention(q, k, v, pool[0], pool[1], meta, scale)
+        calls += len(pools)
+    return elapsed / calls
+
+
 ENGINE_RUN = r"""
 import json, random, sys, time
 sys.path.insert(0, {bench!r})
@@ -170,6 +223,9 @@ def main() -> None:
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--min-seconds", type=float, default=0.05, help="per timed sample")
+    ap.add_argument("--prefill", action="store_true", help="time one prefill chunk per layer instead of decodes")
+    ap.add_argument("--prefix", type=int, nargs="+", default=[0, 512])
+    ap.add_argument("--chunk", type=int, nargs="+", default=[4, 16, 32, 64, 128, 512])
     ap.add_argument("--engine", action="store_true", help="time whole engine runs instead of one layer")
     ap.add_argument("--size", default="100m")
     ap.add_argument("--engine-seqs", type=int, default=32)
@@ -180,7 +236,12 @@ def main() -> None:
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    engine_mode(args) if args.engine else layer_mode(args)
+    if args.engine:
+        engine_mode(args)
+    elif args.prefill:
+        prefill_mode(args)
+    else:
+        layer_mode(args)
 
 
 if __name__ == "__main__":

@@ -59,19 +59,20 @@ def make_step(rng: np.random.Generator, num_blocks: int, block_size: int, decode
 
 
 def hand_attention(q, k_cache, v_cache, step: Step, block_size: int, window: int | None, scale: float):
-    """Row by row in float64: keys at positions [max(0, pos - window + 1), pos] of the request."""
+    """In float64, per request: row j at position pos sees keys [max(0, pos - window + 1), pos]."""
     heads, kv_heads = q.shape[1], k_cache.shape[1]
     out = torch.zeros(q.shape, dtype=torch.float64)
     for first, rows, ctx, blocks in step.sequences():
-        for j in range(rows):
-            pos = ctx - rows + j
-            lo = max(0, pos - window + 1) if window else 0
-            keys = np.arange(lo, pos + 1)
-            slots = torch.from_numpy(blocks[keys // block_size] * block_size + keys % block_size)
-            k = k_cache[slots].double().repeat_interleave(heads // kv_heads, dim=1)  # [n, H, D]
-            v = v_cache[slots].double().repeat_interleave(heads // kv_heads, dim=1)
-            scores = torch.einsum("hd,nhd->hn", q[first + j].double(), k) * scale
-            out[first + j] = torch.einsum("hn,nhd->hd", torch.softmax(scores, dim=-1), v)
+        keys = np.arange(ctx)
+        slots = torch.from_numpy(blocks[keys // block_size] * block_size + keys % block_size)
+        k = k_cache[slots].double().repeat_interleave(heads // kv_heads, dim=1)  # [ctx, H, D]
+        v = v_cache[slots].double().repeat_interleave(heads // kv_heads, dim=1)
+        scores = torch.einsum("rhd,nhd->rhn", q[first:first + rows].double(), k) * scale
+        pos = torch.arange(ctx - rows, ctx)[:, None]
+        key = torch.from_numpy(keys)[None, :]
+        visible = (key <= pos) & ((key > pos - window) if window else True)  # [rows, ctx]
+        scores = scores.masked_fill(~visible[:, None, :], float("-inf"))
+        out[first:first + rows] = torch.einsum("rhn,nhd->rhd", torch.softmax(scores, dim=-1), v)
     return out
 
 
@@ -155,19 +156,29 @@ def test_decode_sliding_window(window):
     check_step(step, heads=8, kv_heads=2, head_dim=64, block_size=16, num_blocks=300, window=window)
 
 
+@pytest.fixture(params=["routed", "kernel-only"])
+def routing(request, monkeypatch):
+    """As cpu_backend routes chunks (short ones to the kernel, long ones to SDPA), or every
+    chunk through the kernel, so its many-row tiles are checked whatever the thresholds."""
+    if request.param == "kernel-only":
+        monkeypatch.setattr(cpu_backend, "KERNEL_MAX_FRESH_CHUNK", 1 << 30)
+        monkeypatch.setattr(cpu_backend, "KERNEL_MAX_CACHED_CHUNK", 1 << 30)
+    return request.param
+
+
 @pytest.mark.parametrize("shape", ["gqa-64", "mha-128", "mqa-48"])
-def test_prefill_chunks(shape):
-    """Fresh chunks short (kernel) and long (SDPA on their own K/V), and chunks after a cached
-    prefix, which the kernel reads from the pool, mid-block starts included."""
+def test_prefill_chunks(shape, routing):
+    """Fresh chunks and chunks after cached keys (a prefix hit, a later piece of a chunked
+    prefill), short and long, starting mid-block or on a block boundary."""
     heads, kv_heads, head_dim = SHAPES[shape]
     rng = np.random.default_rng(3)
-    spans = [(0, 1), (0, 9), (0, 150), (16, 20), (37, 90), (5, 1), (200, 70)]
+    spans = [(0, 1), (0, 9), (0, 150), (16, 20), (37, 90), (5, 1), (30, 8), (64, 3), (200, 70)]
     step = make_step(rng, 200, 16, decode_ctx=[], prefill_spans=spans)
     check_step(step, heads=heads, kv_heads=kv_heads, head_dim=head_dim, block_size=16, num_blocks=200)
 
 
 @pytest.mark.parametrize("window", [None, 24])
-def test_mixed_step(window):
+def test_mixed_step(window, routing):
     """Decodes and prefill chunks in one step, as the runner lays them out (decodes first)."""
     rng = np.random.default_rng(4)
     step = make_step(rng, 300, 16, decode_ctx=[5, 48, 129], prefill_spans=[(0, 100), (0, 30), (60, 45)])
@@ -175,7 +186,7 @@ def test_mixed_step(window):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_half_precision_caches(dtype):
+def test_half_precision_caches(dtype, routing):
     if not cpu_kernel.load_kernel().ps_dtype_supported(cpu_kernel.DTYPE_CODES[str(dtype)[6:]]):
         pytest.fail(f"this compiler builds the kernel without {dtype} support")
     rng = np.random.default_rng(5)

@@ -5,11 +5,12 @@ chunks; `paged_attention` writes each token's K/V at its slot, then attends. The
 where K/V are read: the kernel walks each sequence's block table in the pool itself, so no
 layer gathers blocks into a padded buffer and no step builds a mask.
 
-Who attends what: decodes, and prefill chunks that see cached keys (a prefix hit, a later chunk
-of a chunked prefill) or a sliding window, or that are short, go to the kernel as one plan;
-a long fresh chunk (no cached prefix, no window) goes to SDPA causally over its own K/V, which
-needs no gather either and whose GEMM-based tiles beat the kernel there (see
-benchmarks/attention_kernel.py). The plan is built once per step and shared by every layer.
+Who attends what (measured: `benchmarks/attention_kernel.py --prefill`): decodes and short
+prefill chunks go to the kernel as one plan. Longer chunks go to torch's SDPA, whose GEMM-based
+tiles beat the kernel's there: a fresh chunk (no cached key, no window) causally over its own
+K/V, with no gather; a chunk that sees cached keys (a prefix hit, a later piece of a chunked
+prefill) or a window through the reference path (its own blocks gathered, a mask). The plan is
+built once per step and shared by every layer.
 """
 from __future__ import annotations
 
@@ -18,13 +19,14 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 from pagedserve.attention.cpu import DTYPE_CODES, AttentionPlan, load_kernel
-from pagedserve.attention.torch_backend import slots_for
+from pagedserve.attention.torch_backend import PrefillChunk, attend_prefill_chunk, prefill_chunk, slots_for
 
-# A fresh prefill chunk with at least this many tokens runs through SDPA (measured crossover).
-SDPA_MIN_CHUNK = 64
+# Chunks the kernel attends; longer ones go to SDPA (crossovers measured on a 2-core AVX-512
+# Xeon, 16 heads / 4 kv heads x 64: fresh ~48 tokens, after 512 cached ones ~8).
+KERNEL_MAX_FRESH_CHUNK = 47
+KERNEL_MAX_CACHED_CHUNK = 8
 
 
 @dataclass
@@ -32,7 +34,8 @@ class KernelMetadata:
     slot_mapping: torch.Tensor          # [T] int64: where each new token's K/V is written
     num_decodes: int
     plan: AttentionPlan | None          # rows the kernel attends; None = none this step
-    sdpa_chunks: list[tuple[int, int]]  # (first row, rows) of fresh chunks SDPA runs causally
+    sdpa_chunks: list[PrefillChunk]     # chunks SDPA attends (torch_backend.attend_prefill_chunk)
+    block_size: int
     # The arrays behind plan's pointers: they must live as long as the plan.
     plan_arrays: tuple[np.ndarray, ...] = field(default=(), repr=False)
 
@@ -74,15 +77,15 @@ def build_metadata(decodes: list[tuple[np.ndarray, int]], prefills: list[tuple[n
         pos = np.array([p for _, p in decodes], dtype=np.int64)
         positions.append(pos)
         slots.append(np.array([b[p // block_size] for b, p in decodes], dtype=np.int64) * block_size + pos % block_size)
-    sdpa_chunks: list[tuple[int, int]] = []
+    sdpa_chunks: list[PrefillChunk] = []
     row = len(decodes)
     for blocks, start, n in prefills:
         pos = np.arange(start, start + n, dtype=np.int64)
         positions.append(pos)
         slots.append(slots_for(blocks, pos, block_size))
-        windowed = bool(sliding_window) and start + n > sliding_window
-        if start == 0 and not windowed and n >= SDPA_MIN_CHUNK:
-            sdpa_chunks.append((row, n))
+        fresh = start == 0 and not (sliding_window and n > sliding_window)
+        if n > (KERNEL_MAX_FRESH_CHUNK if fresh else KERNEL_MAX_CACHED_CHUNK):
+            sdpa_chunks.append(prefill_chunk(blocks, start, n, row, block_size, sliding_window, device))
         else:
             q_start.append(row)
             q_len.append(n)
@@ -95,7 +98,7 @@ def build_metadata(decodes: list[tuple[np.ndarray, int]], prefills: list[tuple[n
                                  sliding_window)
     all_pos = np.concatenate(positions) if positions else np.zeros(0, dtype=np.int64)
     slot_mapping = torch.from_numpy(np.concatenate(slots) if slots else np.zeros(0, dtype=np.int64))
-    return KernelMetadata(slot_mapping, len(decodes), plan, sdpa_chunks, arrays), all_pos
+    return KernelMetadata(slot_mapping, len(decodes), plan, sdpa_chunks, block_size, arrays), all_pos
 
 
 def _token_rows(x: torch.Tensor) -> torch.Tensor:
@@ -145,10 +148,8 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     out = torch.empty(q.shape, dtype=q.dtype)
     if meta.plan is not None:
         attend(q, k_cache, v_cache, out, meta.plan, scale)
-    gqa = q.shape[1] != k.shape[1]
-    for first, n in meta.sdpa_chunks:
-        rows = slice(first, first + n)
-        qc, kc, vc = (x[rows].to(q.dtype).transpose(0, 1).unsqueeze(0) for x in (q, k, v))  # [1, heads, n, D]
-        o = F.scaled_dot_product_attention(qc, kc, vc, is_causal=True, scale=scale, enable_gqa=gqa)
-        out[rows] = o.squeeze(0).transpose(0, 1)
+    if meta.sdpa_chunks and k.dtype != q.dtype:
+        k, v = k.to(q.dtype), v.to(q.dtype)
+    for c in meta.sdpa_chunks:
+        out[c.q_start:c.q_start + c.q_len] = attend_prefill_chunk(q, k, v, k_cache, v_cache, c, meta.block_size, scale)
     return out.to(compute_dtype)
