@@ -122,11 +122,14 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
 
 def attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor,
            plan: AttentionPlan, scale: float) -> None:
-    """out[rows of plan] = attention of q over the plan's blocks. q, out: [T, H, D], one dtype with the cache."""
+    """out[rows of plan] = attention of q over the plan's blocks. q, out: [T, H, D], one dtype with
+    the cache; k_cache, v_cache: [num_slots, KV, D], same strides, each row's D elements contiguous."""
     num_heads, head_dim = q.shape[1], q.shape[2]
     code = DTYPE_CODES[str(k_cache.dtype).removeprefix("torch.")]
+    token_stride, head_stride = k_cache.stride(0), k_cache.stride(1)
     rc = load_kernel().ps_paged_attention(ctypes.byref(plan), q.data_ptr(), q.stride(0), code, k_cache.data_ptr(),
-                                          v_cache.data_ptr(), code, out.data_ptr(), out.stride(0), num_heads,
+                                          v_cache.data_ptr(), plan.block_size * token_stride, head_stride,
+                                          token_stride, code, out.data_ptr(), out.stride(0), num_heads,
                                           k_cache.shape[1], head_dim, scale, torch.get_num_threads())
     if rc != 0:
         raise RuntimeError(f"ps_paged_attention failed ({rc}) for q {tuple(q.shape)} {q.dtype}, "
@@ -140,6 +143,8 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
     Writes k/v into the cache at meta.slot_mapping, returns attention output [T, H, D].
     """
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        raise ValueError("cpu attention backend: k_cache and v_cache must be contiguous [num_slots, KV, D]")
     write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
     compute_dtype = q.dtype
     if q.dtype != k_cache.dtype:  # the kernel reads q and the cache in one dtype

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
+import logging
 import os
 import platform
 import shutil
@@ -20,8 +21,10 @@ import tempfile
 from functools import cache
 from pathlib import Path
 
+logger = logging.getLogger("pagedserve.attention")
+
 SOURCE = Path(__file__).with_name("paged_attention.cpp")
-ABI_VERSION = 1
+ABI_VERSION = 2
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fno-trapping-math", "-fassociative-math",
          "-fno-signed-zeros", "-std=c++17", "-shared", "-fPIC")
 DTYPE_CODES = {"float32": 0, "bfloat16": 1, "float16": 2}
@@ -109,8 +112,8 @@ def bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.ps_abi_version.restype = c_int
     lib.ps_dtype_supported.argtypes = [c_int]
     lib.ps_dtype_supported.restype = c_int
-    lib.ps_paged_attention.argtypes = [ctypes.POINTER(AttentionPlan), ptr, c_i64, c_int, ptr, ptr, c_int, ptr, c_i64,
-                                       c_i64, c_i64, c_i64, ctypes.c_float, c_int]
+    lib.ps_paged_attention.argtypes = [ctypes.POINTER(AttentionPlan), ptr, c_i64, c_int, ptr, ptr, c_i64, c_i64, c_i64,
+                                       c_int, ptr, c_i64, c_i64, c_i64, c_i64, ctypes.c_float, c_int]
     lib.ps_paged_attention.restype = c_int
     lib.ps_write_kv.argtypes = [ptr, c_i64, ptr, c_i64, ptr, ptr, ptr, c_i64, c_i64, c_int]
     lib.ps_write_kv.restype = None
@@ -126,6 +129,7 @@ def load_kernel() -> ctypes.CDLL:
     compiler = find_compiler()
     path = library_path(compiler)
     if not path.exists():
+        logger.info("compiling the CPU attention kernel for this machine (once; cached as %s)", path)
         compile_library(compiler, path)
     try:
         lib = bind(ctypes.CDLL(str(path)))

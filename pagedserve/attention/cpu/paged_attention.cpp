@@ -5,9 +5,12 @@
 // ctypes with raw data pointers. Under torch the OpenMP runtime it links is torch's own
 // libgomp (same SONAME, already loaded), so its threads are torch's threads.
 //
-// Layout (one layer): k_cache, v_cache are [num_slots, num_kv_heads, head_dim] with
-// slot = block_id * block_size + offset; q and out are [tokens, num_heads, head_dim] with heads
-// contiguous and a row stride per token. Query heads h use kv head h / (num_heads / num_kv_heads).
+// Layout (one layer): key `offset` of block `block_id`, kv head `g` starts at element
+// block_id * block_stride + g * head_stride + offset * token_stride of k_cache (v_cache alike),
+// its head_dim elements contiguous; pagedserve's pool [num_slots, kv_heads, head_dim] has
+// token_stride = kv_heads * head_dim, head_stride = head_dim, block_stride = block_size *
+// token_stride. q and out are [tokens, num_heads, head_dim] with heads contiguous and a row
+// stride per token. Query heads h use kv head h / (num_heads / num_kv_heads).
 //
 // Work: a "sequence" of the plan is q_len query rows (a decode is 1 row, a prefill chunk many)
 // whose last row sees ctx_len keys. Row j sits at position ctx_len - q_len + j and attends to
@@ -28,7 +31,7 @@
 
 namespace {
 
-constexpr int kAbiVersion = 1;
+constexpr int kAbiVersion = 2;
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
 enum DType : int { kFloat32 = 0, kBFloat16 = 1, kFloat16 = 2 };
@@ -106,7 +109,8 @@ namespace {
 
 struct Shape {
     int64_t num_heads, num_kv_heads, head_dim, group;
-    int64_t q_row_stride, out_row_stride, kv_token_stride;
+    int64_t q_row_stride, out_row_stride;
+    int64_t block_stride, head_stride, token_stride;  // cache element strides
     float scale;
 };
 
@@ -119,6 +123,7 @@ struct Item {
 
 constexpr int kMaxTileVectors = 64;      // query vectors (rows x group heads) per item
 constexpr int64_t kMinPartitionKeys = 256;
+constexpr int64_t kMinParallelWork = 16384;  // (query head, key) pairs: ~20 us of work
 
 inline int64_t row_pos(const PsAttentionPlan& p, int s, int j) { return p.ctx_len[s] - p.q_len[s] + j; }
 inline int64_t row_floor(const PsAttentionPlan& p, int64_t pos) {
@@ -231,16 +236,16 @@ void attend_item(const PsAttentionPlan& plan, const Shape& sh, const Item& it, c
     std::fill(l, l + R, 0.0f);
 
     const int32_t* table = plan.block_table + s * plan.table_stride;
-    const int64_t head_off = it.kv_head * dh;
+    const int64_t head_off = it.kv_head * sh.head_stride;
     const int64_t row_bytes = dh * static_cast<int64_t>(sizeof(KT));
     for (int64_t b = it.key_lo / bs; b * bs < it.key_hi; ++b) {
         // The next block lies elsewhere in the pool (no hardware prefetcher can guess it):
         // ask for its rows now, while this block is computed.
         if ((b + 1) * bs < it.key_hi) {
-            const int64_t next = static_cast<int64_t>(table[b + 1]) * bs * sh.kv_token_stride + head_off;
+            const int64_t next = static_cast<int64_t>(table[b + 1]) * sh.block_stride + head_off;
             for (int64_t t = 0; t < bs; ++t) {
-                const char* kn = reinterpret_cast<const char*>(k_cache + next + t * sh.kv_token_stride);
-                const char* vn = reinterpret_cast<const char*>(v_cache + next + t * sh.kv_token_stride);
+                const char* kn = reinterpret_cast<const char*>(k_cache + next + t * sh.token_stride);
+                const char* vn = reinterpret_cast<const char*>(v_cache + next + t * sh.token_stride);
                 for (int64_t byte = 0; byte < row_bytes; byte += 64) {
                     __builtin_prefetch(kn + byte);
                     __builtin_prefetch(vn + byte);
@@ -250,11 +255,11 @@ void attend_item(const PsAttentionPlan& plan, const Shape& sh, const Item& it, c
         const int64_t block_end = std::min<int64_t>(it.key_hi, b * bs + bs);
         for (int64_t tile = std::max<int64_t>(it.key_lo, b * bs); tile < block_end; tile += kLanes) {
             const int64_t n = std::min<int64_t>(kLanes, block_end - tile);
-            const int64_t first_slot = static_cast<int64_t>(table[b]) * bs + (tile - b * bs);
+            const int64_t first = static_cast<int64_t>(table[b]) * sh.block_stride + (tile - b * bs) * sh.token_stride + head_off;
             int64_t ks, vs;
-            const float* kt = tile_rows(k_cache + first_slot * sh.kv_token_stride + head_off, sh.kv_token_stride, n,
+            const float* kt = tile_rows(k_cache + first, sh.token_stride, n,
                                         dh, dp, kf, ks);
-            const float* vt = tile_rows(v_cache + first_slot * sh.kv_token_stride + head_off, sh.kv_token_stride, n,
+            const float* vt = tile_rows(v_cache + first, sh.token_stride, n,
                                         dh, dp, vf, vs);
             for (int64_t t = n; t < kLanes; ++t) store16(part + kSlot[t] * kLanes, v16{});
 
@@ -428,6 +433,10 @@ int64_t make_items(const PsAttentionPlan& plan, const Shape& sh, int num_threads
 template <typename QT, typename KT, int NCT>
 void run_attention(const PsAttentionPlan& plan, const Shape& sh, const void* q, const void* k_cache,
                    const void* v_cache, void* out, int num_threads) {
+    // A small step (one short decode) is done before a thread team could even be woken.
+    int64_t work = 0;
+    for (int64_t s = 0; s < plan.num_seqs; ++s) work += static_cast<int64_t>(plan.ctx_len[s]) * plan.q_len[s];
+    if (work * sh.num_heads < kMinParallelWork) num_threads = 1;
     std::vector<Item> items;
     const int64_t num_partials = make_items(plan, sh, num_threads, items);
     const int64_t tile_vectors = std::max<int64_t>(1, kMaxTileVectors / sh.group) * sh.group;
@@ -499,12 +508,13 @@ int ps_dtype_supported(int dtype) {
 // q, out and the caches share one dtype. Returns 0, or -1 for a bad shape, -2 for an
 // unsupported or mixed dtype.
 int ps_paged_attention(const PsAttentionPlan* plan, const void* q, int64_t q_row_stride, int q_dtype,
-                       const void* k_cache, const void* v_cache, int kv_dtype, void* out, int64_t out_row_stride,
-                       int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, float scale, int num_threads) {
+                       const void* k_cache, const void* v_cache, int64_t block_stride, int64_t head_stride,
+                       int64_t token_stride, int kv_dtype, void* out, int64_t out_row_stride, int64_t num_heads,
+                       int64_t num_kv_heads, int64_t head_dim, float scale, int num_threads) {
     if (num_kv_heads <= 0 || num_heads % num_kv_heads != 0 || head_dim <= 0 || plan->block_size <= 0) return -1;
     if (plan->num_seqs == 0) return 0;
-    Shape sh{num_heads, num_kv_heads, head_dim, num_heads / num_kv_heads,
-             q_row_stride, out_row_stride, num_kv_heads * head_dim, scale};
+    Shape sh{num_heads, num_kv_heads, head_dim, num_heads / num_kv_heads, q_row_stride, out_row_stride,
+             block_stride, head_stride, token_stride, scale};
     num_threads = std::max(1, num_threads);
     // q, out and the cache share one dtype (the model's): one instantiation per dtype keeps
     // the first-use compile short.
