@@ -195,8 +195,99 @@ const float* tile_rows(const KT* first, int64_t token_stride, int64_t n, int64_t
     return scratch;
 }
 
+// The scores, softmax update and P.V of one tile of n <= 16 keys (starting at key position
+// `tile`) for the R = nrows * G query vectors of one kv head. kt / vt: the tile's K and V rows
+// as fp32, ks / vs floats apart. NCT = head_dim / 16 when fixed at compile time, 0 = any.
+template <int NCT>
+void attend_tile(int64_t R, int64_t G, int64_t nc, int64_t dp, const int64_t* row_lo, const int64_t* row_hi,
+                 int64_t tile, int64_t n, const float* kt, int64_t ks, const float* vt, int64_t vs, const float* qf,
+                 float* acc, float* m, float* l, float* sc, float* part) {
+    for (int64_t t = n; t < kLanes; ++t) store16(part + kSlot[t] * kLanes, v16{});
+
+    // Scores, row by row: the row's q chunks stay in registers across the tile's keys.
+    for (int64_t r = 0; r < R; ++r) {
+        const float* qr = qf + r * dp;
+        if constexpr (NCT > 0) {
+            v16 qv[NCT];
+            for (int c = 0; c < NCT; ++c) qv[c] = load16(qr + c * kLanes);
+            for (int64_t t = 0; t < n; ++t) {
+                const float* kr = kt + t * ks;
+                v16 p = qv[0] * load16(kr);
+                for (int c = 1; c < NCT; ++c) p += qv[c] * load16(kr + c * kLanes);
+                store16(part + kSlot[t] * kLanes, p);
+            }
+        } else {
+            for (int64_t t = 0; t < n; ++t) {
+                const float* kr = kt + t * ks;
+                v16 p = load16(qr) * load16(kr);
+                for (int64_t c = 1; c < nc; ++c) p += load16(qr + c * kLanes) * load16(kr + c * kLanes);
+                store16(part + kSlot[t] * kLanes, p);
+            }
+        }
+        v16 parts[kLanes];
+        for (int t = 0; t < kLanes; ++t) parts[t] = load16(part + t * kLanes);
+        store16(sc + r * kLanes, sum_lanes_16(parts));
+    }
+
+    // Mask, then the online softmax update of each row.
+    for (int64_t r = 0; r < R; ++r) {
+        const int64_t j = r / G;
+        const int64_t lo = row_lo[j] - tile, hi = std::min<int64_t>(row_hi[j] - tile, n);
+        float* sr = sc + r * kLanes;
+        float tile_max = kNegInf;
+#pragma omp simd reduction(max : tile_max)
+        for (int64_t t = 0; t < kLanes; ++t) {
+            sr[t] = (t >= lo && t < hi) ? sr[t] : kNegInf;
+            tile_max = std::max(tile_max, sr[t]);
+        }
+        if (tile_max == kNegInf) {
+            std::fill(sr, sr + kLanes, 0.0f);
+            continue;
+        }
+        const float m_new = std::max(m[r], tile_max);
+        float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+        for (int64_t t = 0; t < kLanes; ++t) {
+            const float p = sr[t] == kNegInf ? 0.0f : fast_exp(sr[t] - m_new);
+            sr[t] = p;
+            sum += p;
+        }
+        if (m_new != m[r]) {
+            const float alpha = fast_exp(m[r] - m_new);
+            float* ar = acc + r * dp;
+#pragma omp simd
+            for (int64_t d = 0; d < dp; ++d) ar[d] *= alpha;
+            l[r] *= alpha;
+            m[r] = m_new;
+        }
+        l[r] += sum;
+    }
+
+    // acc += P V, row by row: the row's accumulator stays in registers across the tile's keys.
+    for (int64_t r = 0; r < R; ++r) {
+        const float* pr = sc + r * kLanes;
+        float* ar = acc + r * dp;
+        if constexpr (NCT > 0) {
+            v16 av[NCT];
+            for (int c = 0; c < NCT; ++c) av[c] = load16(ar + c * kLanes);
+            for (int64_t t = 0; t < n; ++t) {
+                const float* vr = vt + t * vs;
+                for (int c = 0; c < NCT; ++c) av[c] += pr[t] * load16(vr + c * kLanes);
+            }
+            for (int c = 0; c < NCT; ++c) store16(ar + c * kLanes, av[c]);
+        } else {
+            for (int64_t t = 0; t < n; ++t) {
+                const float* vr = vt + t * vs;
+                for (int64_t c = 0; c < nc; ++c)
+                    store16(ar + c * kLanes, load16(ar + c * kLanes) + pr[t] * load16(vr + c * kLanes));
+            }
+        }
+    }
+}
+
 // One item: rows [row0, row0 + nrows) of sequence `seq`, every query head of kv head `kv_head`,
-// over keys [key_lo, key_hi). NCT = head_dim / 16 when fixed at compile time (registers), 0 = any.
+// over keys [key_lo, key_hi). (Measured: one item per kv head, prefetching the next block, beat
+// one item for all kv heads reading whole token rows, with or without the prefetch.)
 template <typename QT, typename KT, int NCT>
 void attend_item(const PsAttentionPlan& plan, const Shape& sh, const Item& it, const QT* q, const KT* k_cache,
                  const KT* v_cache, QT* out, float* partial_buf) {
@@ -205,13 +296,13 @@ void attend_item(const PsAttentionPlan& plan, const Shape& sh, const Item& it, c
     const int64_t dp = nc * kLanes;  // head_dim padded to whole vectors
     const int64_t G = sh.group;
     const int64_t bs = plan.block_size;
-    const int64_t R = static_cast<int64_t>(it.nrows) * G;
-    float* qf = tls_floats.get(static_cast<size_t>(2 * R * dp + R * (kLanes + 2) + kLanes * kLanes + 2 * kLanes * dp));
-    float* acc = qf + R * dp;
-    float* m = acc + R * dp;
-    float* l = m + R;
-    float* sc = l + R;                 // [R, 16] scores, then probabilities, of the current tile
-    float* part = sc + R * kLanes;     // [16, 16] per-token partial dot products of one row
+    const int64_t R = static_cast<int64_t>(it.nrows) * G;  // query vectors
+    float* qf = tls_floats.get(static_cast<size_t>(R * (2 * dp + 2 + kLanes) + kLanes * kLanes + 2 * kLanes * dp));
+    float* acc = qf + R * dp;            // [R, dp]
+    float* m = acc + R * dp;             // [R] running max
+    float* l = m + R;                    // [R] running sum
+    float* sc = l + R;                   // [R, 16] scores, then probabilities, of the current tile
+    float* part = sc + R * kLanes;       // [16, 16] per-key partial dot products of one row
     float* kf = part + kLanes * kLanes;  // [16, dp] converted K rows of the tile
     float* vf = kf + kLanes * dp;        // [16, dp] converted V rows
     int64_t* row_lo = tls_ints.get(static_cast<size_t>(it.nrows) * 2);  // first key each row sees
@@ -236,13 +327,13 @@ void attend_item(const PsAttentionPlan& plan, const Shape& sh, const Item& it, c
     std::fill(l, l + R, 0.0f);
 
     const int32_t* table = plan.block_table + s * plan.table_stride;
-    const int64_t head_off = it.kv_head * sh.head_stride;
+    const int64_t head = it.kv_head * sh.head_stride;
     const int64_t row_bytes = dh * static_cast<int64_t>(sizeof(KT));
     for (int64_t b = it.key_lo / bs; b * bs < it.key_hi; ++b) {
         // The next block lies elsewhere in the pool (no hardware prefetcher can guess it):
         // ask for its rows now, while this block is computed.
         if ((b + 1) * bs < it.key_hi) {
-            const int64_t next = static_cast<int64_t>(table[b + 1]) * sh.block_stride + head_off;
+            const int64_t next = static_cast<int64_t>(table[b + 1]) * sh.block_stride + head;
             for (int64_t t = 0; t < bs; ++t) {
                 const char* kn = reinterpret_cast<const char*>(k_cache + next + t * sh.token_stride);
                 const char* vn = reinterpret_cast<const char*>(v_cache + next + t * sh.token_stride);
@@ -255,93 +346,12 @@ void attend_item(const PsAttentionPlan& plan, const Shape& sh, const Item& it, c
         const int64_t block_end = std::min<int64_t>(it.key_hi, b * bs + bs);
         for (int64_t tile = std::max<int64_t>(it.key_lo, b * bs); tile < block_end; tile += kLanes) {
             const int64_t n = std::min<int64_t>(kLanes, block_end - tile);
-            const int64_t first = static_cast<int64_t>(table[b]) * sh.block_stride + (tile - b * bs) * sh.token_stride + head_off;
+            const int64_t first =
+                static_cast<int64_t>(table[b]) * sh.block_stride + (tile - b * bs) * sh.token_stride + head;
             int64_t ks, vs;
-            const float* kt = tile_rows(k_cache + first, sh.token_stride, n,
-                                        dh, dp, kf, ks);
-            const float* vt = tile_rows(v_cache + first, sh.token_stride, n,
-                                        dh, dp, vf, vs);
-            for (int64_t t = n; t < kLanes; ++t) store16(part + kSlot[t] * kLanes, v16{});
-
-            // Scores of the tile, row by row: q chunks stay in registers across the tokens.
-            for (int64_t r = 0; r < R; ++r) {
-                const float* qr = qf + r * dp;
-                if constexpr (NCT > 0) {
-                    v16 qv[NCT];
-                    for (int c = 0; c < NCT; ++c) qv[c] = load16(qr + c * kLanes);
-                    for (int64_t t = 0; t < n; ++t) {
-                        const float* kr = kt + t * ks;
-                        v16 p = qv[0] * load16(kr);
-                        for (int c = 1; c < NCT; ++c) p += qv[c] * load16(kr + c * kLanes);
-                        store16(part + kSlot[t] * kLanes, p);
-                    }
-                } else {
-                    for (int64_t t = 0; t < n; ++t) {
-                        const float* kr = kt + t * ks;
-                        v16 p = load16(qr) * load16(kr);
-                        for (int64_t c = 1; c < nc; ++c) p += load16(qr + c * kLanes) * load16(kr + c * kLanes);
-                        store16(part + kSlot[t] * kLanes, p);
-                    }
-                }
-                v16 parts[kLanes];
-                for (int t = 0; t < kLanes; ++t) parts[t] = load16(part + t * kLanes);
-                store16(sc + r * kLanes, sum_lanes_16(parts));
-            }
-
-            // Mask, then the online softmax update of each row.
-            for (int64_t r = 0; r < R; ++r) {
-                const int64_t j = r / G;
-                const int64_t lo = row_lo[j] - tile, hi = std::min<int64_t>(row_hi[j] - tile, n);
-                float* sr = sc + r * kLanes;
-                float tile_max = kNegInf;
-#pragma omp simd reduction(max : tile_max)
-                for (int64_t t = 0; t < kLanes; ++t) {
-                    sr[t] = (t >= lo && t < hi) ? sr[t] : kNegInf;
-                    tile_max = std::max(tile_max, sr[t]);
-                }
-                if (tile_max == kNegInf) {
-                    std::fill(sr, sr + kLanes, 0.0f);
-                    continue;
-                }
-                const float m_new = std::max(m[r], tile_max);
-                float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-                for (int64_t t = 0; t < kLanes; ++t) {
-                    const float p = sr[t] == kNegInf ? 0.0f : fast_exp(sr[t] - m_new);
-                    sr[t] = p;
-                    sum += p;
-                }
-                if (m_new != m[r]) {
-                    const float alpha = fast_exp(m[r] - m_new);
-                    float* ar = acc + r * dp;
-#pragma omp simd
-                    for (int64_t d = 0; d < dp; ++d) ar[d] *= alpha;
-                    l[r] *= alpha;
-                    m[r] = m_new;
-                }
-                l[r] += sum;
-            }
-
-            // acc += P V, row by row: the row's accumulator stays in registers across the tokens.
-            for (int64_t r = 0; r < R; ++r) {
-                const float* pr = sc + r * kLanes;
-                float* ar = acc + r * dp;
-                if constexpr (NCT > 0) {
-                    v16 av[NCT];
-                    for (int c = 0; c < NCT; ++c) av[c] = load16(ar + c * kLanes);
-                    for (int64_t t = 0; t < n; ++t) {
-                        const float* vr = vt + t * vs;
-                        for (int c = 0; c < NCT; ++c) av[c] += pr[t] * load16(vr + c * kLanes);
-                    }
-                    for (int c = 0; c < NCT; ++c) store16(ar + c * kLanes, av[c]);
-                } else {
-                    for (int64_t t = 0; t < n; ++t) {
-                        const float* vr = vt + t * vs;
-                        for (int64_t c = 0; c < nc; ++c)
-                            store16(ar + c * kLanes, load16(ar + c * kLanes) + pr[t] * load16(vr + c * kLanes));
-                    }
-                }
-            }
+            const float* kt = tile_rows(k_cache + first, sh.token_stride, n, dh, dp, kf, ks);
+            const float* vt = tile_rows(v_cache + first, sh.token_stride, n, dh, dp, vf, vs);
+            attend_tile<NCT>(R, G, nc, dp, row_lo, row_hi, tile, n, kt, ks, vt, vs, qf, acc, m, l, sc, part);
         }
     }
 
