@@ -132,8 +132,9 @@ def attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: t
                                           token_stride, code, out.data_ptr(), out.stride(0), num_heads,
                                           k_cache.shape[1], head_dim, scale, torch.get_num_threads())
     if rc != 0:
-        raise RuntimeError(f"ps_paged_attention failed ({rc}) for q {tuple(q.shape)} {q.dtype}, "
-                           f"cache {tuple(k_cache.shape)} {k_cache.dtype}")
+        why = {-1: "bad shape", -2: f"{k_cache.dtype} not supported by this build of the kernel"}.get(rc, f"error {rc}")
+        raise RuntimeError(f"CPU attention kernel: {why} (q {tuple(q.shape)} {q.dtype}, cache {tuple(k_cache.shape)} "
+                           f"{k_cache.dtype}); PAGEDSERVE_ATTENTION_BACKEND=torch avoids the kernel")
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
