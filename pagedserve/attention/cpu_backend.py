@@ -33,11 +33,15 @@ KERNEL_MAX_CACHED_CHUNK = 8
 class KernelMetadata:
     slot_mapping: torch.Tensor          # [T] int64: where each new token's K/V is written
     num_decodes: int
-    plan: AttentionPlan | None          # rows the kernel attends; None = none this step
+    plan: AttentionPlan                 # rows the kernel attends (num_seqs 0 = none this step)
     sdpa_chunks: list[PrefillChunk]     # chunks SDPA attends (torch_backend.attend_prefill_chunk)
     block_size: int
     # The arrays behind plan's pointers: they must live as long as the plan.
     plan_arrays: tuple[np.ndarray, ...] = field(default=(), repr=False)
+    plan_ref: object = field(default=None, repr=False)  # ctypes.byref(plan), made once per step
+
+    def __post_init__(self) -> None:
+        self.plan_ref = ctypes.byref(self.plan)
 
 
 def make_plan(q_start: np.ndarray, q_len: np.ndarray, ctx_len: np.ndarray, tables: list[np.ndarray],
@@ -92,7 +96,7 @@ def build_metadata(decodes: list[tuple[np.ndarray, int]], prefills: list[tuple[n
             ctx_len.append(start + n)
             tables.append(blocks)
         row += n
-    plan, arrays = None, ()
+    plan, arrays = AttentionPlan(0, 0, 0, 0, 0, 0, block_size, 0), ()
     if tables:
         plan, arrays = make_plan(np.array(q_start), np.array(q_len), np.array(ctx_len), tables, block_size,
                                  sliding_window)
@@ -101,40 +105,34 @@ def build_metadata(decodes: list[tuple[np.ndarray, int]], prefills: list[tuple[n
     return KernelMetadata(slot_mapping, len(decodes), plan, sdpa_chunks, block_size, arrays), all_pos
 
 
+TORCH_DTYPE_CODES = {getattr(torch, name): code for name, code in DTYPE_CODES.items()}
+
+
 def _token_rows(x: torch.Tensor) -> torch.Tensor:
     """x [T, heads, head_dim] with each token's heads contiguous (a row stride is fine)."""
-    if x.stride(2) != 1 or x.stride(1) != x.shape[2]:
+    stride = x.stride()
+    if stride[2] != 1 or stride[1] != x.shape[2]:
         return x.contiguous()
     return x
 
 
-def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-             slot_mapping: torch.Tensor) -> None:
-    """k_cache[slot_mapping[t]] = k[t], v alike: one row copy per token, no dispatch per element."""
-    if k.dtype != k_cache.dtype:
-        k, v = k.to(k_cache.dtype), v.to(v_cache.dtype)
-    k, v = _token_rows(k), _token_rows(v)
-    size = k.element_size()
-    load_kernel().ps_write_kv(k.data_ptr(), k.stride(0) * size, v.data_ptr(), v.stride(0) * size,
-                              k_cache.data_ptr(), v_cache.data_ptr(), slot_mapping.data_ptr(), k.shape[0],
-                              k.shape[1] * k.shape[2] * size, torch.get_num_threads())
-
-
-def attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor,
-           plan: AttentionPlan, scale: float) -> None:
-    """out[rows of plan] = attention of q over the plan's blocks. q, out: [T, H, D], one dtype with
-    the cache; k_cache, v_cache: [num_slots, KV, D], same strides, each row's D elements contiguous."""
-    num_heads, head_dim = q.shape[1], q.shape[2]
-    code = DTYPE_CODES[str(k_cache.dtype).removeprefix("torch.")]
-    token_stride, head_stride = k_cache.stride(0), k_cache.stride(1)
-    rc = load_kernel().ps_paged_attention(ctypes.byref(plan), q.data_ptr(), q.stride(0), code, k_cache.data_ptr(),
-                                          v_cache.data_ptr(), plan.block_size * token_stride, head_stride,
-                                          token_stride, code, out.data_ptr(), out.stride(0), num_heads,
-                                          k_cache.shape[1], head_dim, scale, torch.get_num_threads())
+def _check(rc: int, q: torch.Tensor, k_cache: torch.Tensor) -> None:
     if rc != 0:
         why = {-1: "bad shape", -2: f"{k_cache.dtype} not supported by this build of the kernel"}.get(rc, f"error {rc}")
         raise RuntimeError(f"CPU attention kernel: {why} (q {tuple(q.shape)} {q.dtype}, cache {tuple(k_cache.shape)} "
                            f"{k_cache.dtype}); PAGEDSERVE_ATTENTION_BACKEND=torch avoids the kernel")
+
+
+def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """k_cache[slot_mapping[t]] = k[t], v alike: one row copy per token, no dispatch per element.
+    (paged_attention does this and the attention in one call; this is for measuring the write.)"""
+    k, v = _token_rows(k.to(k_cache.dtype)), _token_rows(v.to(v_cache.dtype))
+    size = k.element_size()
+    load_kernel().ps_write_kv(k.data_ptr(), k.stride(0) * size, v.data_ptr(), v.stride(0) * size,
+                              k_cache.data_ptr(), v_cache.data_ptr(), k_cache.stride(0) * size,
+                              slot_mapping.data_ptr(), k.shape[0], k.shape[1] * k.shape[2] * size,
+                              torch.get_num_threads())
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -142,20 +140,25 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                     scale: float) -> torch.Tensor:
     """q: [T, H, D]; k, v: [T, KV, D]; k_cache/v_cache: [num_slots, KV, D] (one layer, contiguous).
 
-    Writes k/v into the cache at meta.slot_mapping, returns attention output [T, H, D].
+    Writes k/v into the cache at meta.slot_mapping, returns attention output [T, H, D]. The
+    write and the kernel's rows are one foreign call per layer (the call itself costs microseconds).
     """
     if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
         raise ValueError("cpu attention backend: k_cache and v_cache must be contiguous [num_slots, KV, D]")
-    write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
     compute_dtype = q.dtype
-    if q.dtype != k_cache.dtype:  # the kernel reads q and the cache in one dtype
-        q = q.to(k_cache.dtype)
-    q = _token_rows(q)
-    out = torch.empty(q.shape, dtype=q.dtype)
-    if meta.plan is not None:
-        attend(q, k_cache, v_cache, out, meta.plan, scale)
-    if meta.sdpa_chunks and k.dtype != q.dtype:
-        k, v = k.to(q.dtype), v.to(q.dtype)
+    cache_dtype = k_cache.dtype
+    if q.dtype != cache_dtype or k.dtype != cache_dtype:  # the kernel reads all in the cache's dtype
+        q, k, v = q.to(cache_dtype), k.to(cache_dtype), v.to(cache_dtype)
+    q, k, v = _token_rows(q), _token_rows(k), _token_rows(v)
+    num_tokens, num_heads, head_dim = q.shape
+    out = torch.empty((num_tokens, num_heads, head_dim), dtype=cache_dtype)
+    token_stride = k_cache.stride(0)
+    rc = load_kernel().ps_attention_layer(
+        meta.plan_ref, meta.slot_mapping.data_ptr(), num_tokens, k.data_ptr(), k.stride(0), v.data_ptr(),
+        v.stride(0), q.data_ptr(), q.stride(0), out.data_ptr(), num_heads * head_dim, k_cache.data_ptr(),
+        v_cache.data_ptr(), meta.block_size * token_stride, head_dim, token_stride, TORCH_DTYPE_CODES[cache_dtype],
+        num_heads, k.shape[1], head_dim, scale, torch.get_num_threads())
+    _check(rc, q, k_cache)
     for c in meta.sdpa_chunks:
         out[c.q_start:c.q_start + c.q_len] = attend_prefill_chunk(q, k, v, k_cache, v_cache, c, meta.block_size, scale)
-    return out.to(compute_dtype)
+    return out if compute_dtype == cache_dtype else out.to(compute_dtype)

@@ -24,7 +24,7 @@ from pathlib import Path
 logger = logging.getLogger("pagedserve.attention")
 
 SOURCE = Path(__file__).with_name("paged_attention.cpp")
-ABI_VERSION = 2
+ABI_VERSION = 3
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fno-trapping-math", "-fassociative-math",
          "-fno-signed-zeros", "-std=c++17", "-shared", "-fPIC")
 DTYPE_CODES = {"float32": 0, "bfloat16": 1, "float16": 2}
@@ -115,8 +115,12 @@ def bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.ps_paged_attention.argtypes = [ctypes.POINTER(AttentionPlan), ptr, c_i64, c_int, ptr, ptr, c_i64, c_i64, c_i64,
                                        c_int, ptr, c_i64, c_i64, c_i64, c_i64, ctypes.c_float, c_int]
     lib.ps_paged_attention.restype = c_int
-    lib.ps_write_kv.argtypes = [ptr, c_i64, ptr, c_i64, ptr, ptr, ptr, c_i64, c_i64, c_int]
+    lib.ps_write_kv.argtypes = [ptr, c_i64, ptr, c_i64, ptr, ptr, c_i64, ptr, c_i64, c_i64, c_int]
     lib.ps_write_kv.restype = None
+    lib.ps_attention_layer.argtypes = [ctypes.POINTER(AttentionPlan), ptr, c_i64, ptr, c_i64, ptr, c_i64, ptr, c_i64,
+                                       ptr, c_i64, ptr, ptr, c_i64, c_i64, c_i64, c_int, c_i64, c_i64, c_i64,
+                                       ctypes.c_float, c_int]
+    lib.ps_attention_layer.restype = c_int
     return lib
 
 

@@ -31,7 +31,7 @@
 
 namespace {
 
-constexpr int kAbiVersion = 2;
+constexpr int kAbiVersion = 3;
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
 enum DType : int { kFloat32 = 0, kBFloat16 = 1, kFloat16 = 2 };
@@ -539,12 +539,12 @@ int ps_paged_attention(const PsAttentionPlan* plan, const void* q, int64_t q_row
     }
 }
 
-// k_cache[slot_mapping[t]] = k[t] (and v alike) for t < num_tokens, whole token rows of
-// row_bytes; sources may have a row stride (v is a view into the fused qkv output).
-// A negative slot skips the token (padding).
+// k_cache[slot_mapping[t]] = k[t] (and v alike) for t < num_tokens: token rows of row_bytes,
+// slot_stride_bytes apart in the cache; sources may have a row stride (v is a view into the
+// fused qkv output). A negative slot skips the token (padding).
 void ps_write_kv(const void* k, int64_t k_row_stride_bytes, const void* v, int64_t v_row_stride_bytes,
-                 void* k_cache, void* v_cache, const int64_t* slot_mapping, int64_t num_tokens, int64_t row_bytes,
-                 int num_threads) {
+                 void* k_cache, void* v_cache, int64_t slot_stride_bytes, const int64_t* slot_mapping,
+                 int64_t num_tokens, int64_t row_bytes, int num_threads) {
     const char* ks = static_cast<const char*>(k);
     const char* vs = static_cast<const char*>(v);
     char* kd = static_cast<char*>(k_cache);
@@ -555,9 +555,24 @@ void ps_write_kv(const void* k, int64_t k_row_stride_bytes, const void* v, int64
     for (int64_t t = 0; t < num_tokens; ++t) {
         const int64_t slot = slot_mapping[t];
         if (slot < 0) continue;
-        std::memcpy(kd + slot * row_bytes, ks + t * k_row_stride_bytes, row_bytes);
-        std::memcpy(vd + slot * row_bytes, vs + t * v_row_stride_bytes, row_bytes);
+        std::memcpy(kd + slot * slot_stride_bytes, ks + t * k_row_stride_bytes, row_bytes);
+        std::memcpy(vd + slot * slot_stride_bytes, vs + t * v_row_stride_bytes, row_bytes);
     }
+}
+
+// One layer of a step in one call: write the step's K/V at their slots, then attend the plan's
+// rows. The cache's token rows must be whole (head_stride == head_dim); strides are in elements.
+int ps_attention_layer(const PsAttentionPlan* plan, const int64_t* slot_mapping, int64_t num_tokens,
+                       const void* k, int64_t k_row_stride, const void* v, int64_t v_row_stride, const void* q,
+                       int64_t q_row_stride, void* out, int64_t out_row_stride, void* k_cache, void* v_cache,
+                       int64_t block_stride, int64_t head_stride, int64_t token_stride, int dtype, int64_t num_heads,
+                       int64_t num_kv_heads, int64_t head_dim, float scale, int num_threads) {
+    if (head_stride != head_dim || !ps_dtype_supported(dtype)) return head_stride != head_dim ? -1 : -2;
+    const int64_t size = dtype == kFloat32 ? 4 : 2;
+    ps_write_kv(k, k_row_stride * size, v, v_row_stride * size, k_cache, v_cache, token_stride * size, slot_mapping,
+                num_tokens, num_kv_heads * head_dim * size, num_threads);
+    return ps_paged_attention(plan, q, q_row_stride, dtype, k_cache, v_cache, block_stride, head_stride, token_stride,
+                              dtype, out, out_row_stride, num_heads, num_kv_heads, head_dim, scale, num_threads);
 }
 
 }  // extern "C"
