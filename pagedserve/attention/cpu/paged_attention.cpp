@@ -152,7 +152,12 @@ inline v16 load16(const float* p) {
     return x;
 }
 inline void store16(float* p, v16 x) { std::memcpy(p, &x, sizeof x); }
+#if defined(__clang__) || __GNUC__ >= 12
 #define PS_SHUFFLE(a, b, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
+#else  // GCC before 12 (Ubuntu 22.04's 11) has only the mask-vector form
+typedef int32_t v16i __attribute__((vector_size(64)));
+#define PS_SHUFFLE(a, b, ...) __builtin_shuffle(a, b, v16i{__VA_ARGS__})
+#endif
 
 // Lane t of the result = the sum of the 16 lanes of in[kSlot[t]]: sixteen horizontal sums for
 // the price of about three vector operations each (a transpose folded into the adds), instead
