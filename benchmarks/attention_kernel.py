@@ -11,8 +11,8 @@ backend's step metadata, then times `paged_attention` (write + attend) over enou
 layer caches that the rotation does not fit the CPU's caches (as in a real forward, where
 each layer's K/V are cold). Backends alternate repeat by repeat; the median is reported.
 Engine mode: one engine whose backend is flipped between runs (alternating), best of N, in
-wall tok/s and in tokens per CPU-second of this process (the steadier number on a shared
-machine: it leaves out time spent descheduled, which single-thread runs have no other of).
+wall tok/s and in tokens per CPU-second of this process (with --threads 1 the steadier number
+on a shared machine: it leaves out the time spent waiting for a core).
 """
 from __future__ import annotations
 
