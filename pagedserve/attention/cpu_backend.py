@@ -39,9 +39,27 @@ class KernelMetadata:
     # The arrays behind plan's pointers: they must live as long as the plan.
     plan_arrays: tuple[np.ndarray, ...] = field(default=(), repr=False)
     plan_ref: object = field(default=None, repr=False)  # ctypes.byref(plan), made once per step
+    checked_slots: int = field(default=-1, repr=False)  # pool size the slots and tables were checked against
 
     def __post_init__(self) -> None:
         self.plan_ref = ctypes.byref(self.plan)
+
+    def check_bounds(self, num_slots: int) -> None:
+        """The kernel writes and reads raw memory: a slot or block id outside the pool must be
+        an error here, not a stray write. Checked once per step (every layer's pool is alike)."""
+        if self.checked_slots == num_slots:
+            return
+        slots = self.slot_mapping.numpy()
+        if len(slots) and (slots.max() >= num_slots or slots.min() < 0):
+            raise ValueError(f"slot_mapping holds slot {int(slots.max() if slots.max() >= num_slots else slots.min())} "
+                             f"outside the pool of {num_slots} slots")
+        if self.plan_arrays:
+            table = self.plan_arrays[3]
+            num_blocks = num_slots // self.block_size
+            if table.max() >= num_blocks or table.min() < 0:
+                bad = int(table.max() if table.max() >= num_blocks else table.min())
+                raise ValueError(f"block table holds block {bad} outside the pool of {num_blocks} blocks")
+        self.checked_slots = num_slots
 
 
 def make_plan(q_start: np.ndarray, q_len: np.ndarray, ctx_len: np.ndarray, tables: list[np.ndarray],
@@ -145,6 +163,7 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     """
     if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
         raise ValueError("cpu attention backend: k_cache and v_cache must be contiguous [num_slots, KV, D]")
+    meta.check_bounds(k_cache.shape[0])
     compute_dtype = q.dtype
     cache_dtype = k_cache.dtype
     if q.dtype != cache_dtype or k.dtype != cache_dtype:  # the kernel reads all in the cache's dtype

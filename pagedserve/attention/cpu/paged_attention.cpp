@@ -546,7 +546,8 @@ int ps_paged_attention(const PsAttentionPlan* plan, const void* q, int64_t q_row
 
 // k_cache[slot_mapping[t]] = k[t] (and v alike) for t < num_tokens: token rows of row_bytes,
 // slot_stride_bytes apart in the cache; sources may have a row stride (v is a view into the
-// fused qkv output). A negative slot skips the token (padding).
+// fused qkv output). A negative slot skips the token (padding). Slots are not bounds-checked
+// here: cpu_backend checks each step's slots and block tables against the pool first.
 void ps_write_kv(const void* k, int64_t k_row_stride_bytes, const void* v, int64_t v_row_stride_bytes,
                  void* k_cache, void* v_cache, int64_t slot_stride_bytes, const int64_t* slot_mapping,
                  int64_t num_tokens, int64_t row_bytes, int num_threads) {
