@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagedserve.attention.torch_backend import AttentionMetadata, paged_attention
+from pagedserve.attention import AttentionMetadata, paged_attention
 from pagedserve.model.config import ModelConfig
 from pagedserve.model.layers import Linear
 from pagedserve.model.rope import RotaryEmbedding

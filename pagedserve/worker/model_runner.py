@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from pagedserve.attention.torch_backend import build_metadata
+from pagedserve.attention import build_metadata
 from pagedserve.core.outputs import StepResult
 from pagedserve.core.scheduler import NewRequestData, ScheduledRequest, SchedulerOutput
 from pagedserve.sampling import SamplingParams
