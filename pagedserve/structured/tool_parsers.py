@@ -84,34 +84,39 @@ class HermesStream:
                 if at < 0:
                     keep = _partial_suffix(self.buffer, start)
                     cut = len(self.buffer) - keep
-                    content += self.buffer[:cut]
+                    content += self._outside(self.buffer[:cut])
                     self.buffer = self.buffer[cut:]
                     return content, deltas
-                content += self.buffer[:at]
+                content += self._outside(self.buffer[:at])
                 self.buffer = self.buffer[at + len(start):]
                 self.in_call = True
             at = self.buffer.find(end)
             if at < 0:
                 return content, deltas
-            self._emit(self.buffer[:at], deltas)
+            content += self._emit(self.buffer[:at], deltas, start + self.buffer[:at + len(end)])
             self.buffer = self.buffer[at + len(end):]
             self.in_call = False
 
-    def _emit(self, body: str, deltas: list[dict]) -> None:
+    def _outside(self, text: str) -> str:
+        """Text outside the tags: content before the first call, as extract() has it."""
+        return "" if self.called else text
+
+    def _emit(self, body: str, deltas: list[dict], raw: str) -> str:
+        """A call's delta, or (it does not parse) its raw text as content."""
         call = self.parser._parse(body)
         if call is None:
-            return
+            return self._outside(raw)
         deltas.append(call_delta(self.num_calls, call.id, call.name, call.arguments))
         self.num_calls += 1
         self.called = True
+        return ""
 
     def finish(self) -> tuple[str, list[dict]]:
         deltas: list[dict] = []
         if self.in_call:  # the text ended inside a call (EOS before </tool_call>)
-            self._emit(self.buffer, deltas)
-            rest = "" if deltas else self.parser.start + self.buffer
+            rest = self._emit(self.buffer, deltas, self.parser.start + self.buffer)
         else:
-            rest = self.buffer
+            rest = self._outside(self.buffer)
         self.buffer = ""
         return rest, deltas
 
