@@ -237,3 +237,15 @@ def test_auto_needs_the_flag():
         r = httpx.post(f"{srv.url}/v1/chat/completions", json={"messages": MESSAGES, "tools": TOOLS}, timeout=60)
         assert r.status_code == 400 and r.json()["error"]["param"] == "tool_choice"
         assert "--enable-auto-tool-choice" in r.json()["error"]["message"]
+
+
+def test_serve_flags():
+    from pagedserve.cli import build_parser
+    from pagedserve.server.cli import server_settings
+    args = build_parser().parse_args(["serve", "--enable-auto-tool-choice", "--tool-call-parser", "llama3_json"])
+    settings = server_settings(args)
+    assert settings["enable_auto_tool_choice"] is True and settings["tool_call_parser"] == "llama3_json"
+    with pytest.raises(ValueError, match="^enable_auto_tool_choice: needs --tool-call-parser"):
+        server_settings(build_parser().parse_args(["serve", "--enable-auto-tool-choice"]))
+    with pytest.raises(SystemExit):  # argparse refuses an unknown parser name
+        build_parser().parse_args(["serve", "--tool-call-parser", "nope"])

@@ -198,6 +198,10 @@ class OpenAIServer:
         vocab = self.engine.model_config.vocab_size
         if body.stop_token_ids and any(t >= vocab for t in body.stop_token_ids):
             raise APIError(400, f"stop_token_ids: token ids must be in [0, {vocab})", "stop_token_ids")
+        if body.priority != 0 and str(getattr(self.engine.config.scheduling_policy, "value",
+                                                  self.engine.config.scheduling_policy)) != "priority":
+            raise APIError(400, "priority: the server schedules first come, first served; start it with "
+                                "--scheduling-policy priority to use priorities", "priority")
         if body.prompt_logprobs is not None:
             if prompt_logprobs is not None and prompt_logprobs != body.prompt_logprobs:
                 raise APIError(400, "prompt_logprobs: echo with logprobs already sets it (to logprobs)",
@@ -521,6 +525,12 @@ class OpenAIServer:
             raise APIError(400, 'tool_choice: "auto" needs the server started with --enable-auto-tool-choice and '
                                 '--tool-call-parser; or send tool_choice "required", "none" or a named function',
                            "tool_choice")
+        if choice == "auto":
+            for i, t in enumerate(tools):
+                if t["function"].get("strict"):
+                    raise APIError(400, f"tools[{i}].function.strict: arguments are held to the schema only under "
+                                        'tool_choice "required" or a named function, not "auto"',
+                                   f"tools[{i}].function.strict")
         if choice == "none":
             return "none", None, None  # as vLLM: the tools are not shown to a model that may not call them
         return choice, None, tools
