@@ -142,17 +142,19 @@ def test_echo_logprobs_streamed(client, hf_model, tokenizer):
     import json
     prompt = PROMPTS[2]
     ids = tokenizer(prompt).input_ids
-    token_lps, text = [], ""
-    with client.stream("POST", "/v1/completions", json={"prompt": prompt, "echo": True, "logprobs": 1,
-                                                        "max_tokens": 2, "temperature": 0, "stream": True}) as r:
+    token_lps, text = {0: [], 1: []}, {0: "", 1: ""}
+    with client.stream("POST", "/v1/completions", json={"prompt": prompt, "echo": True, "logprobs": 1, "n": 2,
+                                                        "max_tokens": 2, "temperature": 1.0, "stream": True}) as r:
         for line in r.iter_lines():
             if line.startswith("data: {"):
-                choice = json.loads(line[6:])["choices"][0]
-                text += choice["text"]
-                token_lps += choice["logprobs"]["token_logprobs"]
-    assert text.startswith(prompt) and len(token_lps) == len(ids) + 2 and token_lps[0] is None
+                for choice in json.loads(line[6:])["choices"]:
+                    text[choice["index"]] += choice["text"]
+                    token_lps[choice["index"]] += choice["logprobs"]["token_logprobs"]
     ref = hf_logprobs(hf_model, ids)
-    assert all(abs(token_lps[j] - ref[j - 1, ids[j]].item()) < 1e-4 for j in range(1, len(ids)))
+    for i in (0, 1):  # each sample echoes the prompt with its logprobs
+        lps = token_lps[i]
+        assert text[i].startswith(prompt) and len(lps) == len(ids) + 2 and lps[0] is None
+        assert all(abs(lps[j] - ref[j - 1, ids[j]].item()) < 1e-4 for j in range(1, len(ids)))
 
 
 # A hand-made multiple-choice task: (context, [continuations]).

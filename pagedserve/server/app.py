@@ -494,11 +494,14 @@ class OpenAIServer:
     def completion_stream(self, body: CompletionRequest, rid: str, prompts: list[_Prompt], params: SamplingParams,
                           queue: asyncio.Queue, ids: list[str]) -> AsyncIterator[str]:
         sent_chars: dict[int, int] = {}
+        scored: dict[int, list] = {}  # prompt index -> its prompt logprobs (they come with its first output)
 
         def make_choice(index, comp, first, out):
             offset = sent_chars.get(index, 0)
-            choice = self._completion_choice(body, prompts[index // params.n], comp, out.prompt_logprobs, first,
-                                             offset)
+            if out.prompt_logprobs is not None:
+                scored[index // params.n] = out.prompt_logprobs
+            choice = self._completion_choice(body, prompts[index // params.n], comp, scored.get(index // params.n),
+                                             first, offset)
             sent_chars[index] = offset + len(choice["text"])
             return {"index": index, **choice}
 
