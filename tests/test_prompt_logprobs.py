@@ -68,7 +68,7 @@ CONFIGS = {
     # chunks of 16 tokens: every prompt but the shortest is scored over several steps
     "chunked": dict(max_num_batched_tokens=16, num_kv_blocks=200),
     # 8 blocks of 16 tokens for 10 requests of up to ~30 prompt + 24 output tokens: preempted by recompute
-    "preempted": dict(max_num_batched_tokens=32, num_kv_blocks=8, max_num_seqs=10),
+    "preempted": dict(max_num_batched_tokens=32, num_kv_blocks=8, max_num_seqs=10, preemption_mode="recompute"),
     "swapped": dict(max_num_batched_tokens=32, num_kv_blocks=8, max_num_seqs=10, preemption_mode="swap",
                     swap_space=1 << 24),
 }
@@ -82,6 +82,29 @@ def test_prompt_logprobs_equal_hf(hf_model, tokenizer, name):
     if name != "chunked":
         assert llm.engine.scheduler.total_preemptions > 0
     for prompt, out in zip(PROMPTS, outs):
+        check_against_hf(hf_model, tokenizer(prompt).input_ids, out.prompt_logprobs)
+
+
+def test_prompt_logprobs_when_preempted_mid_prompt(hf_model, tokenizer):
+    """Recompute preemption in the middle of a prompt: the recomputed chunks must not score
+    (and report) the tokens already scored a second time."""
+    llm = LLM(dtype="float32", max_model_len=96, enable_prefix_caching=False, max_num_batched_tokens=8,
+              num_kv_blocks=6, max_num_seqs=10, preemption_mode="recompute")
+    scheduler = llm.engine.scheduler
+    mid_prompt = []
+    preempt = scheduler._preempt
+
+    def recording(victim, *args):
+        if 0 < victim.num_computed_tokens < victim.num_prompt_tokens:
+            mid_prompt.append(victim.request_id)
+        return preempt(victim, *args)
+
+    scheduler._preempt = recording
+    long_prompts = [p for p in PROMPTS if len(tokenizer(p).input_ids) > 16]
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, prompt_logprobs=TOP_K)
+    outs = llm.generate(long_prompts, params, use_tqdm=False)
+    assert mid_prompt, "the pool was meant to preempt a request in the middle of its prompt"
+    for prompt, out in zip(long_prompts, outs):
         check_against_hf(hf_model, tokenizer(prompt).input_ids, out.prompt_logprobs)
 
 

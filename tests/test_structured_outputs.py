@@ -47,7 +47,8 @@ PROMPTS = ["def fibonacci(n):", "The quick brown fox", "import os\nimport sys", 
 def llm_small_pool():
     # 40 blocks of 16 tokens for up to 50 running requests: the pool runs dry and recompute
     # preemption happens in the middle of constrained outputs.
-    return LLM(num_kv_blocks=40, max_model_len=512, max_num_seqs=50, enable_prefix_caching=False)
+    return LLM(num_kv_blocks=40, max_model_len=512, max_num_seqs=50, enable_prefix_caching=False,
+               preemption_mode="recompute")
 
 
 def test_fifty_json_schema_requests_validate_at_temperature_one_under_preemption(llm_small_pool):
@@ -89,7 +90,8 @@ def test_greedy_constrained_text_is_the_same_with_and_without_preemption(llm_sma
     roomy = LLM(num_kv_blocks=400, max_model_len=512, enable_prefix_caching=False)
     expected = [o.outputs[0].token_ids for o in roomy.generate(prompts, params, use_tqdm=False)]
     assert roomy.engine.scheduler.total_preemptions == 0
-    tight = LLM(num_kv_blocks=34, max_model_len=512, max_num_seqs=20, enable_prefix_caching=False)
+    tight = LLM(num_kv_blocks=34, max_model_len=512, max_num_seqs=20, enable_prefix_caching=False,
+                preemption_mode="recompute")
     got = [o.outputs[0].token_ids for o in tight.generate(prompts, params, use_tqdm=False)]
     assert tight.engine.scheduler.total_preemptions > 0
     assert got == expected

@@ -94,6 +94,24 @@ def test_parsers_on_recorded_texts_whole_and_streamed(parser, cases):
             assert streamed_content == (content or ""), (seed, streamed_content)
 
 
+@pytest.mark.parametrize("calls", [
+    [{"name": "get_weather", "parameters": {"city": "P\\\"s}", "unit": "celsius"}}, {"name": "get_time", "parameters": {}}],
+    [{"parameters": {"zone": [1, {"x": "]"}]}, "name": "get_time"}],  # parameters before the name
+])
+def test_required_stream_scanner_on_text_pieces(calls):
+    from pagedserve.structured.tools import RequiredCallStream
+    text = json.dumps(calls)
+    for seed in range(30):
+        rng = random.Random(seed)
+        stream, merged, pos = RequiredCallStream(), {}, 0
+        while pos < len(text):
+            n = rng.randint(1, 5)
+            _merge(merged, stream.feed(text[pos:pos + n])[1])
+            pos += n
+        assert [(c["name"], json.loads(c["arguments"])) for _, c in sorted(merged.items())] == \
+            [(c["name"], c["parameters"]) for c in calls]
+
+
 def test_unknown_parser_is_refused():
     with pytest.raises(ValueError, match="^tool_call_parser: unknown parser"):
         get_tool_parser("mistral_v9")
