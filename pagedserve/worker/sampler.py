@@ -126,9 +126,10 @@ class Sampler:
         if grammar_rows:
             # min_tokens may have banned the only tokens the grammar allows (EOS at the end of
             # a finished JSON value): the grammar wins, so the text stays valid.
-            for k, row in enumerate(grammar_rows):
-                if torch.isneginf(logits[row]).all():
-                    logits[row] = grammar_logits[k]
+            index = torch.tensor(grammar_rows, device=logits.device)
+            dead = torch.isneginf(logits[index]).all(dim=1)
+            if bool(dead.any()):
+                logits[index[dead]] = grammar_logits[dead]
         want_logprobs = any(r.sampling_params.logprobs is not None for r in reqs)
         raw_logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None
 
