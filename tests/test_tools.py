@@ -267,3 +267,44 @@ def test_serve_flags():
         server_settings(build_parser().parse_args(["serve", "--enable-auto-tool-choice"]))
     with pytest.raises(SystemExit):  # argparse refuses an unknown parser name
         build_parser().parse_args(["serve", "--tool-call-parser", "nope"])
+
+
+# -- request fields that are honoured or refused, never ignored ------------------------------
+@pytest.mark.parametrize("field,value", [
+    ("store", True), ("functions", [{"name": "f"}]), ("function_call", "auto"), ("modalities", ["audio"]),
+    ("service_tier", "flex"), ("use_beam_search", True), ("allowed_token_ids", [1, 2]), ("bad_words", ["x"]),
+    ("reasoning_effort", "low"), ("add_special_tokens", True), ("priority", 3),
+    ("structured_outputs", {"json": {"type": "object"}, "disable_any_whitespace": True}),
+])
+def test_fields_not_honoured_are_400s_naming_them(client, field, value):
+    r = client.post("/v1/chat/completions", json={"messages": MESSAGES, "max_tokens": 2, field: value})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"].split(".")[0] == field, r.json()
+
+
+def test_harmless_values_and_user_are_accepted(client):
+    r = client.post("/v1/chat/completions", json={"messages": MESSAGES, "max_tokens": 2, "store": False,
+                                                  "modalities": ["text"], "service_tier": "auto", "user": "u-1",
+                                                  "add_special_tokens": False, "priority": 0})
+    assert r.status_code == 200, r.text
+
+
+def test_continuous_usage_stats_put_usage_on_every_chunk(client):
+    body = {"messages": MESSAGES, "max_tokens": 5, "ignore_eos": True, "stream": True,
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+    usages = []
+    with client.stream("POST", "/v1/chat/completions", json=body) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                usages.append(json.loads(line[6:])["usage"])
+    assert all(u is not None for u in usages)
+    assert [u["completion_tokens"] for u in usages[:-1]] == [1, 2, 3, 4, 5] and usages[-1]["completion_tokens"] == 5
+
+
+def test_chat_echo_prefixes_the_last_assistant_message(client):
+    messages = MESSAGES + [{"role": "assistant", "content": "It is"}]
+    body = {"messages": messages, "add_generation_prompt": False, "continue_final_message": True,
+            "max_tokens": 3, "temperature": 0}
+    plain = client.post("/v1/chat/completions", json=body).json()["choices"][0]["message"]["content"]
+    echoed = client.post("/v1/chat/completions", json={**body, "echo": True}).json()["choices"][0]["message"]["content"]
+    assert echoed == "It is" + plain
