@@ -30,6 +30,9 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     metrics: list[RequestMetrics] = field(default_factory=list)  # one per sample, when finished
+    # With SamplingParams.prompt_logprobs: one entry per prompt token, None for the first
+    # (nothing predicts it). Streaming: on the first output only.
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
 
     @property
     def num_cached_tokens(self) -> int:
