@@ -99,6 +99,13 @@ class SamplingParams:
                                  f"[-{LOGIT_BIAS_LIMIT:g}, {LOGIT_BIAS_LIMIT:g}], got {value!r}")
 
     @property
+    def plain_greedy(self) -> bool:
+        """Greedy with nothing to apply to the logits first: its token is the row's argmax."""
+        return (self.greedy and not self.logit_bias and self.structured_outputs is None and not self.min_tokens
+                and self.repetition_penalty == 1.0 and not self.frequency_penalty and not self.presence_penalty
+                and self.logprobs is None)
+
+    @property
     def greedy(self) -> bool:
         return self.temperature < _GREEDY_EPS
 

@@ -176,3 +176,26 @@ def test_sampled_tokens_follow_hf_warpers_end_to_end(tiny_llama):
         stat, dof = chi2_statistic(counts, probs)
         assert dof >= 2  # the setting leaves several likely tokens: the test has power
         assert stat < chi2_critical(dof), f"{E2E_SETTINGS[s]}: chi2 {stat:.1f} over {dof} dof"
+
+
+def test_argmax_rows_is_torch_argmax_ties_included():
+    """The greedy fast path's numpy argmax picks exactly what torch.argmax picks (first max on ties)."""
+    from pagedserve.worker.sampler import argmax_rows
+
+    gen = torch.Generator().manual_seed(3)
+    logits = torch.randint(0, 4, (64, 500), generator=gen).float()  # many ties per row
+    logits[5, 7] = float("inf")
+    assert torch.equal(argmax_rows(logits), logits.argmax(dim=-1))
+    assert torch.equal(argmax_rows(logits[::2, 1:]), logits[::2, 1:].argmax(dim=-1))  # non-contiguous
+
+
+def test_plain_greedy_fast_path_equals_the_general_path():
+    """A batch of plain greedy rows skips the copy and per-row work; the tokens are the same
+    as when one row's logprobs request sends the batch down the general path."""
+    gen = torch.Generator().manual_seed(4)
+    logits = torch.randn(16, 300, generator=gen)
+    sampler = Sampler(frozenset(), seed=0, device=torch.device("cpu"))
+    plain = [_sched(f"r{i}", SamplingParams(temperature=0)) for i in range(16)]
+    fast, _ = sampler(logits, plain)
+    general, _ = sampler(logits, plain[:15] + [_sched("r15", SamplingParams(temperature=0, logprobs=1))])
+    assert fast == general == logits.argmax(dim=-1).tolist()

@@ -104,6 +104,20 @@ class CachedRequestState:
         return self.token_ids[len(self.prompt_token_ids):]
 
 
+@dataclass
+class StepInputs:
+    """One step's model inputs, rows in the attention backend's order (decodes first)."""
+
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    meta: object                    # the attention backend's metadata
+    prompt_lens: torch.Tensor | None
+    states: list[CachedRequestState]      # per scheduled request, in row order
+    scheduled: list[ScheduledRequest]     # the same order
+    last_rows: torch.Tensor               # row of each sampling request's last token
+    sampling: list[CachedRequestState]    # the requests that sample this step, in that order
+
+
 class ModelRunner:
     def __init__(self, model_config: ModelConfig, dtype: str, device: str, block_size: int,
                  eos_token_ids: frozenset[int], seed: int, grammar_compiler: GrammarCompiler | None = None) -> None:
@@ -233,53 +247,62 @@ class ModelRunner:
         if out.blocks_to_swap_in:
             self.copy_blocks(out.blocks_to_swap_in, self.host_cache, self.kv_cache)
         result = StepResult()
-        if not out.scheduled:
-            result.duration = time.perf_counter() - t0
-            return result
-        # Decodes (one new token) first, then prefill chunks: see attention.torch_backend.
-        order = sorted(range(len(states)), key=lambda i: out.scheduled[i].num_new_tokens != 1)
-        decodes = [i for i in order if out.scheduled[i].num_new_tokens == 1]
-        prefills = [i for i in order if out.scheduled[i].num_new_tokens != 1]
+        if out.scheduled:
+            inputs = self._prepare_inputs(out, states)
+            t1 = time.perf_counter()
+            hidden = self.model(inputs.input_ids, inputs.positions, self.kv_cache, inputs.meta, inputs.prompt_lens)
+            self._score_prompts(hidden, inputs.states, inputs.scheduled, result)
+            self._sample(hidden, inputs, result)
+            result.forward_time = time.perf_counter() - t1
+        result.duration = time.perf_counter() - t0
+        return result
+
+    def _prepare_inputs(self, out: SchedulerOutput, states: list[CachedRequestState]) -> StepInputs:
+        """The step's tensors in the attention backend's layout: decodes (one new token) first,
+        then prefill chunks."""
         sched = out.scheduled
+        decodes = [i for i, sr in enumerate(sched) if sr.num_new_tokens == 1]
+        prefills = [i for i, sr in enumerate(sched) if sr.num_new_tokens != 1]
+        order = decodes + prefills
         meta, positions = build_metadata(
             [(np.asarray(states[i].block_ids, dtype=np.int64), sched[i].start_pos) for i in decodes],
             [(np.asarray(states[i].block_ids, dtype=np.int64), sched[i].start_pos, sched[i].num_new_tokens)
              for i in prefills],
             self.block_size, self.model_config.sliding_window, self.device)
-        token_ids = np.fromiter((t for i in order for t in sched[i].token_ids), dtype=np.int64)
-        input_ids = torch.from_numpy(token_ids).to(self.device)
-        pos = torch.from_numpy(positions).to(self.device)
+        if prefills:
+            token_ids = np.fromiter((t for i in order for t in sched[i].token_ids), dtype=np.int64)
+        else:  # decode-only: one token each
+            token_ids = np.fromiter((sched[i].token_ids[0] for i in order), dtype=np.int64, count=len(order))
         prompt_lens = None
         if self.model.rotary.needs_prompt_lens:  # dynamic NTK RoPE: see model/rope.py
             per_token = np.repeat([len(states[i].prompt_token_ids) for i in order],
                                   [sched[i].num_new_tokens for i in order])
             prompt_lens = torch.from_numpy(per_token.astype(np.int64)).to(self.device)
-
         # Only requests that reach their last token this step produce a token.
-        last_rows, sampling = [], []
-        row = 0
-        for i in order:
-            row += sched[i].num_new_tokens
-            if sched[i].sample:
-                last_rows.append(row - 1)
-                sampling.append(states[i])
-        t1 = time.perf_counter()
-        hidden = self.model(input_ids, pos, self.kv_cache, meta, prompt_lens)
-        self._score_prompts(hidden, [states[i] for i in order], [sched[i] for i in order], result)
-        if sampling:
-            logits = self.model.compute_logits(hidden[torch.tensor(last_rows, device=self.device)])
-            sync_grammars(sampling)
-            tokens, logprobs = self.sampler(logits, sampling)
-            for state, tok, lp in zip(sampling, tokens, logprobs):
-                result.sampled[state.request_id] = tok
-                if state.grammar is not None:
-                    state.grammar.accept(tok)
-                if lp is not None:
-                    result.logprobs[state.request_id] = lp
-        t2 = time.perf_counter()
-        result.forward_time = t2 - t1
-        result.duration = t2 - t0
-        return result
+        ends = np.cumsum([sched[i].num_new_tokens for i in order]) - 1
+        sample_rows = [k for k, i in enumerate(order) if sched[i].sample]
+        return StepInputs(
+            input_ids=torch.from_numpy(token_ids).to(self.device),
+            positions=torch.from_numpy(positions).to(self.device),
+            meta=meta, prompt_lens=prompt_lens,
+            states=[states[i] for i in order], scheduled=[sched[i] for i in order],
+            last_rows=torch.from_numpy(ends[sample_rows]).to(self.device),
+            sampling=[states[order[k]] for k in sample_rows])
+
+    def _sample(self, hidden: torch.Tensor, inputs: StepInputs, result: StepResult) -> None:
+        """Logits for the rows that end their request's tokens, then one token each."""
+        sampling = inputs.sampling
+        if not sampling:
+            return
+        logits = self.model.compute_logits(hidden[inputs.last_rows])
+        sync_grammars(sampling)
+        tokens, logprobs = self.sampler(logits, sampling)
+        for state, tok, lp in zip(sampling, tokens, logprobs):
+            result.sampled[state.request_id] = tok
+            if state.grammar is not None:
+                state.grammar.accept(tok)
+            if lp is not None:
+                result.logprobs[state.request_id] = lp
 
     def _score_prompts(self, hidden: torch.Tensor, states: list[CachedRequestState],
                        sched: list[ScheduledRequest], result: StepResult) -> None:
