@@ -36,6 +36,17 @@ def make_tokenizer(path: Path, vocab_size: int = 384):
     return fast
 
 
+# Tiny MoE shapes (hidden 64, 4 heads by default): enough experts that top-k routing, groups
+# and the shared experts all change the output.
+MOE_DEFAULTS = {
+    "qwen2_moe": dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                      shared_expert_intermediate_size=48, norm_topk_prob=False),
+    "deepseek_v3": dict(n_routed_experts=8, num_experts_per_tok=2, n_group=4, topk_group=2, moe_intermediate_size=32,
+                        n_shared_experts=1, first_k_dense_replace=1, q_lora_rank=32, kv_lora_rank=32,
+                        qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, routed_scaling_factor=2.5),
+}
+
+
 def make_checkpoint(path: Path, arch: str = "llama", *, hidden: int = 64, layers: int = 2, heads: int = 4,
                     kv_heads: int = 2, inter: int = 128, vocab: int = 384, max_pos: int = 1024, seed: int = 0,
                     init_std: float = 0.08, dtype: torch.dtype = torch.float32, **extra) -> Path:
@@ -60,15 +71,27 @@ def make_checkpoint(path: Path, arch: str = "llama", *, hidden: int = 64, layers
         cfg, cls = transformers.Qwen2Config(**common), transformers.Qwen2ForCausalLM
     elif arch == "mistral":
         cfg, cls = transformers.MistralConfig(**common), transformers.MistralForCausalLM
+    elif arch == "mixtral":
+        common.setdefault("num_local_experts", 4)
+        cfg, cls = transformers.MixtralConfig(**common), transformers.MixtralForCausalLM
+    elif arch == "qwen2_moe":
+        common = {**MOE_DEFAULTS["qwen2_moe"], **common}
+        cfg, cls = transformers.Qwen2MoeConfig(**common), transformers.Qwen2MoeForCausalLM
+    elif arch == "deepseek_v3":
+        common = {**MOE_DEFAULTS["deepseek_v3"], **common}
+        common["num_key_value_heads"] = common["num_attention_heads"]  # MLA: every head reads the latent
+        cfg, cls = transformers.DeepseekV3Config(**common), transformers.DeepseekV3ForCausalLM
     else:
         raise ValueError(arch)
     torch.manual_seed(seed)
     model = cls(cfg).to(dtype)
-    if arch == "qwen2":  # HF initialises biases to zero; make them matter
-        with torch.no_grad():
-            for layer in model.model.layers:
-                for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
-                    proj.bias.normal_(0, init_std)
+    with torch.no_grad():  # HF initialises biases (and DeepSeek's correction bias) to zero; make them matter
+        for name, param in model.named_parameters():
+            if arch in ("qwen2", "qwen2_moe") and name.endswith(("q_proj.bias", "k_proj.bias", "v_proj.bias")):
+                param.normal_(0, init_std)
+        for name, buf in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                buf.copy_(torch.rand(buf.shape) * 0.2)  # reorders the choice, not the weights
     model.save_pretrained(path, safe_serialization=True)
     return path
 

@@ -24,7 +24,10 @@ from typing import Any
 logger = logging.getLogger("pagedserve.model")
 
 # architecture -> the model_type HF's AutoModel maps to it (AutoModel picks the class by model_type)
-ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "MistralForCausalLM": "mistral"}
+ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "MistralForCausalLM": "mistral",
+                 "MixtralForCausalLM": "mixtral", "Qwen2MoeForCausalLM": "qwen2_moe",
+                 "DeepseekV3ForCausalLM": "deepseek_v3"}
+MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "DeepseekV3ForCausalLM")
 SUPPORTED_ARCHITECTURES = tuple(ARCHITECTURES)
 
 HONOURED, IGNORED, REFUSED = "honoured", "ignored", "refused"
@@ -95,6 +98,80 @@ ARCH_FIELDS: dict[str, dict[str, tuple[str, str]]] = {
         "attention_bias": (IGNORED, "Mistral has no attention biases; HF does not read it"),
         "mlp_bias": (IGNORED, "Mistral's MLP has no bias; HF does not read it"),
         "sliding_window": (HONOURED, "every layer attends to the last sliding_window tokens; null = full"),
+    },
+    "MixtralForCausalLM": {
+        "attention_bias": (IGNORED, "Mixtral has no attention biases; HF does not read it"),
+        "mlp_bias": (IGNORED, "Mixtral's experts have no bias; HF does not read it"),
+        "sliding_window": (HONOURED, "every layer attends to the last sliding_window tokens; null = full"),
+        "intermediate_size": (HONOURED, "width of each expert's MLP"),
+        "num_local_experts": (HONOURED, "routed experts per layer"),
+        "num_experts_per_tok": (HONOURED, "experts each token visits (top-k of the router's softmax, "
+                                          "renormalised to sum 1 as HF's Mixtral router does)"),
+        "output_router_logits": (IGNORED, "what HF returns (router logits for the aux loss), not what it computes"),
+        "router_aux_loss_coef": (IGNORED, "weight of a training loss"),
+        "router_jitter_noise": (IGNORED, "HF multiplies the input by noise only in training mode"),
+    },
+    "Qwen2MoeForCausalLM": {
+        "attention_bias": (IGNORED, "Qwen2-MoE reads qkv_bias instead; HF does not read it"),
+        "mlp_bias": (IGNORED, "Qwen2-MoE's MLPs have no bias; HF does not read it"),
+        "qkv_bias": (HONOURED, "bias on q/k/v (o_proj never has one)"),
+        "use_sliding_window": (HONOURED, "with max_window_layers, which layers slide: all-full or all-sliding "
+                                         "runs, a mix is refused"),
+        "sliding_window": (HONOURED, "window of the layers that slide"),
+        "max_window_layers": (HONOURED, "only layers below this index may slide (Qwen2MoeConfig's rule)"),
+        "layer_types": (HONOURED, "per-layer full/sliding attention: all-full or all-sliding runs, a mix is refused"),
+        "intermediate_size": (HONOURED, "width of the dense MLP of layers that are not sparse"),
+        "decoder_sparse_step": (HONOURED, "layer i is sparse when (i + 1) % decoder_sparse_step == 0 "
+                                          "and i is not in mlp_only_layers"),
+        "mlp_only_layers": (HONOURED, "layers that use the dense MLP whatever decoder_sparse_step says"),
+        "num_experts": (HONOURED, "routed experts per sparse layer"),
+        "num_experts_per_tok": (HONOURED, "experts each token visits (top-k of the router's softmax)"),
+        "moe_intermediate_size": (HONOURED, "width of each routed expert's MLP"),
+        "norm_topk_prob": (HONOURED, "true: renormalise the top-k probabilities to sum 1; false: use them as they are"),
+        "shared_expert_intermediate_size": (HONOURED, "width of the shared expert every token visits, scaled by "
+                                                      "sigmoid(shared_expert_gate(x))"),
+        "output_router_logits": (IGNORED, "what HF returns (router logits for the aux loss), not what it computes"),
+        "router_aux_loss_coef": (IGNORED, "weight of a training loss"),
+    },
+    "DeepseekV3ForCausalLM": {
+        "attention_bias": (HONOURED, "bias on q_a_proj, kv_a_proj_with_mqa and o_proj"),
+        "mlp_bias": (IGNORED, "DeepSeek-V3's MLPs have no bias; HF does not read it"),
+        "sliding_window": (IGNORED, "DeepSeek-V3's attention has no window; HF does not read it"),
+        "head_dim": (IGNORED, "DeepseekV3Config overwrites it with qk_rope_head_dim (the rotary width)"),
+        "qk_head_dim": (IGNORED, "DeepseekV3Config overwrites it with qk_nope_head_dim + qk_rope_head_dim"),
+        "num_key_value_heads": (HONOURED, "must equal num_attention_heads: MLA expands the latent into every "
+                                          "head (HF's attention fails otherwise)"),
+        "intermediate_size": (HONOURED, "width of the dense MLP of the first first_k_dense_replace layers"),
+        "q_lora_rank": (HONOURED, "rank of the query's low-rank projection (q_a_proj, norm, q_b_proj); "
+                                  "null: one q_proj"),
+        "kv_lora_rank": (HONOURED, "width of the compressed KV latent the cache stores per token"),
+        "qk_nope_head_dim": (HONOURED, "per-head query/key width without RoPE"),
+        "qk_rope_head_dim": (HONOURED, "per-head query width with RoPE, and the shared rope key the cache stores"),
+        "v_head_dim": (HONOURED, "per-head value width"),
+        "rope_interleave": (HONOURED, "true: RoPE rotates interleaved pairs (the rows are de-interleaved at "
+                                      "load, which rotates the same pairs); false: halves, as Llama"),
+        "n_routed_experts": (HONOURED, "routed experts per sparse layer"),
+        "num_experts_per_tok": (HONOURED, "experts each token visits"),
+        "n_shared_experts": (HONOURED, "shared experts every token visits (one MLP n_shared_experts x "
+                                       "moe_intermediate_size wide)"),
+        "moe_intermediate_size": (HONOURED, "width of each routed expert's MLP"),
+        "first_k_dense_replace": (HONOURED, "the first layers use the dense MLP"),
+        "n_group": (HONOURED, "expert groups of the group-limited top-k"),
+        "topk_group": (HONOURED, "groups a token may pick experts from (groups ranked by their top-2 scores)"),
+        "norm_topk_prob": (HONOURED, "renormalise the chosen experts' sigmoid scores to sum 1"),
+        "routed_scaling_factor": (HONOURED, "multiplies the routed experts' weights"),
+        "num_nextn_predict_layers": (IGNORED, "the multi-token-prediction layer (speculative decoding): HF does "
+                                              "not build it and skips its tensors, and so does the loader"),
+        "output_router_logits": (IGNORED, "what HF returns (router logits for the aux loss), not what it computes"),
+        # DeepSeek's own (remote-code) config fields, in the published config.json; HF's class does
+        # not read them, but their values say which routing the checkpoint was trained with.
+        "scoring_func": (REFUSED, "only 'sigmoid' (what DeepSeek-V3 and HF's class use) is implemented"),
+        "topk_method": (REFUSED, "only 'noaux_tc' (bias-corrected group-limited top-k) is implemented"),
+        "moe_layer_freq": (REFUSED, "only 1 (every layer past first_k_dense_replace is sparse) is implemented"),
+        "ep_size": (IGNORED, "the training run's expert-parallel layout; serving chooses its own"),
+        "aux_loss_alpha": (IGNORED, "weight of a training loss"),
+        "seq_aux": (IGNORED, "a training loss switch"),
+        "auto_map": (IGNORED, "remote-code class names; `architectures` picks the class"),
     },
 }
 
@@ -180,6 +257,55 @@ class RopeConfig:
         return b""
 
 
+@dataclass(frozen=True)
+class MoEConfig:
+    """A mixture-of-experts MLP as HF's class for the architecture computes it.
+
+    Routing: `scoring` turns router logits into scores ("softmax" over all experts, or
+    "sigmoid" per expert); the top `top_k` experts are chosen (DeepSeek: by score +
+    correction bias, only among the `topk_groups` best of `num_groups` groups); their
+    scores, renormalised to sum 1 when `renormalize`, times `routed_scaling_factor`,
+    weight the experts' outputs. A shared expert (width `shared_intermediate_size`, 0 =
+    none) sees every token, scaled by sigmoid(shared_expert_gate(x)) when `shared_gate`.
+    `sparse_layers[i]` says whether layer i is an MoE layer or a dense MLP of the model's
+    intermediate_size.
+    """
+
+    num_experts: int
+    top_k: int
+    intermediate_size: int
+    scoring: str                     # "softmax" | "sigmoid"
+    renormalize: bool
+    sparse_layers: tuple[bool, ...]
+    routed_scaling_factor: float = 1.0
+    num_groups: int = 1
+    topk_groups: int = 1
+    correction_bias: bool = False    # DeepSeek-V3's e_score_correction_bias (choice only)
+    renormalize_eps: float = 0.0     # DeepSeek adds 1e-20 to the denominator
+    shared_intermediate_size: int = 0
+    shared_gate: bool = False
+    router_fp32: bool = False        # DeepSeek keeps the router weight in fp32 (HF's _keep_in_fp32_modules)
+
+
+@dataclass(frozen=True)
+class MLAConfig:
+    """DeepSeek's multi-head latent attention. The cache holds, per token and layer, the
+    normed KV latent (kv_lora_rank) and the rotated rope key (qk_rope_head_dim), shared by
+    all heads; kv_b_proj expands the latent into each head's nope key and value."""
+
+    q_lora_rank: int | None
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    rope_interleave: bool
+    softmax_scale: float
+
+    @property
+    def cache_width(self) -> int:
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+
 @dataclass
 class ModelConfig:
     path: Path
@@ -201,10 +327,20 @@ class ModelConfig:
     mlp_bias: bool
     sliding_window: int | None
     checkpoint_dtype: str
+    moe: MoEConfig | None = None
+    mla: MLAConfig | None = None
 
     @property
     def name(self) -> str:
         return self.hf_config.get("_name_or_path") or self.path.name
+
+    def kv_cache_shape(self, num_slots: int) -> tuple[int, int, int, int, int]:
+        """The KV pool's shape: [layers, K and V, slots, kv heads, head_dim]; for MLA
+        [layers, 1, slots, 1, kv_lora_rank + qk_rope_head_dim] (latent and rope key in one
+        entry, shared by all heads). The block copy and swap paths read only this layout."""
+        if self.mla is not None:
+            return (self.num_layers, 1, num_slots, 1, self.mla.cache_width)
+        return (self.num_layers, 2, num_slots, self.num_kv_heads, self.head_dim)
 
     @property
     def max_model_len(self) -> int:
@@ -231,7 +367,7 @@ def read_model_config(path: str | Path) -> ModelConfig:
 
 def parse_model_config(cfg: dict, path: Path) -> ModelConfig:
     arch = _architecture(cfg)
-    _refuse_foreign_fields(cfg)
+    _refuse_foreign_fields(cfg, arch)
     _refuse_unimplemented(cfg)
     unknown = sorted(k for k in cfg if field_group(arch, k) is None and k not in FOREIGN_FIELDS)
     if unknown:
@@ -241,7 +377,8 @@ def parse_model_config(cfg: dict, path: Path) -> ModelConfig:
     kv_heads = cfg.get("num_key_value_heads") or heads
     if not isinstance(kv_heads, int) or heads % kv_heads:
         raise _refuse(f"num_key_value_heads={kv_heads!r} must divide num_attention_heads={heads}")
-    head_dim = cfg.get("head_dim")
+    mla = _mla_config(cfg, heads, kv_heads) if arch == "DeepseekV3ForCausalLM" else None
+    head_dim = mla.qk_rope_head_dim if mla else cfg.get("head_dim")
     if head_dim is None:
         if hidden % heads:
             raise _refuse(f"hidden_size={hidden} is not a multiple of num_attention_heads={heads} "
@@ -251,6 +388,10 @@ def parse_model_config(cfg: dict, path: Path) -> ModelConfig:
         raise _refuse(f"head_dim={head_dim!r}: RoPE needs a positive even head_dim")
     max_pos = _positive_int(cfg, "max_position_embeddings", default=2048)
     is_llama = arch == "LlamaForCausalLM"
+    num_layers = _positive_int(cfg, "num_hidden_layers")
+    rope = read_rope_config(cfg, max_pos)
+    if mla is not None:
+        mla = _with_softmax_scale(mla, cfg, rope)
     return ModelConfig(
         path=path,
         architecture=arch,
@@ -258,19 +399,22 @@ def parse_model_config(cfg: dict, path: Path) -> ModelConfig:
         vocab_size=_positive_int(cfg, "vocab_size"),
         hidden_size=hidden,
         intermediate_size=_positive_int(cfg, "intermediate_size"),
-        num_layers=_positive_int(cfg, "num_hidden_layers"),
+        num_layers=num_layers,
         num_heads=heads,
         num_kv_heads=kv_heads,
         head_dim=head_dim,
         rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-        rope=read_rope_config(cfg, max_pos),
+        rope=rope,
         max_position_embeddings=max_pos,
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-        qkv_bias=arch == "Qwen2ForCausalLM" or (is_llama and bool(cfg.get("attention_bias", False))),
-        o_proj_bias=is_llama and bool(cfg.get("attention_bias", False)),
+        qkv_bias=(arch == "Qwen2ForCausalLM" or (is_llama and bool(cfg.get("attention_bias", False)))
+                  or (arch == "Qwen2MoeForCausalLM" and bool(cfg.get("qkv_bias", True)))),
+        o_proj_bias=(is_llama or arch == "DeepseekV3ForCausalLM") and bool(cfg.get("attention_bias", False)),
         mlp_bias=is_llama and bool(cfg.get("mlp_bias", False)),
         sliding_window=_sliding_window(arch, cfg),
         checkpoint_dtype=cfg.get("torch_dtype") or cfg.get("dtype") or "float32",
+        moe=_moe_config(arch, cfg, num_layers) if arch in MOE_ARCHITECTURES else None,
+        mla=mla,
     )
 
 
@@ -287,8 +431,10 @@ def _architecture(cfg: dict) -> str:
     return arch
 
 
-def _refuse_foreign_fields(cfg: dict) -> None:
+def _refuse_foreign_fields(cfg: dict, arch: str) -> None:
     for name, why in FOREIGN_FIELDS.items():
+        if name in ARCH_FIELDS.get(arch, {}):  # this architecture's own field, classified there
+            continue
         value = cfg.get(name)
         if value in _NEUTRAL or (name in _NEUTRAL_AT_ONE and value == 1):
             continue
@@ -324,12 +470,16 @@ def _sliding_window(arch: str, cfg: dict) -> int | None:
     Qwen2: only layers whose layer_types entry is sliding_attention, and only with use_sliding_window."""
     num_layers = cfg.get("num_hidden_layers")
     layer_types = cfg.get("layer_types")
-    if arch == "Qwen2ForCausalLM":
+    if arch in ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM"):
         window = cfg.get("sliding_window") if cfg.get("use_sliding_window", False) else None
-        if layer_types is None:  # derived as Qwen2Config.__post_init__ does
+        if layer_types is None and arch == "Qwen2ForCausalLM":  # derived as Qwen2Config.__post_init__ does
             first = cfg.get("max_window_layers", 28)
             layer_types = ["sliding_attention" if window is not None and i >= first else "full_attention"
                            for i in range(num_layers)]
+        elif layer_types is None:  # Qwen2MoeConfig.__post_init__: even layers below max_window_layers
+            below = cfg.get("max_window_layers", 28)
+            layer_types = ["sliding_attention" if window is not None and (i + 1) % 2 and i < below
+                           else "full_attention" for i in range(num_layers)]
         kinds = set(layer_types)
         if kinds == {"full_attention"}:
             return None
@@ -341,7 +491,7 @@ def _sliding_window(arch: str, cfg: dict) -> int | None:
         raise _refuse(f"layer_types={sorted(kinds)} with sliding_window={window!r} "
                       f"(use_sliding_window={cfg.get('use_sliding_window', False)}): per-layer attention types "
                       "are not implemented; only all-full or all-sliding layers run")
-    window = cfg.get("sliding_window") if arch == "MistralForCausalLM" else None
+    window = cfg.get("sliding_window") if arch in ("MistralForCausalLM", "MixtralForCausalLM") else None
     if layer_types is not None:
         expected = "sliding_attention" if window is not None else "full_attention"
         if set(layer_types) - {expected}:
@@ -355,6 +505,110 @@ def _window_value(window: Any) -> int:
     if not isinstance(window, int) or isinstance(window, bool) or window <= 0:
         raise _refuse(f"sliding_window={window!r} must be a positive integer or null")
     return window
+
+
+def _moe_config(arch: str, cfg: dict, num_layers: int) -> MoEConfig:
+    """The MoE fields of each architecture, as its HF class reads them."""
+    if arch == "MixtralForCausalLM":
+        num_experts = _positive_int(cfg, "num_local_experts", default=8)
+        return MoEConfig(num_experts=num_experts, top_k=_top_k(cfg, num_experts, default=2),
+                         intermediate_size=_positive_int(cfg, "intermediate_size"), scoring="softmax",
+                         renormalize=True, sparse_layers=(True,) * num_layers)
+    if arch == "Qwen2MoeForCausalLM":
+        num_experts = _positive_int(cfg, "num_experts", default=60)
+        step = _positive_int(cfg, "decoder_sparse_step", default=1)
+        dense = cfg.get("mlp_only_layers") or []
+        if not isinstance(dense, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in dense):
+            raise _refuse(f"mlp_only_layers={dense!r} must be a list of layer indices")
+        shared = cfg.get("shared_expert_intermediate_size", 5632)
+        if not isinstance(shared, int) or isinstance(shared, bool) or shared < 0:
+            raise _refuse(f"shared_expert_intermediate_size={shared!r} must be a non-negative integer")
+        return MoEConfig(num_experts=num_experts, top_k=_top_k(cfg, num_experts, default=4),
+                         intermediate_size=_positive_int(cfg, "moe_intermediate_size", default=1408),
+                         scoring="softmax", renormalize=_flag(cfg, "norm_topk_prob", False),
+                         sparse_layers=tuple(i not in dense and (i + 1) % step == 0 for i in range(num_layers)),
+                         shared_intermediate_size=shared, shared_gate=True)
+    # DeepseekV3ForCausalLM
+    for name, only in (("scoring_func", "sigmoid"), ("topk_method", "noaux_tc"), ("moe_layer_freq", 1)):
+        if name in cfg and cfg[name] != only:
+            raise _refuse(f"{name}={cfg[name]!r}: only {only!r} is implemented (DeepSeek-V3's routing)")
+    num_experts = _positive_int(cfg, "n_routed_experts", default=256)
+    groups = _positive_int(cfg, "n_group", default=8)
+    topk_groups = _positive_int(cfg, "topk_group", default=4)
+    if num_experts % groups:
+        raise _refuse(f"n_group={groups} must divide n_routed_experts={num_experts}")
+    if topk_groups > groups:
+        raise _refuse(f"topk_group={topk_groups} must be <= n_group={groups}")
+    if num_experts // groups < 2:
+        raise _refuse(f"n_routed_experts / n_group = {num_experts // groups}: groups are ranked by their top-2 "
+                      "scores, so each needs at least 2 experts")
+    top_k = _top_k(cfg, num_experts, default=8)
+    if top_k > topk_groups * (num_experts // groups):
+        raise _refuse(f"num_experts_per_tok={top_k} is more than the {topk_groups} groups a token may use hold")
+    first_dense = cfg.get("first_k_dense_replace", 3)
+    if not isinstance(first_dense, int) or isinstance(first_dense, bool) or first_dense < 0:
+        raise _refuse(f"first_k_dense_replace={first_dense!r} must be a non-negative integer")
+    n_shared = cfg.get("n_shared_experts", 1)
+    if not isinstance(n_shared, int) or isinstance(n_shared, bool) or n_shared < 0:
+        raise _refuse(f"n_shared_experts={n_shared!r} must be a non-negative integer")
+    inter = _positive_int(cfg, "moe_intermediate_size", default=2048)
+    scaling = cfg.get("routed_scaling_factor", 2.5)
+    if isinstance(scaling, bool) or not isinstance(scaling, (int, float)) or not math.isfinite(scaling):
+        raise _refuse(f"routed_scaling_factor={scaling!r} must be a number")
+    return MoEConfig(num_experts=num_experts, top_k=top_k, intermediate_size=inter, scoring="sigmoid",
+                     renormalize=_flag(cfg, "norm_topk_prob", True),
+                     sparse_layers=tuple(i >= first_dense for i in range(num_layers)),
+                     routed_scaling_factor=float(scaling), num_groups=groups, topk_groups=topk_groups,
+                     correction_bias=True, renormalize_eps=1e-20, shared_intermediate_size=n_shared * inter,
+                     router_fp32=True)
+
+
+def _top_k(cfg: dict, num_experts: int, default: int) -> int:
+    top_k = _positive_int(cfg, "num_experts_per_tok", default=default)
+    if top_k > num_experts:
+        raise _refuse(f"num_experts_per_tok={top_k} is more than the {num_experts} experts")
+    return top_k
+
+
+def _flag(cfg: dict, key: str, default: bool) -> bool:
+    value = cfg.get(key, default)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise _refuse(f"{key}={value!r} must be true or false")
+    return value
+
+
+def _mla_config(cfg: dict, heads: int, kv_heads: int) -> MLAConfig:
+    if kv_heads != heads:
+        raise _refuse(f"num_key_value_heads={kv_heads} must equal num_attention_heads={heads} for MLA "
+                      "(the latent is expanded into every head)")
+    q_lora = cfg.get("q_lora_rank", 1536)
+    if q_lora is not None:
+        q_lora = _positive_int(cfg, "q_lora_rank")
+    rope_dim = _positive_int(cfg, "qk_rope_head_dim", default=64)
+    if rope_dim % 2:
+        raise _refuse(f"qk_rope_head_dim={rope_dim}: RoPE needs an even width")
+    return MLAConfig(q_lora_rank=q_lora, kv_lora_rank=_positive_int(cfg, "kv_lora_rank", default=512),
+                     qk_nope_head_dim=_positive_int(cfg, "qk_nope_head_dim", default=128),
+                     qk_rope_head_dim=rope_dim, v_head_dim=_positive_int(cfg, "v_head_dim", default=128),
+                     rope_interleave=_flag(cfg, "rope_interleave", True), softmax_scale=0.0)
+
+
+def _with_softmax_scale(mla: MLAConfig, cfg: dict, rope: RopeConfig) -> MLAConfig:
+    """HF's DeepseekV3Attention: (nope + rope)^-0.5, times mscale(factor, mscale_all_dim)^2
+    when a scaled RoPE gives mscale_all_dim (yarn's attention temperature, applied to the
+    logits as well as to cos/sin)."""
+    scale = (mla.qk_nope_head_dim + mla.qk_rope_head_dim) ** -0.5
+    params = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+    mscale_all_dim = params.get("mscale_all_dim") or 0
+    if rope.rope_type != "default" and mscale_all_dim:
+        factor = params.get("factor") or rope.factor
+        if factor > 1:
+            m = 0.1 * mscale_all_dim * math.log(factor) + 1.0
+            scale *= m * m
+    return MLAConfig(mla.q_lora_rank, mla.kv_lora_rank, mla.qk_nope_head_dim, mla.qk_rope_head_dim,
+                     mla.v_head_dim, mla.rope_interleave, scale)
 
 
 def read_rope_config(cfg: dict, max_position_embeddings: int) -> RopeConfig:

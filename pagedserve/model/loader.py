@@ -35,11 +35,24 @@ def iter_checkpoint_tensors(path: Path):
                 yield key, f.get_tensor(key)
 
 
-def load_model(config: ModelConfig, dtype: str, device: str) -> LlamaForCausalLM:
-    """All three supported architectures run on LlamaForCausalLM; config says how they differ."""
+def model_class(config: ModelConfig):
+    """Llama, Qwen2 and Mistral run on LlamaForCausalLM (config says how they differ);
+    Mixtral and Qwen2-MoE on its MoE variant; DeepSeek-V3 on its own (MLA)."""
+    if config.mla is not None:
+        from pagedserve.model.deepseek import DeepseekV3ForCausalLM
+        return DeepseekV3ForCausalLM
+    if config.moe is not None:
+        from pagedserve.model.moe_models import MoeForCausalLM
+        return MoeForCausalLM
+    return LlamaForCausalLM
+
+
+def load_model(config: ModelConfig, dtype: str, device: str, **model_kwargs) -> LlamaForCausalLM:
+    """Build the architecture's model on `device` in `dtype` and load its weights.
+    model_kwargs: what the model class takes beyond the config (an MoE model's expert shard)."""
     torch_dtype = TORCH_DTYPES[dtype]
     with torch.device("meta"):
-        model = LlamaForCausalLM(config)
+        model = model_class(config)(config, **model_kwargs)
     model = model.to_empty(device=device).to(torch_dtype)
     model.load_checkpoint(iter_checkpoint_tensors(config.path))
     model.init_buffers(device)

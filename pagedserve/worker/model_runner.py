@@ -129,6 +129,8 @@ class ModelRunner:
             keep_freed_memory_in_process()
         torch.manual_seed(seed)
         self.model = load_model(model_config, dtype, device)
+        # MLA models read their latent pool through their own attention path and metadata
+        self.build_metadata = getattr(self.model, "build_metadata", build_metadata)
         self.sampler = Sampler(eos_token_ids, seed, self.device)
         self.num_blocks = 0
         self.kv_cache = self.host_cache = None
@@ -140,7 +142,7 @@ class ModelRunner:
         CUDA so block copies can be asynchronous)."""
         cfg = self.model_config
         self.num_blocks = num_blocks
-        shape = (cfg.num_layers, 2, num_blocks * self.block_size, cfg.num_kv_heads, cfg.head_dim)
+        shape = cfg.kv_cache_shape(num_blocks * self.block_size)
         self.kv_cache = allocate_zeroed(shape, self.dtype, self.device)
         host_shape = shape[:2] + (num_host_blocks * self.block_size,) + shape[3:]
         self.host_cache = allocate_zeroed(host_shape, self.dtype, torch.device("cpu")) if num_host_blocks else None
@@ -157,10 +159,10 @@ class ModelRunner:
         torch.cuda.reset_peak_memory_stats(self.device)
         before = torch.cuda.memory_allocated(self.device)
         cfg = self.model_config
-        scratch = torch.zeros((cfg.num_layers, 2, max_num_batched_tokens + self.block_size, cfg.num_kv_heads,
-                               cfg.head_dim), dtype=self.dtype, device=self.device)
+        scratch = torch.zeros(cfg.kv_cache_shape(max_num_batched_tokens + self.block_size), dtype=self.dtype,
+                              device=self.device)
         blocks = np.arange(-(-max_num_batched_tokens // self.block_size), dtype=np.int64)
-        meta, positions = build_metadata([], [(blocks, 0, max_num_batched_tokens)], self.block_size,
+        meta, positions = self.build_metadata([], [(blocks, 0, max_num_batched_tokens)], self.block_size,
                                          cfg.sliding_window, self.device)
         ids = torch.zeros(max_num_batched_tokens, dtype=torch.long, device=self.device)
         hidden = self.model(ids, torch.from_numpy(positions).to(self.device), scratch, meta)
@@ -213,7 +215,7 @@ class ModelRunner:
         """Seconds per token of one dummy prefill forward (written into blocks nobody holds)."""
         num_tokens = max(1, min(num_tokens, self.num_blocks * self.block_size))
         blocks = np.arange(-(-num_tokens // self.block_size), dtype=np.int64)
-        meta, positions = build_metadata([], [(blocks, 0, num_tokens)], self.block_size,
+        meta, positions = self.build_metadata([], [(blocks, 0, num_tokens)], self.block_size,
                                          self.model_config.sliding_window, self.device)
         ids = torch.zeros(num_tokens, dtype=torch.long, device=self.device)
         pos = torch.from_numpy(positions).to(self.device)
@@ -264,7 +266,7 @@ class ModelRunner:
         decodes = [i for i, sr in enumerate(sched) if sr.num_new_tokens == 1]
         prefills = [i for i, sr in enumerate(sched) if sr.num_new_tokens != 1]
         order = decodes + prefills
-        meta, positions = build_metadata(
+        meta, positions = self.build_metadata(
             [(np.asarray(states[i].block_ids, dtype=np.int64), sched[i].start_pos) for i in decodes],
             [(np.asarray(states[i].block_ids, dtype=np.int64), sched[i].start_pos, sched[i].num_new_tokens)
              for i in prefills],

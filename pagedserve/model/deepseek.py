@@ -1,0 +1,169 @@
+"""DeepSeek-V3: multi-head latent attention over a latent paged cache, and an MoE with
+shared experts after `first_k_dense_replace` dense layers.
+
+Per layer and token the KV pool stores kv_lora_rank + qk_rope_head_dim values (the normed
+latent and the rotated rope key): `ModelConfig.kv_cache_shape` and plan's MLA bytes per
+token agree by construction. Attention is attention/mla.py's (queries absorbed into latent
+space). RoPE: HF rotates interleaved pairs when rope_interleave; the rope rows of q_b_proj
+(or q_proj) and kv_a_proj_with_mqa are de-interleaved at load ([x0, x2, ..., x1, x3, ...]),
+after which rotating halves, as Llama does, rotates exactly HF's pairs and lays the result
+out as HF does.
+"""
+from __future__ import annotations
+
+import re
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pagedserve.attention import torch_backend
+from pagedserve.attention.mla import mla_attention
+from pagedserve.attention.torch_backend import AttentionMetadata
+from pagedserve.model.config import ModelConfig
+from pagedserve.model.layers import Linear
+from pagedserve.model.llama import RMSNorm, rotate_half
+from pagedserve.model.moe import DenseMLP, ExpertShard, SparseMoeBlock
+from pagedserve.model.moe_models import expert_placement, llama_placement
+from pagedserve.model.rope import RotaryEmbedding
+from pagedserve.model.weights import Placement, load_tensors
+
+_LAYER = re.compile(r"^layers\.(\d+)\.")
+
+
+def deinterleave_rows(width: int, group: int, rope: int) -> torch.Tensor:
+    """Row order that de-interleaves the last `rope` rows of every `group`-row group of a
+    `width`-row weight: even rows of the rope part first, then odd ones."""
+    order = torch.arange(width)
+    for start in range(0, width, group):
+        lo = start + group - rope
+        part = order[lo:start + group].clone()
+        order[lo:start + group] = torch.cat([part[0::2], part[1::2]])
+    return order
+
+
+class MLAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        mla, h = cfg.mla, cfg.hidden_size
+        self.mla, self.num_heads = mla, cfg.num_heads
+        self.qk_head_dim = mla.qk_nope_head_dim + mla.qk_rope_head_dim
+        bias = cfg.o_proj_bias  # attention_bias: q_a, kv_a and o carry a bias
+        if mla.q_lora_rank is None:
+            self.q_proj = Linear(h, self.num_heads * self.qk_head_dim, bias=False)
+        else:
+            self.q_a_proj = Linear(h, mla.q_lora_rank, bias=bias)
+            self.q_a_layernorm = RMSNorm(mla.q_lora_rank, 1e-6)
+            self.q_b_proj = Linear(mla.q_lora_rank, self.num_heads * self.qk_head_dim, bias=False)
+        self.kv_a_proj_with_mqa = Linear(h, mla.kv_lora_rank + mla.qk_rope_head_dim, bias=bias)
+        self.kv_a_layernorm = RMSNorm(mla.kv_lora_rank, 1e-6)
+        # kept a plain parameter: attention reads its weight as the per-head W_k / W_v
+        self.kv_b_proj = nn.Linear(mla.kv_lora_rank, self.num_heads * (mla.qk_nope_head_dim + mla.v_head_dim),
+                                   bias=False)
+        self.o_proj = Linear(self.num_heads * mla.v_head_dim, h, bias=bias)
+
+    def forward(self, x, cos, sin, cache, meta: AttentionMetadata):
+        mla = self.mla
+        if mla.q_lora_rank is None:
+            q = self.q_proj(x)
+        else:
+            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        q = q.view(-1, self.num_heads, self.qk_head_dim)
+        q_nope, q_rope = q.split([mla.qk_nope_head_dim, mla.qk_rope_head_dim], dim=-1)
+        latent, k_rope = self.kv_a_proj_with_mqa(x).split([mla.kv_lora_rank, mla.qk_rope_head_dim], dim=-1)
+        latent = self.kv_a_layernorm(latent)
+        q_rope = q_rope * cos + rotate_half(q_rope) * sin
+        k_rope = k_rope * cos[:, 0] + rotate_half(k_rope) * sin[:, 0]
+        o = mla_attention(q_nope, q_rope, latent, k_rope, cache, self.kv_b_proj.weight, mla.qk_nope_head_dim,
+                          meta, mla.softmax_scale)
+        return self.o_proj(o.reshape(-1, self.num_heads * mla.v_head_dim))
+
+
+class DeepseekDecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, sparse: bool, expert_shard: ExpertShard, combine) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = MLAttention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = (SparseMoeBlock(cfg.hidden_size, cfg.moe, expert_shard, combine) if sparse
+                    else DenseMLP(cfg.hidden_size, cfg.intermediate_size))
+
+    def forward(self, h, cos, sin, cache, meta):
+        h = h + self.self_attn(self.input_layernorm(h), cos, sin, cache, meta)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class DeepseekV3ForCausalLM(nn.Module):
+    # The runner builds this model's attention metadata with the torch reference backend
+    # (the compiled CPU kernel reads GQA pools only).
+    build_metadata = staticmethod(torch_backend.build_metadata)
+
+    def __init__(self, cfg: ModelConfig, expert_shard: ExpertShard = ExpertShard(), combine=None) -> None:
+        super().__init__()
+        self.cfg, self.expert_shard = cfg, expert_shard
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DeepseekDecoderLayer(cfg, sparse, expert_shard, combine)
+                                    for sparse in cfg.moe.sparse_layers)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+
+    def load_checkpoint(self, tensors) -> None:
+        cfg, mla = self.cfg, self.cfg.mla
+        self._keep_router_fp32()
+        qk = mla.qk_nope_head_dim + mla.qk_rope_head_dim
+        rope = mla.qk_rope_head_dim
+        q_order = kv_order = None
+        if mla.rope_interleave:
+            q_order = deinterleave_rows(cfg.num_heads * qk, qk, rope)
+            kv_order = deinterleave_rows(mla.kv_lora_rank + rope, mla.kv_lora_rank + rope, rope)
+        shared = cfg.moe.shared_intermediate_size
+
+        def rows(order):
+            return None if order is None else (lambda t: t.index_select(0, order))
+
+        def resolve(name: str) -> Placement | None:
+            if "rotary_emb" in name or (name == "lm_head.weight" and self.lm_head is None):
+                return None
+            m = _LAYER.match(name)
+            if m is not None and int(m.group(1)) >= cfg.num_layers:
+                return None  # the multi-token-prediction layer: HF skips it too
+            place = expert_placement(name, cfg, self.expert_shard)
+            if place is not False:
+                return place
+            if name.endswith(("self_attn.q_b_proj.weight", "self_attn.q_proj.weight")):
+                return Placement(name, transform=rows(q_order))
+            if name.endswith(("self_attn.kv_a_proj_with_mqa.weight", "self_attn.kv_a_proj_with_mqa.bias")):
+                return Placement(name, transform=rows(kv_order))
+            if ".shared_experts." in name:
+                name = name.replace(".shared_experts.", ".shared_expert.")
+                return llama_placement(name, cfg, {"gate_proj": shared, "up_proj": shared})
+            inter = cfg.intermediate_size
+            return llama_placement(name, cfg, {"gate_proj": inter, "up_proj": inter})
+
+        load_tensors(self, tensors, resolve)
+
+    def _keep_router_fp32(self) -> None:
+        """HF keeps the router weight and correction bias in fp32 whatever the model dtype."""
+        for module in self.modules():
+            if isinstance(module, SparseMoeBlock):
+                for name, param in module.gate.named_parameters():
+                    if param.dtype != torch.float32:
+                        setattr(module.gate, name, nn.Parameter(param.data.float(), requires_grad=False))
+
+    def init_buffers(self, device) -> None:
+        self.rotary = RotaryEmbedding(self.cfg.rope, self.cfg.mla.qk_rope_head_dim,
+                                      self.embed_tokens.weight.dtype, device)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
+                meta: AttentionMetadata, prompt_lens: torch.Tensor | None = None) -> torch.Tensor:
+        """kv_cache: [layers, 1, num_slots, 1, kv_lora_rank + qk_rope_head_dim]."""
+        h = self.embed_tokens(input_ids)
+        cos, sin = self.rotary(positions, prompt_lens)
+        for i, layer in enumerate(self.layers):
+            h = layer(h, cos, sin, kv_cache[i, 0], meta)
+        return self.norm(h)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.lm_head is None:
+            return F.linear(hidden, self.embed_tokens.weight).float()
+        return self.lm_head(hidden).float()

@@ -1,0 +1,167 @@
+"""Mixture-of-experts MLP: router, grouped expert GEMMs, shared expert; expert parallelism.
+
+Invariants:
+- Routing is each architecture's own rule (MoEConfig): Mixtral and Qwen2-MoE take the
+  top-k of a softmax over all experts (renormalised to sum 1 for Mixtral, and for Qwen2-MoE
+  when norm_topk_prob); DeepSeek-V3 takes sigmoid scores, chooses by score + correction
+  bias among the best `topk_groups` groups (a group ranked by the sum of its two best
+  biased scores), weights by the unbiased scores, renormalised, times routed_scaling_factor.
+  The router runs in fp32, as HF's routers do.
+- Experts run without a loop over tokens: the step's (token, slot) pairs are sorted by
+  expert id, each active expert multiplies its contiguous run of rows in one GEMM pair,
+  and the weighted rows are scatter-added back to their tokens.
+- Expert parallelism: a block built with `ExpertShard(rank, size)` holds only experts
+  [rank * E / size, (rank + 1) * E / size) and computes the routed output of those experts
+  alone (every rank routes every token the same way: the router is replicated). The sum
+  over ranks of their partial outputs is the full routed output, which `combine` (an
+  all-reduce across the expert-parallel group) assembles; the shared expert is added by
+  rank 0 only, so it is counted once.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pagedserve.model.config import MoEConfig
+from pagedserve.model.layers import Linear
+
+
+@dataclass(frozen=True)
+class ExpertShard:
+    """Which experts one expert-parallel rank holds: a contiguous run of E / size."""
+
+    rank: int = 0
+    size: int = 1
+
+    def __post_init__(self) -> None:
+        if self.size < 1 or not 0 <= self.rank < self.size:
+            raise ValueError(f"expert parallel rank {self.rank} of {self.size}: need 0 <= rank < size")
+
+    def local_range(self, num_experts: int) -> tuple[int, int]:
+        if num_experts % self.size:
+            raise ValueError(f"expert_parallel_size: {self.size} does not divide the model's {num_experts} experts")
+        per_rank = num_experts // self.size
+        return self.rank * per_rank, (self.rank + 1) * per_rank
+
+
+def route(logits: torch.Tensor, moe: MoEConfig, correction_bias: torch.Tensor | None = None
+          ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Router logits [T, E] (fp32) -> (expert ids [T, k], weights [T, k] fp32)."""
+    if moe.scoring == "softmax":
+        probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+        weights, ids = torch.topk(probs, moe.top_k, dim=-1)
+    else:
+        scores = logits.sigmoid()
+        choice = scores if correction_bias is None else scores + correction_bias
+        if moe.num_groups > 1:
+            choice = _limit_to_best_groups(choice, moe.num_groups, moe.topk_groups)
+        ids = torch.topk(choice, moe.top_k, dim=-1, sorted=False)[1]
+        weights = scores.gather(1, ids)
+    if moe.renormalize:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + moe.renormalize_eps)
+    if moe.routed_scaling_factor != 1.0:
+        weights = weights * moe.routed_scaling_factor
+    return ids, weights
+
+
+def _limit_to_best_groups(choice: torch.Tensor, num_groups: int, topk_groups: int) -> torch.Tensor:
+    """Scores of experts outside each token's `topk_groups` best groups set to -inf; a
+    group's rank is the sum of its two best scores (DeepSeek-V3's noaux_tc)."""
+    tokens, experts = choice.shape
+    grouped = choice.view(tokens, num_groups, experts // num_groups)
+    group_scores = grouped.topk(2, dim=-1)[0].sum(dim=-1)
+    best = torch.topk(group_scores, topk_groups, dim=-1, sorted=False)[1]
+    keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, best, True)
+    return grouped.masked_fill(~keep.unsqueeze(-1), float("-inf")).view(tokens, experts)
+
+
+def grouped_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: torch.Tensor,
+                    w2: torch.Tensor, first_expert: int = 0) -> torch.Tensor:
+    """sum over each token's chosen experts of weight x down(silu(gate(x)) * up(x)).
+
+    x [T, H]; ids, weights [T, k]; w13 [E_local, 2I, H] (gate rows then up rows); w2
+    [E_local, H, I]. Experts outside [first_expert, first_expert + E_local) contribute
+    nothing here (another expert-parallel rank holds them). One GEMM pair per active expert
+    over its rows, sorted by expert id."""
+    out = torch.zeros_like(x)
+    num_local, inter = w13.shape[0], w2.shape[2]
+    flat_ids = ids.reshape(-1) - first_expert
+    local = (flat_ids >= 0) & (flat_ids < num_local)
+    flat_ids = torch.where(local, flat_ids, num_local)       # other ranks' experts sort to the end
+    order = torch.argsort(flat_ids, stable=True)
+    counts = torch.bincount(flat_ids, minlength=num_local + 1)[:num_local].tolist()
+    token_of = order // ids.shape[1]                           # row of x each sorted pair reads
+    pair_weights = weights.reshape(-1)[order].to(x.dtype)
+    start = 0
+    for expert, count in enumerate(counts):
+        if count == 0:
+            continue
+        rows = slice(start, start + count)
+        xe = x.index_select(0, token_of[rows])
+        gate, up = F.linear(xe, w13[expert]).split(inter, dim=-1)
+        ye = F.linear(F.silu(gate) * up, w2[expert]) * pair_weights[rows, None]
+        out.index_add_(0, token_of[rows], ye)
+        start += count
+    return out
+
+
+class DenseMLP(nn.Module):
+    """SwiGLU MLP with gate/up fused (the dense layers and the shared experts)."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
+        super().__init__()
+        self.inter = intermediate_size
+        self.gate_up_proj = Linear(hidden_size, 2 * intermediate_size, bias=False)
+        self.down_proj = Linear(intermediate_size, hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split([self.inter, self.inter], dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class SparseMoeBlock(nn.Module):
+    """Router + routed experts (this rank's share) + optional shared expert (and its gate).
+
+    Parameter names: gate.weight [E, H] (the router), gate.e_score_correction_bias [E]
+    (DeepSeek), experts.w13 [E_local, 2I, H], experts.w2 [E_local, H, I], shared_expert.*,
+    shared_expert_gate.weight [1, H] (Qwen2-MoE)."""
+
+    def __init__(self, hidden_size: int, moe: MoEConfig, shard: ExpertShard = ExpertShard(),
+                 combine=None) -> None:
+        super().__init__()
+        self.moe, self.shard = moe, shard
+        self.first_expert, end = shard.local_range(moe.num_experts)
+        num_local = end - self.first_expert
+        self.gate = nn.Module()
+        self.gate.weight = nn.Parameter(torch.empty(moe.num_experts, hidden_size))
+        if moe.correction_bias:
+            self.gate.e_score_correction_bias = nn.Parameter(torch.empty(moe.num_experts))
+        self.experts = nn.Module()
+        self.experts.w13 = nn.Parameter(torch.empty(num_local, 2 * moe.intermediate_size, hidden_size))
+        self.experts.w2 = nn.Parameter(torch.empty(num_local, hidden_size, moe.intermediate_size))
+        self.shared_expert = (DenseMLP(hidden_size, moe.shared_intermediate_size)
+                              if moe.shared_intermediate_size else None)
+        self.shared_expert_gate = Linear(hidden_size, 1, bias=False) if moe.shared_gate else None
+        # sums the ranks' partial outputs (an all-reduce); None: one rank holds every expert
+        self.combine = combine
+
+    def router_logits(self, x: torch.Tensor) -> torch.Tensor:
+        if self.moe.router_fp32:  # HF keeps DeepSeek's router weight in fp32
+            return F.linear(x.float(), self.gate.weight.float())
+        return F.linear(x, self.gate.weight).float()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        bias = getattr(self.gate, "e_score_correction_bias", None)
+        ids, weights = route(self.router_logits(x), self.moe, None if bias is None else bias.float())
+        out = grouped_experts(x, ids, weights, self.experts.w13, self.experts.w2, self.first_expert)
+        if self.shared_expert is not None and self.shard.rank == 0:
+            shared = self.shared_expert(x)
+            if self.shared_expert_gate is not None:
+                shared = torch.sigmoid(self.shared_expert_gate(x)) * shared
+            out = out + shared
+        if self.combine is not None and self.shard.size > 1:
+            out = self.combine(out)
+        return out

@@ -1,0 +1,84 @@
+"""Mixtral and Qwen2-MoE: the Llama decoder with a mixture-of-experts MLP.
+
+Attention, norms, embedding and head are Llama's (model/llama.py); only the MLP of the
+sparse layers differs (model/moe.py), and Qwen2-MoE's dense layers keep Llama's fused
+MLP. Checkpoint names are the hub's: Mixtral `block_sparse_moe.{gate, experts.E.w1/w2/w3}`,
+Qwen2-MoE `mlp.{gate, experts.E.{gate,up,down}_proj, shared_expert.*, shared_expert_gate}`;
+each expert's gate and up rows are stacked into one [E, 2I, H] tensor at load.
+"""
+from __future__ import annotations
+
+import re
+
+from pagedserve.model.config import ModelConfig
+from pagedserve.model.llama import LlamaForCausalLM
+from pagedserve.model.moe import ExpertShard, SparseMoeBlock
+from pagedserve.model.weights import Placement, fused_rows, load_tensors
+
+_EXPERT = re.compile(r"^layers\.(\d+)\.(?:block_sparse_moe|mlp)\.experts\.(\d+)\.(\w+)\.weight$")
+_ROUTER = re.compile(r"^layers\.(\d+)\.block_sparse_moe\.gate\.weight$")
+# per-expert projection -> (stacked parameter, which half of the rows: 0 gate, 1 up, None whole)
+_EXPERT_PARTS = {"w1": ("w13", 0), "w3": ("w13", 1), "w2": ("w2", None),
+                 "gate_proj": ("w13", 0), "up_proj": ("w13", 1), "down_proj": ("w2", None)}
+_FUSED = {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj",
+          "gate_proj": "gate_up_proj", "up_proj": "gate_up_proj"}
+
+
+def expert_placement(name: str, cfg: ModelConfig, shard: ExpertShard) -> Placement | None | bool:
+    """Placement of a routed expert's tensor (None: another rank's expert), or False when
+    `name` is not a routed expert's tensor."""
+    m = _EXPERT.match(name)
+    if m is None or m.group(3) not in _EXPERT_PARTS:
+        return False
+    layer, expert, proj = int(m.group(1)), int(m.group(2)), m.group(3)
+    first, end = shard.local_range(cfg.moe.num_experts)
+    if not first <= expert < end:
+        return None
+    target, half = _EXPERT_PARTS[proj]
+    inter = cfg.moe.intermediate_size
+    index = (expert - first,) if half is None else fused_rows(half * inter, inter, expert - first)
+    return Placement(f"layers.{layer}.mlp.experts.{target}", index)
+
+
+def llama_placement(name: str, cfg: ModelConfig, sizes: dict[str, int]) -> Placement:
+    """q/k/v into qkv_proj, gate/up into gate_up_proj (offsets from `sizes`: the width of
+    each projection of this module), everything else by its own name."""
+    parts = name.split(".")
+    if len(parts) >= 2 and parts[-2] in _FUSED:
+        order = ("q_proj", "k_proj", "v_proj") if _FUSED[parts[-2]] == "qkv_proj" else ("gate_proj", "up_proj")
+        offset = sum(sizes[p] for p in order[:order.index(parts[-2])])
+        target = ".".join(parts[:-2] + [_FUSED[parts[-2]], parts[-1]])
+        return Placement(target, fused_rows(offset, sizes[parts[-2]]))
+    return Placement(name)
+
+
+class MoeForCausalLM(LlamaForCausalLM):
+    """Llama's decoder with SparseMoeBlock MLPs where `cfg.moe.sparse_layers` says so."""
+
+    def __init__(self, cfg: ModelConfig, expert_shard: ExpertShard = ExpertShard(), combine=None) -> None:
+        super().__init__(cfg)
+        self.expert_shard = expert_shard
+        for layer, sparse in zip(self.layers, cfg.moe.sparse_layers):
+            if sparse:
+                layer.mlp = SparseMoeBlock(cfg.hidden_size, cfg.moe, expert_shard, combine)
+
+    def load_checkpoint(self, tensors) -> None:
+        cfg = self.cfg
+        q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        shared = cfg.moe.shared_intermediate_size
+        attn_sizes = {"q_proj": q, "k_proj": kv, "v_proj": kv}
+
+        def resolve(name: str) -> Placement | None:
+            if "rotary_emb" in name or (name == "lm_head.weight" and self.lm_head is None):
+                return None
+            place = expert_placement(name, cfg, self.expert_shard)
+            if place is not False:
+                return place
+            if (m := _ROUTER.match(name)) is not None:
+                return Placement(f"layers.{m.group(1)}.mlp.gate.weight")
+            if ".shared_expert." in name:
+                return llama_placement(name, cfg, {"gate_proj": shared, "up_proj": shared})
+            mlp = {"gate_proj": cfg.intermediate_size, "up_proj": cfg.intermediate_size}
+            return llama_placement(name, cfg, {**attn_sizes, **mlp})
+
+        load_tensors(self, tensors, resolve)
