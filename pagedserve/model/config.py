@@ -527,7 +527,7 @@ def _moe_config(arch: str, cfg: dict, num_layers: int) -> MoEConfig:
                          intermediate_size=_positive_int(cfg, "moe_intermediate_size", default=1408),
                          scoring="softmax", renormalize=_flag(cfg, "norm_topk_prob", False),
                          sparse_layers=tuple(i not in dense and (i + 1) % step == 0 for i in range(num_layers)),
-                         shared_intermediate_size=shared, shared_gate=True)
+                         shared_intermediate_size=shared, shared_gate=shared > 0)
     # DeepseekV3ForCausalLM
     for name, only in (("scoring_func", "sigmoid"), ("topk_method", "noaux_tc"), ("moe_layer_freq", 1)):
         if name in cfg and cfg[name] != only:

@@ -134,6 +134,8 @@ class DeepseekV3ForCausalLM(nn.Module):
                 return Placement(name, transform=rows(q_order))
             if name.endswith(("self_attn.kv_a_proj_with_mqa.weight", "self_attn.kv_a_proj_with_mqa.bias")):
                 return Placement(name, transform=rows(kv_order))
+            if ".shared_experts." in name and not shared:
+                return None  # n_shared_experts = 0: HF's shared MLP is zero-width and adds 0
             if ".shared_experts." in name:
                 name = name.replace(".shared_experts.", ".shared_expert.")
                 return llama_placement(name, cfg, {"gate_proj": shared, "up_proj": shared})

@@ -76,6 +76,8 @@ class MoeForCausalLM(LlamaForCausalLM):
                 return place
             if (m := _ROUTER.match(name)) is not None:
                 return Placement(f"layers.{m.group(1)}.mlp.gate.weight")
+            if ".shared_expert" in name and not shared:
+                return None  # HF builds a zero-width shared expert: its output (and its gate's) is 0
             if ".shared_expert." in name:
                 return llama_placement(name, cfg, {"gate_proj": shared, "up_proj": shared})
             mlp = {"gate_proj": cfg.intermediate_size, "up_proj": cfg.intermediate_size}
