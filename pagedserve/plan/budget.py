@@ -1,7 +1,7 @@
 """The per-GPU memory budget: where memory goes, how many KV blocks fit, which knobs follow.
 
     KV pool per GPU = total x gpu_memory_utilization
-                      - weights / TP
+                      - weights on this GPU (plan/parallel.py: TP, PP, DP, EP)
                       - activation peak at max_num_batched_tokens
                       - sampler / logits buffer
                       - non-torch + CUDA-graph overhead
@@ -9,11 +9,15 @@
 or, when `kv_cache_memory` is given (always on CPU), exactly that many bytes. The pool
 is then cut into whole blocks by `kv_budget.size_kv_pool`, the same call the engine
 makes at start-up, so a plan and a start-up agree to the block.
+
+Under pipeline parallelism every stage holds the same number of blocks (a token's KV
+lives on every stage), so the stage with the least room per block sets the pool, as
+vLLM takes the minimum over its workers; that stage's memory is what `parts` shows.
 """
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from pagedserve.config import resolve_dtype
 
@@ -23,11 +27,13 @@ from .kv_budget import (
     blocks_per_request,
     dtype_bytes,
     kv_heads_per_rank,
+    kv_bytes_per_token,
     kv_replication,
     max_concurrency,
     size_kv_pool,
 )
 from .models import ModelInfo, param_count, weight_bytes
+from .parallel import ParallelLayout, StageWeights, stage_shape, stage_weights
 
 # The sampler keeps three fp32 [max_num_seqs, vocab] tensors alive at its peak: the
 # logits, the probabilities and the log-probabilities (vLLM's profile run samples a
@@ -111,6 +117,10 @@ class PlanRequest:
     dtype: str | None = None  # weights; None = the checkpoint's dtype
     kv_cache_dtype: str = "auto"  # "auto" = activation dtype
     tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    data_parallel_size: int = 1
+    enable_expert_parallel: bool = False
+    expert_parallel_size: int | None = None
     gpu_memory_utilization: float = 0.9
     kv_cache_memory: int | None = None
     max_model_len: int | None = None
@@ -152,7 +162,15 @@ class Plan:
     recommended_max_num_seqs: int
     recommended_max_num_batched_tokens: int
     largest_max_model_len: int
+    layout: ParallelLayout = field(default_factory=ParallelLayout)
+    stages: list[StageWeights] = field(default_factory=list)
+    binding_stage: int = 0          # the stage whose memory sets the pool (and `parts`)
     warnings: list[str] = field(default_factory=list)
+
+    @property
+    def fits(self) -> bool:
+        """Weights and the rest leave a pool that holds one max_model_len request."""
+        return self.pool.num_tokens >= self.max_model_len > 0
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -182,12 +200,23 @@ def _validate(req: PlanRequest) -> None:
     for ok, message in checks:
         if not ok:
             raise ValueError(message)
+    layout = layout_of(req)  # raises naming the flag
+    if layout.expert_parallel and not req.model.shape.is_moe:
+        raise ValueError(f"--enable-expert-parallel: {req.model.name} has no experts to spread")
+    if layout.pp > req.model.shape.num_layers:
+        raise ValueError(f"--pipeline-parallel-size {layout.pp} is more than the model's "
+                         f"{req.model.shape.num_layers} layers")
     if req.device_kind == "cpu" and req.kv_cache_memory is None and req.device.memory_bytes <= 0:
         raise ValueError("--device cpu needs --kv-cache-memory (the pool's byte budget) or --memory")
 
 
 def _default_max_model_len(req: PlanRequest) -> int:
     return req.max_model_len or req.model.shape.max_position_embeddings or 8192
+
+
+def layout_of(req: PlanRequest) -> ParallelLayout:
+    return ParallelLayout(req.tensor_parallel_size, req.pipeline_parallel_size, req.data_parallel_size,
+                          req.enable_expert_parallel, req.expert_parallel_size)
 
 
 def compute_plan(req: PlanRequest) -> Plan:
@@ -220,7 +249,7 @@ def _compute(req: PlanRequest, max_num_batched_tokens: int) -> Plan:
     max_num_seqs = req.max_num_seqs or 256  # vLLM's default, sizes the sampler buffer
 
     weights_total = weight_bytes(shape, weight_dtype)
-    weights = math.ceil(weights_total / tp)
+    layout = layout_of(req)
     act_note = "given" if req.activation_memory is not None else f"estimated at {max_num_batched_tokens:,} batched tokens"
     activation = req.activation_memory if req.activation_memory is not None else activation_peak_bytes(
         model, max_num_batched_tokens, tp, activation_dtype(weight_dtype))
@@ -228,17 +257,28 @@ def _compute(req: PlanRequest, max_num_batched_tokens: int) -> Plan:
     overhead = req.overhead if req.overhead is not None else default_overhead_bytes(req.device_kind, tp)
 
     usable = int(total * req.gpu_memory_utilization)
-    if req.kv_cache_memory is not None:
-        pool_budget = req.kv_cache_memory
-        pool_note = "given by --kv-cache-memory"
-    else:
-        pool_budget = usable - weights - activation - sampler - overhead
-        pool_note = f"total x {req.gpu_memory_utilization:g} minus the rows above"
-    pool = size_kv_pool(shape, max(pool_budget, 0), kv_dtype_bytes=dtype_bytes(kv_dtype),
-                        block_size=req.block_size, tp=tp)
+    stages = stage_weights(shape, weight_dtype, layout, kv_dtype)
+    sized = []
+    for stage in stages:
+        if req.kv_cache_memory is not None:
+            budget = req.kv_cache_memory
+        else:
+            budget = usable - stage.weight_bytes - activation - sampler - overhead
+        sized.append((size_kv_pool(stage_shape(shape, stage), max(budget, 0), kv_dtype_bytes=dtype_bytes(kv_dtype),
+                                   block_size=req.block_size, tp=tp), budget, stage))
+    # the stage with the fewest blocks sets the pool; among equals, the one with least room left
+    pool, pool_budget, binding = min(sized, key=lambda s: (s[0].num_blocks, s[1]))
+    weights = binding.weight_bytes
+    pool_note = ("given by --kv-cache-memory" if req.kv_cache_memory is not None
+                 else f"total x {req.gpu_memory_utilization:g} minus the rows above")
+    where = (f"stage {binding.stage} of {layout.pp} (layers {binding.first_layer}-"
+             f"{binding.first_layer + binding.num_layers - 1}), " if layout.pp > 1 else "")
+    experts = (f", {binding.routed_experts_per_gpu} whole experts per MoE layer (EP {layout.ep})"
+               if shape.is_moe and layout.ep > 1 else "")
 
     parts = [
-        MemoryPart("model weights", weights, f"{param_count(shape) / 1e9:.2f}B params, {weight_dtype}, / TP {tp}"),
+        MemoryPart("model weights", weights, f"{param_count(shape) / 1e9:.2f}B params, {weight_dtype}, "
+                   f"{where}{layout.describe()}{experts}"),
         MemoryPart("activation peak", activation, act_note),
         MemoryPart("sampler / logits", sampler, f"{max_num_seqs} seqs x {shape.vocab_size:,} vocab x fp32 x {SAMPLER_FP32_COPIES}"
                    if req.sampler_memory is None else "given"),
@@ -263,12 +303,13 @@ def _compute(req: PlanRequest, max_num_batched_tokens: int) -> Plan:
     plan = Plan(
         request=req, weight_dtype=weight_dtype, kv_dtype=kv_dtype, num_params=param_count(shape),
         weight_bytes_total=weights_total, parts=parts, pool=pool, kv_pool_budget_bytes=pool_budget,
-        kv_bytes_per_token_all_ranks=pool.bytes_per_token * tp, kv_replication=kv_replication(shape, tp),
+        kv_bytes_per_token_all_ranks=kv_bytes_per_token(shape, dtype_bytes(kv_dtype), tp) * tp,
+        kv_replication=kv_replication(shape, tp),
         max_model_len=max_model_len, mean_seq_len=mean_seq_len, max_num_seqs_used=max_num_seqs,
         max_num_batched_tokens_used=max_num_batched_tokens,
         max_concurrency_at_max_model_len=concurrency_max, concurrency_at_mean=concurrency_mean,
         recommended_max_num_seqs=recommended_seqs, recommended_max_num_batched_tokens=recommended_tokens,
-        largest_max_model_len=num_tokens,
+        largest_max_model_len=num_tokens, layout=layout, stages=stages, binding_stage=binding.stage,
     )
     plan.warnings = _warnings(plan, usable, total, weights + activation + sampler + overhead)
     return plan
@@ -307,6 +348,7 @@ def _warnings(plan: Plan, usable: int, total: int, non_kv: int) -> list[str]:
             f"the activation peak ({_gib(plan.parts[1].bytes)}) is larger than the KV pool; "
             "a smaller --max-num-batched-tokens would give the pool more room."
         )
+    out += _expert_warnings(plan)
     if shape.is_mla and tp > 1:
         out.append(
             f"MLA keeps the whole latent KV on every rank: TP {tp} does not shrink the KV per token "
@@ -329,6 +371,45 @@ def _warnings(plan: Plan, usable: int, total: int, non_kv: int) -> list[str]:
     if plan.pool.num_blocks and plan.recommended_max_num_seqs < 1:
         out.append(f"the pool holds less than one {plan.mean_seq_len:,}-token sequence after the "
                    f"{req.margin:.0%} margin.")
+    return out
+
+
+def _expert_bytes_per_gpu(plan: Plan, layout: ParallelLayout) -> int:
+    """Routed-expert bytes on the binding stage's GPUs under `layout`."""
+    shape = plan.request.model.shape
+    stage = plan.stages[plan.binding_stage]
+    moe_layers = sum(1 for i in range(stage.first_layer, stage.first_layer + stage.num_layers)
+                     if i >= shape.first_dense_layers)
+    per_expert = 3 * shape.hidden_size * shape.moe_intermediate_size * dtype_bytes(plan.weight_dtype)
+    if layout.ep > 1:
+        return int(moe_layers * math.ceil(shape.num_experts / layout.ep) * per_expert)
+    return int(moe_layers * shape.num_experts * per_expert / layout.tp)
+
+
+def _expert_warnings(plan: Plan) -> list[str]:
+    """The articles' symptom "OOM: EP not enabled, experts pile onto every GPU", and uneven EP."""
+    req, shape, layout = plan.request, plan.request.model.shape, plan.layout
+    if not shape.is_moe:
+        return []
+    out = []
+    if layout.expert_parallel and shape.num_experts % layout.ep:
+        out.append(f"{shape.num_experts} experts do not split evenly over EP {layout.ep}: some GPUs hold "
+                   f"{math.ceil(shape.num_experts / layout.ep)} experts per layer, others fewer.")
+    if layout.expert_parallel or req.kv_cache_memory is not None or plan.kv_pool_budget_bytes > 0:
+        return out
+    now = _expert_bytes_per_gpu(plan, layout)
+    if layout.dp > 1:
+        with_ep = _expert_bytes_per_gpu(plan, replace(layout, enable_expert_parallel=True))
+        out.append(
+            f"the experts do not fit: expert parallelism is off, so each of the {layout.dp} data-parallel replicas "
+            f"holds all {shape.num_experts} experts per layer ({_gib(now)} of expert weights per GPU). "
+            f"--enable-expert-parallel spreads whole experts over TP x DP = {layout.tp * layout.dp} GPUs "
+            f"({_gib(with_ep)} per GPU).")
+    else:
+        out.append(
+            f"the experts do not fit ({_gib(now)} of expert weights per GPU at TP {layout.tp}). With one data-parallel "
+            "replica, expert parallelism moves no memory (1/TP of every expert or 1/TP of the experts is the same "
+            "bytes): add GPUs (-tp, -pp, or -dp with --enable-expert-parallel) or quantize (--dtype fp8).")
     return out
 
 

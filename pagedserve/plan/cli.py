@@ -77,6 +77,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     device.add_argument("--gpu-memory", type=_byte_size("--gpu-memory"), help="any other GPU: its memory, e.g. 24GiB")
     device.add_argument("--memory", type=_byte_size("--memory"), help="with --device cpu: memory for the engine, e.g. 24GiB")
     device.add_argument("--tensor-parallel-size", "-tp", type=_positive_int("--tensor-parallel-size"), default=1)
+    device.add_argument("--pipeline-parallel-size", "-pp", type=_positive_int("--pipeline-parallel-size"), default=1,
+                        help="pipeline stages: the layers are split between them (KV per GPU shrinks with them)")
+    device.add_argument("--data-parallel-size", "-dp", type=_positive_int("--data-parallel-size"), default=1,
+                        help="replicas of the model (with --enable-expert-parallel: attention replicated, "
+                             "experts spread)")
+    device.add_argument("--enable-expert-parallel", action="store_true",
+                        help="spread whole MoE experts over the TP x DP GPUs of a stage instead of sharding each")
+    device.add_argument("--expert-parallel-size", "-ep", type=_positive_int("--expert-parallel-size"), default=None,
+                        help="the expert-parallel group size; implies --enable-expert-parallel and must equal TP x DP")
 
     budget = parser.add_argument_group("budget")
     budget.add_argument("--gpu-memory-utilization", type=_fraction("--gpu-memory-utilization"), default=0.9)
@@ -142,6 +151,8 @@ def build_request(args: argparse.Namespace) -> PlanRequest:
     return PlanRequest(
         model=model, device=device, device_kind=args.device, dtype=args.dtype,
         kv_cache_dtype=args.kv_cache_dtype, tensor_parallel_size=args.tensor_parallel_size,
+        pipeline_parallel_size=args.pipeline_parallel_size, data_parallel_size=args.data_parallel_size,
+        enable_expert_parallel=args.enable_expert_parallel, expert_parallel_size=args.expert_parallel_size,
         gpu_memory_utilization=args.gpu_memory_utilization, kv_cache_memory=args.kv_cache_memory,
         max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,

@@ -43,6 +43,13 @@ MODEL_PRESETS: dict[str, dict] = {
         "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 32768,
         "max_position_embeddings": 32768, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
     },
+    "mixtral-8x7b": {  # mistralai/Mixtral-8x7B-v0.1
+        "model_type": "mixtral", "hf_name": "mistralai/Mixtral-8x7B-v0.1",
+        "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
+        "num_attention_heads": 32, "num_key_value_heads": 8, "vocab_size": 32000,
+        "num_local_experts": 8, "num_experts_per_tok": 2,
+        "max_position_embeddings": 32768, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+    },
     "deepseek-v3": {  # deepseek-ai/DeepSeek-V3 (the MTP layer, num_nextn_predict_layers=1, is not counted)
         "model_type": "deepseek_v3", "hf_name": "deepseek-ai/DeepSeek-V3",
         "hidden_size": 7168, "intermediate_size": 18432, "moe_intermediate_size": 2048,
@@ -66,6 +73,8 @@ _ALIASES = {
     "qwen2.5-72b-instruct": "qwen2.5-72b", "qwen/qwen2.5-72b-instruct": "qwen2.5-72b", "qwen/qwen2.5-72b": "qwen2.5-72b",
     "mistral-7b-instruct-v0.3": "mistral-7b", "mistralai/mistral-7b-instruct-v0.3": "mistral-7b",
     "mistralai/mistral-7b-v0.3": "mistral-7b",
+    "mistralai/mixtral-8x7b-v0.1": "mixtral-8x7b", "mistralai/mixtral-8x7b-instruct-v0.1": "mixtral-8x7b",
+    "mixtral-8x7b-instruct": "mixtral-8x7b",
     "deepseek-ai/deepseek-v3": "deepseek-v3", "deepseek-r1": "deepseek-v3", "deepseek-ai/deepseek-r1": "deepseek-v3",
 }
 

@@ -34,6 +34,12 @@ def recommended_flags(plan: Plan) -> list[str]:
     flags = []
     if req.tensor_parallel_size > 1:
         flags += ["--tensor-parallel-size", str(req.tensor_parallel_size)]
+    if req.pipeline_parallel_size > 1:
+        flags += ["--pipeline-parallel-size", str(req.pipeline_parallel_size)]
+    if req.data_parallel_size > 1:
+        flags += ["--data-parallel-size", str(req.data_parallel_size)]
+    if plan.layout.expert_parallel:
+        flags += ["--enable-expert-parallel"]
     if req.dtype and req.dtype not in ("fp8", "int4"):
         flags += ["--dtype", req.dtype]
     if req.kv_cache_dtype != "auto":
@@ -78,6 +84,9 @@ def plan_to_dict(plan: Plan) -> dict:
         "device": {**req.device.to_dict(), "kind": req.device_kind},
         "inputs": {
             "tensor_parallel_size": req.tensor_parallel_size,
+            "pipeline_parallel_size": req.pipeline_parallel_size,
+            "data_parallel_size": req.data_parallel_size,
+            "expert_parallel_size": plan.layout.ep,
             "gpu_memory_utilization": req.gpu_memory_utilization,
             "kv_cache_memory": req.kv_cache_memory, "kv_cache_dtype": plan.kv_dtype,
             "block_size": req.block_size, "max_model_len": plan.max_model_len,
@@ -108,6 +117,14 @@ def plan_to_dict(plan: Plan) -> dict:
             "flags": recommended_flags(plan),
             "commands": serve_commands(plan),
         },
+        "parallel": {
+            "layout": plan.layout.describe(), "num_gpus": plan.layout.num_gpus, "binding_stage": plan.binding_stage,
+            "fits": plan.fits,
+            "stages": [{"stage": st.stage, "first_layer": st.first_layer, "num_layers": st.num_layers,
+                        "weight_bytes_per_gpu": st.weight_bytes, "kv_bytes_per_token_per_gpu": st.kv_bytes_per_token,
+                        "routed_experts_per_gpu": st.routed_experts_per_gpu, "params_per_gpu": st.params}
+                       for st in plan.stages],
+        },
         "warnings": plan.warnings,
     }
 
@@ -118,7 +135,7 @@ def render_text(plan: Plan) -> str:
     device = "CPU" if req.device_kind == "cpu" else "GPU"
     lines = [
         f"pagedserve plan: {req.model.name} ({plan.num_params / 1e9:.2f}B params, weights {plan.weight_dtype}, "
-        f"KV {plan.kv_dtype}) on {req.tensor_parallel_size} x {req.device.name}"
+        f"KV {plan.kv_dtype}) on {plan.layout.num_gpus} x {req.device.name} ({plan.layout.describe()})"
         + (f" ({format_bytes(total)} each)" if total else ""),
         "",
         f"Where the memory goes, per {device}:",
@@ -145,6 +162,12 @@ def render_text(plan: Plan) -> str:
         f"{plan.pool.num_tokens:,} tokens",
     ]
     lines += [f"  {line}" for line in kv_cache_log_lines(plan.pool, plan.max_model_len, device)]
+    if len(plan.stages) > 1:
+        lines += ["", "Pipeline stages (per GPU; every stage holds the same blocks, the tightest sets them):"]
+        for st in plan.stages:
+            mark = "  <- sets the pool" if st.stage == plan.binding_stage else ""
+            lines.append(f"  stage {st.stage}: layers {st.first_layer}-{st.first_layer + st.num_layers - 1}, "
+                         f"weights {format_bytes(st.weight_bytes)}, KV {st.kv_bytes_per_token:,} bytes/token{mark}")
     lines += [
         "",
         "Derived:",
