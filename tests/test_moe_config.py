@@ -148,6 +148,7 @@ HONOURED_VARIANTS = {
             "rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 64,
             "mscale": 1.0, "mscale_all_dim": 1.0, "beta_fast": 32, "beta_slow": 1}), ()),
     "mixtral-sliding-window": ("mixtral", dict(sliding_window=24), ()),
+    "deepseek-no-shared-experts-one-group": ("deepseek_v3", dict(n_shared_experts=0, n_group=1, topk_group=1), ()),
 }
 
 

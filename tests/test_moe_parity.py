@@ -82,6 +82,17 @@ def test_greedy_parity_under_chunking_prefix_caching_and_preemption(case, mode):
     assert_hf_greedy(got, prompts, max_tokens, ref)
 
 
+def test_mla_expanded_prefill_matches_hf(deepseek_case, monkeypatch):
+    """The other attention path for prompt chunks: latents expanded into per-head K and V
+    (attention/mla.py); decodes stay absorbed, so both paths meet in every request."""
+    path, prompts, max_tokens, ref = deepseek_case
+    monkeypatch.setenv("PAGEDSERVE_MLA_PREFILL", "expand")
+    got, llm = generate(path, prompts, max_tokens, num_kv_blocks=16, max_num_batched_tokens=32,
+                        preemption_mode="recompute", enable_prefix_caching=True)
+    assert llm.engine.scheduler.total_partial_prefills > 0
+    assert_hf_greedy(got, prompts, max_tokens, ref)
+
+
 def test_mla_pool_is_the_latent_and_equals_plans(deepseek_case):
     """The DeepSeek model's pool holds kv_lora_rank + qk_rope_head_dim values per token and
     layer, and its bytes are what `pagedserve plan` computes for the same checkpoint."""
