@@ -82,11 +82,12 @@ def test_greedy_parity_under_chunking_prefix_caching_and_preemption(case, mode):
     assert_hf_greedy(got, prompts, max_tokens, ref)
 
 
-def test_mla_expanded_prefill_matches_hf(deepseek_case, monkeypatch):
-    """The other attention path for prompt chunks: latents expanded into per-head K and V
-    (attention/mla.py); decodes stay absorbed, so both paths meet in every request."""
+def test_mla_absorbed_prefill_matches_hf(deepseek_case, monkeypatch):
+    """The other attention path for prompt chunks: queries absorbed into latent space, the
+    heads folded into query rows under a causal or prefix mask (attention/mla.py; the
+    default expands the latents for chunks)."""
     path, prompts, max_tokens, ref = deepseek_case
-    monkeypatch.setenv("PAGEDSERVE_MLA_PREFILL", "expand")
+    monkeypatch.setenv("PAGEDSERVE_MLA_PREFILL", "absorb")
     got, llm = generate(path, prompts, max_tokens, num_kv_blocks=16, max_num_batched_tokens=32,
                         preemption_mode="recompute", enable_prefix_caching=True)
     assert llm.engine.scheduler.total_partial_prefills > 0

@@ -18,8 +18,14 @@ Two ways to attend, with the same result up to float rounding:
   expansion is paid once per context token instead of the absorbed path's
   heads x (R + rope)-wide scores per query-key pair.
 
-`mla_attention` uses the absorbed path for decodes and, by default, for prefill chunks too
-(`PREFILL_MODE`; benchmarks/mla_attention.py measures both on CPU). Metadata is the torch
+Which the engine uses: decodes are absorbed; prompt chunks are expanded by default
+(`PAGEDSERVE_MLA_PREFILL=absorb|expand`). Why: a decode is one query per request against
+its whole context, so expanding would multiply every cached latent by kv_b_proj each step
+(38x slower than absorbed on a 16 x 1024-token decode batch); a chunk of L queries shares
+its context, and there expanding once beats scoring every query-key pair H x (R + rope)
+wide (absorbed prefill was 1.3-2.6x slower). benchmarks/mla_attention.py prints both
+tables (CPU, one layer of DeepSeek-V3's shapes on a rank with 16 heads). vLLM makes the
+same split on GPU for the same reason. Metadata is the torch
 reference backend's (attention/torch_backend.py): the same slot mapping, block tables and
 masks as GQA attention.
 """
@@ -37,7 +43,7 @@ PREFILL_MODES = ("absorb", "expand")
 
 
 def prefill_mode() -> str:
-    mode = os.environ.get(PREFILL_MODE_ENV, "absorb").strip().lower() or "absorb"
+    mode = os.environ.get(PREFILL_MODE_ENV, "expand").strip().lower() or "expand"
     if mode not in PREFILL_MODES:
         raise ValueError(f"{PREFILL_MODE_ENV}={mode!r}: expected one of {', '.join(PREFILL_MODES)}")
     return mode
@@ -56,10 +62,23 @@ def absorb_query(q_nope: torch.Tensor, q_rope: torch.Tensor, w_k: torch.Tensor) 
 
 def attend_absorbed(q_abs: torch.Tensor, entries: torch.Tensor, kv_lora_rank: int, scale: float,
                     mask: torch.Tensor | None, causal: bool) -> torch.Tensor:
-    """q_abs [B, H, L, R + rope]; entries [B, 1, C, R + rope] -> latent output [B, H, L, R]."""
-    values = entries[..., :kv_lora_rank]
-    return F.scaled_dot_product_attention(q_abs, entries, values, attn_mask=mask, is_causal=causal and mask is None,
-                                          scale=scale, enable_gqa=True)
+    """q_abs [B, H, L, R + rope]; entries [B, 1, C, R + rope] -> latent output [B, H, L, R].
+
+    Every head reads the same K (the whole entry) and V (its latent part), so the H heads
+    are folded into H x L query rows of a single head: SDPA then runs plain one-head
+    attention. (Left as H heads over one broadcast K, SDPA's CPU path was ~100x slower on
+    a decode batch.) `mask`: a decode batch's [B, 1, 1, C] (broadcasts over the rows) or a
+    chunk's [L, C] (the same for every head, so repeated H times); None with `causal`:
+    the chunk is its whole context."""
+    b, h, l, w = q_abs.shape
+    rows = q_abs.reshape(b, 1, h * l, w)
+    ctx = entries.shape[2]
+    if mask is None and causal:
+        mask = torch.ones(l, ctx, dtype=torch.bool, device=q_abs.device).tril(ctx - l)
+    if mask is not None and mask.dim() == 2:
+        mask = mask.repeat(h, 1)
+    out = F.scaled_dot_product_attention(rows, entries, entries[..., :kv_lora_rank], attn_mask=mask, scale=scale)
+    return out.view(b, h, l, kv_lora_rank)
 
 
 def attend_expanded(q_nope: torch.Tensor, q_rope: torch.Tensor, entries: torch.Tensor, w_kv: torch.Tensor,
