@@ -26,6 +26,7 @@ whole model's.
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass, replace
 
 from .kv_budget import ModelShape, dtype_bytes, kv_bytes_per_token
@@ -80,6 +81,27 @@ class ParallelLayout:
         parts = [f"TP{self.tp}"] + [f"PP{self.pp}"] * (self.pp > 1) + [f"DP{self.dp}"] * (self.dp > 1)
         text = "x".join(parts)
         return text + (f"+EP{self.ep}" if self.expert_parallel else "")
+
+
+_LAYOUT_PART = re.compile(r"^(TP|PP|DP|EP)(\d+)$")
+
+
+def parse_layout(text: str) -> ParallelLayout:
+    """"TP8", "TP8+EP8", "TP4xPP2", "DP8+EP8" (case-insensitive) -> ParallelLayout. EP, if
+    given, must be TP x DP (vLLM's expert-parallel group)."""
+    sizes = {"TP": 1, "PP": 1, "DP": 1}
+    ep = None
+    for part in re.split(r"[X*+,]", text.strip().upper()):
+        m = _LAYOUT_PART.match(part.strip())
+        if m is None:
+            raise ValueError(f"layout {text!r}: expected parts like TP8, PP2, DP2, EP8 joined by x or +")
+        if m.group(1) == "EP":
+            ep = int(m.group(2))
+        else:
+            sizes[m.group(1)] = int(m.group(2))
+    layout = ParallelLayout(sizes["TP"], sizes["PP"], sizes["DP"], enable_expert_parallel=ep is not None and ep > 1,
+                            expert_parallel_size=ep if ep is not None and ep > 1 else None)
+    return layout
 
 
 def stage_layer_counts(num_layers: int, pp: int) -> list[int]:

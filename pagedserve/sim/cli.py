@@ -41,6 +41,14 @@ def _add_deployment_args(p: argparse.ArgumentParser, engine_flags: bool = True) 
     g = p.add_argument_group("simulated hardware")
     g.add_argument("--gpu", default=None, help="GPU preset (H100-SXM, A100-80GB, H200, L40S, ...); omit with --device cpu")
     g.add_argument("--tensor-parallel-size", "-tp", "--tp", dest="tp", type=int, default=1)
+    g.add_argument("--pipeline-parallel-size", "-pp", "--pp", dest="pp", type=int, default=1,
+                   help="pipeline stages (layers split between them; TP x PP GPUs in all)")
+    g.add_argument("--enable-expert-parallel", action="store_true",
+                   help="MoE: spread whole experts over the TP group (all-to-all dispatch and combine)")
+    g.add_argument("--gpus-per-node", type=int, default=8,
+                   help="GPUs per node: a TP/EP group or stage boundary past it crosses the inter-node link")
+    g.add_argument("--inter-node-bandwidth", type=float, default=50.0, metavar="GB/s",
+                   help="per GPU, one direction (default 50: one 400 Gb/s NIC per GPU)")
     g.add_argument("--cost-model", default=None, metavar="COST.json",
                    help="cost constants from `simulate calibrate` (default: the GPU preset's stated defaults)")
 
@@ -72,6 +80,23 @@ def register(subparsers) -> None:
     c.set_defaults(func=run_calibrate)
 
 
+def deployment_layout(args, layout: str | None = None) -> dict:
+    """build_deployment's `layout` and `topology` from the flags (or a layout string such
+    as "TP4xPP2+EP4", which replaces -tp/-pp/--enable-expert-parallel)."""
+    from pagedserve.plan.parallel import ParallelLayout, parse_layout
+    from pagedserve.sim.parallel_cost import Topology
+
+    if layout is not None:
+        chosen = parse_layout(layout)
+    else:
+        if args.tp < 1:
+            raise ValueError(f"tensor_parallel_size: must be >= 1, got {args.tp}")
+        if args.pp < 1:
+            raise ValueError(f"pipeline_parallel_size: must be >= 1, got {args.pp}")
+        chosen = ParallelLayout(args.tp, args.pp, enable_expert_parallel=args.enable_expert_parallel)
+    return {"layout": chosen, "topology": Topology(args.gpus_per_node, args.inter_node_bandwidth)}
+
+
 def build_workload(args, vocab_size: int):
     from pagedserve.sim.simulator import load_trace_workload
 
@@ -98,11 +123,11 @@ def run(args) -> int:
     if args.gpu is None and args.device != "cpu":
         raise ValueError("gpu: give a GPU preset (--gpu H100-SXM), or --device cpu with --cost-model")
     gpu = None if args.device == "cpu" else args.gpu
-    dep = build_deployment(config, args.model, gpu=gpu, tp=args.tp, cost_params=args.cost_model)
+    dep = build_deployment(config, args.model, gpu=gpu, cost_params=args.cost_model, **deployment_layout(args))
     workload = build_workload(args, dep.vocab_size)
     rate = "inf" if math.isinf(args.request_rate) else f"{args.request_rate:g}"
     cfg = dep.config
-    print(f"pagedserve simulate: {dep.model_name} on {dep.device} x{dep.tp}; KV pool {dep.pool_note}; "
+    print(f"pagedserve simulate: {dep.model_name} on {dep.device} x{dep.tp} {dep.layout}; KV pool {dep.pool_note}; "
           f"max_num_seqs={cfg.max_num_seqs} max_num_batched_tokens={cfg.max_num_batched_tokens} "
           f"max_model_len={cfg.max_model_len}; cost model: {dep.cost_model.params.source}", flush=True)
     print(f"workload: {args.workload_trace or args.dataset} x {len(workload)}, request rate {rate}, "

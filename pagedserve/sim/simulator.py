@@ -39,6 +39,8 @@ from pagedserve.plan.kv_budget import KVPoolSize
 from pagedserve.sampling import SamplingParams
 from pagedserve.sim.cost_model import CostModel, CostParams, ModelCost, load_params
 from pagedserve.sim.executor import SimExecutor
+from pagedserve.sim.parallel_cost import ParallelCostModel, Topology
+from pagedserve.plan.parallel import ParallelLayout
 from pagedserve.sim.report import RequestRecord, compute_metrics
 
 
@@ -59,13 +61,14 @@ class Deployment:
 
     config: EngineConfig
     num_blocks: int
-    cost_model: CostModel
+    cost_model: CostModel | ParallelCostModel
     model_name: str
     vocab_size: int
     device: str                 # "cpu" or a GPU preset name
     tp: int = 1
     pool_note: str = ""
     bytes_per_block: int = 0    # one rank's bytes per KV block (sizes the host swap pool)
+    layout: str = ""            # e.g. "TP4xPP2+EP4" (GPU deployments)
 
     @property
     def pool(self) -> KVPoolSize:
@@ -85,13 +88,18 @@ def build_core(deployment: Deployment, executor, clock) -> EngineCore:
 
 
 def build_deployment(config: EngineConfig, model: str, *, gpu: str | None = None, tp: int = 1,
-                     cost_params: CostParams | str | Path | None = None) -> Deployment:
+                     cost_params: CostParams | str | Path | None = None, layout: ParallelLayout | None = None,
+                     topology: Topology | None = None) -> Deployment:
     """Resolve knobs and size the pool exactly as `serve` (on CPU) or `plan` (on a GPU) would.
 
     GPU: pool = plan.budget.compute_plan (total x gpu_memory_utilization - weights/TP -
     activations - sampler - overhead, cut into blocks by size_kv_pool), unless
     num_kv_blocks / kv_cache_memory are given. CPU: engine.size_pool on kv_cache_memory /
     num_kv_blocks, the very function the engine calls.
+
+    `layout` (TP x PP, EP inside the TP group; default TP `tp`) and `topology` (GPUs per
+    node, inter-node bandwidth) shape a GPU deployment: the plan sizes the pool per stage,
+    and sim/parallel_cost.py prices the step.
     """
     from pagedserve.plan.models import load_model
 
@@ -99,6 +107,8 @@ def build_deployment(config: EngineConfig, model: str, *, gpu: str | None = None
     shape = info.shape
     if isinstance(cost_params, (str, Path)):
         cost_params = load_params(cost_params)
+    layout = layout or ParallelLayout(tp)
+    tp = layout.tp
     if gpu is not None:
         from pagedserve.plan.budget import PlanRequest, compute_plan, default_max_num_batched_tokens
         from pagedserve.plan.gpus import get_gpu
@@ -111,7 +121,8 @@ def build_deployment(config: EngineConfig, model: str, *, gpu: str | None = None
         weight_dtype = info.checkpoint_dtype if config.dtype == "auto" else config.dtype
         plan = compute_plan(PlanRequest(
             model=info, device=spec, device_kind="gpu", dtype=weight_dtype, tensor_parallel_size=tp,
-            gpu_memory_utilization=config.gpu_memory_utilization, kv_cache_memory=config.kv_cache_memory,
+            pipeline_parallel_size=layout.pp, data_parallel_size=layout.dp,
+            enable_expert_parallel=layout.expert_parallel, gpu_memory_utilization=config.gpu_memory_utilization, kv_cache_memory=config.kv_cache_memory,
             max_model_len=config.max_model_len, max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens, block_size=config.block_size))
         num_blocks = config.num_kv_blocks if config.num_kv_blocks is not None else plan.pool.num_blocks
@@ -119,11 +130,12 @@ def build_deployment(config: EngineConfig, model: str, *, gpu: str | None = None
                 f"per GPU at {plan.pool.bytes_per_token:,} bytes/token)")
         params = cost_params or CostParams.for_gpu(spec)
         bytes_per_block = plan.pool.bytes_per_block
-        mcost = ModelCost.from_shape(shape, weight_dtype, plan.kv_dtype, tp)
+        cost_model = ParallelCostModel(shape, weight_dtype, plan.kv_dtype, layout, params, topology or Topology(),
+                                       config.block_size)
         device = spec.name
     else:
-        if tp != 1:
-            raise ValueError("tensor_parallel_size: the CPU engine runs one rank; use --gpu for TP")
+        if layout.num_gpus != 1 or layout.expert_parallel:
+            raise ValueError("tensor_parallel_size: the CPU engine runs one rank; use --gpu for TP, PP and EP")
         config.device = "cpu"
         config.resolve(shape.max_position_embeddings or 8192)
         dtype = resolve_dtype(config.dtype, info.checkpoint_dtype, "cpu")
@@ -135,11 +147,11 @@ def build_deployment(config: EngineConfig, model: str, *, gpu: str | None = None
             raise ValueError("cost_model: on --device cpu give --cost-model COST.json "
                              "(made by `pagedserve simulate calibrate` from an engine step trace)")
         params = cost_params
-        mcost = ModelCost.from_shape(shape, dtype, dtype, 1)
+        cost_model = CostModel(ModelCost.from_shape(shape, dtype, dtype, 1), params, config.block_size)
         device = "cpu"
     check_pool_fits(KVPoolSize(num_blocks, config.block_size, bytes_per_block // config.block_size), config)
-    return Deployment(config, num_blocks, CostModel(mcost, params, config.block_size), info.name,
-                      shape.vocab_size or 32000, device, tp, note, bytes_per_block)
+    return Deployment(config, num_blocks, cost_model, info.name, shape.vocab_size or 32000, device, tp, note,
+                      bytes_per_block, layout.describe() if gpu is not None else "")
 
 
 @dataclass
@@ -233,6 +245,7 @@ class SimResult:
             cfg = deployment.config
             out["deployment"] = {
                 "model": deployment.model_name, "device": deployment.device, "tp": deployment.tp,
+                "layout": deployment.layout,
                 "num_kv_blocks": deployment.num_blocks, "pool": deployment.pool_note,
                 "cost_params": deployment.cost_model.params.to_dict(),
                 "engine_config": {k: getattr(cfg, k) for k in cfg.knob_names()},

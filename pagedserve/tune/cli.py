@@ -4,6 +4,7 @@
         --num-prompts 500 --slo ttft_p99:2000 itl_p99:100 --max-preemption-rate 0.05
     pagedserve tune ... --sweep max_num_seqs=16,32,64,128 --sweep enable_chunked_prefill=on,off
     pagedserve tune --device cpu --model CKPT --cost-model cost.json ... --real   # also run the real engine
+    pagedserve tune --model deepseek-v3 --gpu H200 --layouts TP8,TP8+EP8,TP4xPP2 ...   # compare GPU layouts
 
 Takes `pagedserve simulate`'s flags (engine knobs, simulated hardware, workload).
 """
@@ -28,6 +29,9 @@ def register(subparsers) -> None:
     t.add_argument("--sweep", action="append", default=[], metavar="KNOB=V1,V2",
                    help="values to try for a knob (repeatable); default: max_num_seqs up to the planner's "
                         "bound x max_num_batched_tokens x chunked prefill on/off")
+    t.add_argument("--layouts", default=None, metavar="L1,L2",
+                   help="parallel layouts to compare, e.g. TP8,TP8+EP8,TP4xPP2,TP16 (each replaces -tp/-pp/"
+                        "--enable-expert-parallel; crossed with --sweep when both are given)")
     t.add_argument("--slo", nargs="+", default=None, metavar="NAME:MS",
                    help="ttft_p99:MS itl_p99:MS tpot_p99:MS e2el_p99:MS")
     t.add_argument("--max-preemption-rate", type=float, default=0.05,
@@ -51,7 +55,7 @@ def _default_grid(dep, bound: int) -> dict[str, list]:
 def run(args) -> int:
     from pagedserve.engine_args import engine_config_from_args
     from pagedserve.plan.kv_budget import blocks_per_request
-    from pagedserve.sim.cli import build_workload
+    from pagedserve.sim.cli import build_workload, deployment_layout
     from pagedserve.bench.report import parse_goodput
     from pagedserve.sim.simulator import build_deployment, simulate
     from pagedserve.tune import tuner
@@ -66,7 +70,13 @@ def run(args) -> int:
     if gpu is None and args.device != "cpu":
         raise ValueError("gpu: give a GPU preset (--gpu H100-SXM), or --device cpu with --cost-model")
     import copy
-    base_dep = build_deployment(copy.deepcopy(base), args.model, gpu=gpu, tp=args.tp, cost_params=args.cost_model)
+    layouts = [name.strip() for name in args.layouts.split(",") if name.strip()] if args.layouts else []
+    for name in layouts:
+        deployment_layout(args, name)  # a bad layout is refused before anything runs
+    if layouts and args.real:
+        raise ValueError("layouts: --real runs the one-rank CPU engine; compare layouts on the simulator only")
+    base_dep = build_deployment(copy.deepcopy(base), args.model, gpu=gpu, cost_params=args.cost_model,
+                                **deployment_layout(args, layouts[0] if layouts else None))
     workload = build_workload(args, base_dep.vocab_size)
     mean_len = sum(w.prompt_len + w.output_len for w in workload) / len(workload)
     if base.max_model_len is None:
@@ -74,11 +84,16 @@ def run(args) -> int:
         longest = max(w.prompt_len + w.output_len for w in workload)
         base.max_model_len = min(-(-longest // base.block_size) * base.block_size,
                                  base_dep.config.max_model_len)
-        base_dep = build_deployment(copy.deepcopy(base), args.model, gpu=gpu, tp=args.tp,
-                                    cost_params=args.cost_model)
+        base_dep = build_deployment(copy.deepcopy(base), args.model, gpu=gpu, cost_params=args.cost_model,
+                                    **deployment_layout(args, layouts[0] if layouts else None))
     bound = int(base_dep.num_blocks / blocks_per_request(math.ceil(mean_len), base_dep.config.block_size))
-    grid = tuner.parse_sweep(args.sweep) if args.sweep else _default_grid(base_dep, bound)
-    points, pruned = tuner.expand_grid(grid, max_num_seqs_bound=bound, max_model_len=base.max_model_len)
+    if layouts:  # each layout at the base knobs, or crossed with an explicit sweep
+        grid = {"layout": layouts, **(tuner.parse_sweep(args.sweep) if args.sweep else {})}
+    else:
+        grid = tuner.parse_sweep(args.sweep) if args.sweep else _default_grid(base_dep, bound)
+    # the pool (and so the bound) differs by layout: prune nothing when comparing layouts
+    points, pruned = tuner.expand_grid(grid, max_num_seqs_bound=None if layouts else bound,
+                                       max_model_len=base.max_model_len)
     goodput = parse_goodput(args.goodput)
     print(f"pagedserve tune: {base_dep.model_name} on {base_dep.device} x{base_dep.tp}; {len(workload)} requests, "
           f"mean {mean_len:.0f} tokens each, max_model_len {base.max_model_len}; the pool holds {bound} such "
@@ -89,7 +104,8 @@ def run(args) -> int:
         print(f"  pruned {why}")
 
     def sim_point(config, knobs):
-        dep = build_deployment(config, args.model, gpu=gpu, tp=args.tp, cost_params=args.cost_model)
+        dep = build_deployment(config, args.model, gpu=gpu, cost_params=args.cost_model,
+                               **deployment_layout(args, knobs.get("layout")))
         result = simulate(dep, workload, max_concurrency=args.max_concurrency, goodput_slos=goodput,
                           seed=args.seed or 0)
         busy = result.busy_time / result.metrics["duration"] if result.metrics["duration"] else math.nan
@@ -133,8 +149,22 @@ def _serve_flags(base, knobs: dict, args) -> str:
         if name not in skip and getattr(args, name, None) is not None:
             fixed[name] = getattr(base, name)
     fixed.setdefault("max_model_len", base.max_model_len)
-    if args.tp > 1:
-        fixed["tensor_parallel_size"] = args.tp
+    knobs = dict(knobs)
+    if "layout" in knobs:  # as vLLM's flags
+        from pagedserve.plan.parallel import parse_layout
+        layout = parse_layout(knobs.pop("layout"))
+        fixed["tensor_parallel_size"] = layout.tp
+        if layout.pp > 1:
+            fixed["pipeline_parallel_size"] = layout.pp
+        if layout.expert_parallel:
+            fixed["enable_expert_parallel"] = True
+    else:
+        if args.tp > 1:
+            fixed["tensor_parallel_size"] = args.tp
+        if getattr(args, "pp", 1) > 1:
+            fixed["pipeline_parallel_size"] = args.pp
+        if getattr(args, "enable_expert_parallel", False):
+            fixed["enable_expert_parallel"] = True
     if "gpu_memory_utilization" not in knobs and args.device != "cpu":
         fixed["gpu_memory_utilization"] = base.gpu_memory_utilization
     return knob_flags({**fixed, **knobs})

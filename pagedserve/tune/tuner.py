@@ -150,16 +150,21 @@ def choose_sweet_spot(points: list[PointResult], slos: dict[str, float], max_pre
         return None, "no point meets the SLOs and the preemption limit; relax them or add capacity"
     best = max(p.output_throughput for p in feasible)
     near = [p for p in feasible if p.output_throughput >= (1 - tie_tolerance) * best]
-    chosen = min(near, key=lambda p: (p.tail, p.knobs.get("max_num_seqs", 0)))
+    chosen = min(near, key=lambda p: (p.tail, p.knobs.get("max_num_seqs") or 0))
     why = (f"highest throughput ({chosen.output_throughput:.1f} tok/s) among {len(feasible)} of {len(points)} points "
            f"meeting the SLOs with <= {max_preemption_rate:g} preemptions per request")
     return chosen, why
 
 
+# knobs that shape the deployment (sim.cli.deployment_layout), not the engine's config
+DEPLOYMENT_KNOBS = ("layout",)
+
+
 def apply_knobs(base: EngineConfig, knobs: dict) -> EngineConfig:
     config = copy.deepcopy(base)
     for k, v in knobs.items():
-        setattr(config, k, v)
+        if k not in DEPLOYMENT_KNOBS:
+            setattr(config, k, v)
     config.validate()
     return config
 
