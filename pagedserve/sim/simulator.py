@@ -69,6 +69,7 @@ class Deployment:
     pool_note: str = ""
     bytes_per_block: int = 0    # one rank's bytes per KV block (sizes the host swap pool)
     layout: str = ""            # e.g. "TP4xPP2+EP4" (GPU deployments)
+    plan: object = None         # the `pagedserve plan` that sized a GPU pool (plan.budget.Plan)
 
     @property
     def pool(self) -> KVPoolSize:
@@ -151,7 +152,7 @@ def build_deployment(config: EngineConfig, model: str, *, gpu: str | None = None
         device = "cpu"
     check_pool_fits(KVPoolSize(num_blocks, config.block_size, bytes_per_block // config.block_size), config)
     return Deployment(config, num_blocks, cost_model, info.name, shape.vocab_size or 32000, device, tp, note,
-                      bytes_per_block, layout.describe() if gpu is not None else "")
+                      bytes_per_block, layout.describe() if gpu is not None else "", plan if gpu is not None else None)
 
 
 @dataclass
