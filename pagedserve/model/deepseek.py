@@ -3,11 +3,11 @@ shared experts after `first_k_dense_replace` dense layers.
 
 Per layer and token the KV pool stores kv_lora_rank + qk_rope_head_dim values (the normed
 latent and the rotated rope key): `ModelConfig.kv_cache_shape` and plan's MLA bytes per
-token agree by construction. Attention is attention/mla.py's (queries absorbed into latent
-space). RoPE: HF rotates interleaved pairs when rope_interleave; the rope rows of q_b_proj
-(or q_proj) and kv_a_proj_with_mqa are de-interleaved at load ([x0, x2, ..., x1, x3, ...]),
-after which rotating halves, as Llama does, rotates exactly HF's pairs and lays the result
-out as HF does.
+token agree by construction. Attention is attention/mla.py's (decodes absorbed into latent
+space, prompt chunks expanded; that module says why). RoPE: HF rotates interleaved pairs
+when rope_interleave; the rope rows of q_b_proj (or q_proj) and kv_a_proj_with_mqa are
+de-interleaved at load ([x0, x2, ..., x1, x3, ...]), after which rotating halves, as Llama
+does, rotates exactly HF's pairs and lays the result out as HF does.
 """
 from __future__ import annotations
 
