@@ -123,11 +123,15 @@ def run(args) -> int:
     if args.gpu is None and args.device != "cpu":
         raise ValueError("gpu: give a GPU preset (--gpu H100-SXM), or --device cpu with --cost-model")
     gpu = None if args.device == "cpu" else args.gpu
-    dep = build_deployment(config, args.model, gpu=gpu, cost_params=args.cost_model, **deployment_layout(args))
+    shape = deployment_layout(args)
+    dep = build_deployment(config, args.model, gpu=gpu, cost_params=args.cost_model, **shape)
     workload = build_workload(args, dep.vocab_size)
     rate = "inf" if math.isinf(args.request_rate) else f"{args.request_rate:g}"
     cfg = dep.config
-    print(f"pagedserve simulate: {dep.model_name} on {dep.device} x{dep.tp} {dep.layout}; KV pool {dep.pool_note}; "
+    gpus = shape["layout"].num_gpus
+    where = (f"{gpus} x {dep.device} ({dep.layout}, {-(-gpus // shape['topology'].gpus_per_node)} node(s))"
+             if gpu is not None else dep.device)
+    print(f"pagedserve simulate: {dep.model_name} on {where}; KV pool {dep.pool_note}; "
           f"max_num_seqs={cfg.max_num_seqs} max_num_batched_tokens={cfg.max_num_batched_tokens} "
           f"max_model_len={cfg.max_model_len}; cost model: {dep.cost_model.params.source}", flush=True)
     print(f"workload: {args.workload_trace or args.dataset} x {len(workload)}, request rate {rate}, "
