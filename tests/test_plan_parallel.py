@@ -152,3 +152,18 @@ def test_cli_reports_stages_and_recommends_vllm_flags(capsys):
     out = json.loads(capsys.readouterr().out)
     assert out["inputs"]["expert_parallel_size"] == 8
     assert "--data-parallel-size 8 --enable-expert-parallel" in out["recommended"]["commands"]["vllm"]
+
+
+def test_cli_compares_layouts_in_one_table(capsys):
+    argv = ["--model", "deepseek-v3", "--gpu", "H200", "--max-model-len", "32768",
+            "--layouts", "TP8,TP8+EP8,TP4xPP2,DP8"]
+    assert cli.main(argv + ["--json"]) == 0
+    plans = {p["parallel"]["layout"]: p for p in json.loads(capsys.readouterr().out)}
+    assert [plans[k]["parallel"]["fits"] for k in ("TP8", "TP8+EP8", "TP4xPP2", "TP1xDP8")] == [True, True, True, False]
+    assert plans["TP4xPP2"]["kv"]["bytes_per_token_per_gpu"] * 2 == plans["TP8"]["kv"]["bytes_per_token_per_gpu"] \
+        - LATENT_BYTES_BF16
+    assert cli.main(argv) == 0
+    text = capsys.readouterr().out
+    assert "TP4xPP2" in text and "--enable-expert-parallel" in text   # the DP8 row's warning
+    assert cli.main(argv[:-1] + ["TP8+EP4"]) == 2
+    assert "--expert-parallel-size" in capsys.readouterr().err

@@ -110,6 +110,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="measured activation peak per GPU; overrides the estimate")
     budget.add_argument("--sampler-memory", type=_byte_size("--sampler-memory"),
                         help="sampler/logits buffer per GPU; overrides max_num_seqs x vocab x 4 x 3")
+    parser.add_argument("--layouts", default=None, metavar="L1,L2",
+                        help="compare parallel layouts side by side, e.g. TP8,TP8+EP8,TP4xPP2,DP8+EP8 "
+                             "(each replaces -tp/-pp/-dp/--enable-expert-parallel)")
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
 
 
@@ -161,8 +164,50 @@ def build_request(args: argparse.Namespace) -> PlanRequest:
     )
 
 
+def compare_layouts(req, layouts: list[str]) -> list:
+    """One plan per layout, the rest of the request unchanged."""
+    from dataclasses import replace
+
+    from .parallel import parse_layout
+
+    plans = []
+    for name in layouts:
+        layout = parse_layout(name)
+        plans.append(compute_plan(replace(
+            req, tensor_parallel_size=layout.tp, pipeline_parallel_size=layout.pp, data_parallel_size=layout.dp,
+            enable_expert_parallel=layout.expert_parallel, expert_parallel_size=layout.expert_parallel_size)))
+    return plans
+
+
+def render_layouts(plans: list) -> str:
+    from .report import format_bytes
+
+    req = plans[0].request
+    lines = [f"pagedserve plan: {req.model.name} ({plans[0].num_params / 1e9:.2f}B params, weights "
+             f"{plans[0].weight_dtype}, KV {plans[0].kv_dtype}) on {req.device.name}, "
+             f"max_model_len {plans[0].max_model_len:,}", "",
+             f"  {'layout':<14} {'GPUs':>4} {'weights/GPU':>12} {'KV B/token/GPU':>15} {'KV pool tokens':>15} "
+             f"{'max concurrency':>16}  fits"]
+    for p in plans:
+        lines.append(f"  {p.layout.describe():<14} {p.layout.num_gpus:>4} {format_bytes(p.parts[0].bytes):>12} "
+                     f"{p.kv_bytes_per_token:>15,} {p.pool.num_tokens:>15,} {p.max_concurrency_at_max_model_len:>15.2f}x"
+                     f"  {'yes' if p.fits else 'no'}")
+    for p in plans:
+        for w in p.warnings:
+            lines.append(f"  - {p.layout.describe()}: {w}")
+    return "\n".join(lines)
+
+
 def run(args: argparse.Namespace) -> int:
     """Print the plan; 0 on success, 2 (message on stderr) on a bad value."""
+    if args.layouts:
+        try:
+            plans = compare_layouts(build_request(args), [x.strip() for x in args.layouts.split(",") if x.strip()])
+        except ValueError as exc:
+            print(f"pagedserve plan: error: {exc}", file=sys.stderr)
+            return EXIT_USAGE
+        print(json.dumps([plan_to_dict(p) for p in plans], indent=2) if args.json else render_layouts(plans))
+        return 0
     try:
         plan = compute_plan(build_request(args))
     except ValueError as exc:
