@@ -134,6 +134,8 @@ class ParallelCostModel:
             per_gpu = (math.ceil(shape.num_experts / layout.ep) if layout.ep > 1 else shape.num_experts / tp)
             self.stages.append(_Stage(model, n, moe_layers, moe_layers * per_gpu * expert, s * tp))
             first_layer += n
+        # swaps run on every stage at once: the stage with the most layers (KV per token) sets their time
+        self._swap_model = max(self.stages, key=lambda st: st.num_layers).model
         link = params.link_bandwidth * params.link_efficiency
         self._inv_intra = 1.0 / link if link > 0 else 0.0
         self._inv_inter = 1.0 / (topology.inter_node_gbps * 1e9 * params.link_efficiency)
@@ -187,7 +189,7 @@ class ParallelCostModel:
                   num_swap_blocks: int = 0) -> ParallelStepTime:
         if not new_tokens and not num_swap_blocks:
             return ParallelStepTime()
-        base = self.inner.breakdown(step_features(self.model, new_tokens, context_lens, num_swap_blocks,
+        base = self.inner.breakdown(step_features(self._swap_model, new_tokens, context_lens, num_swap_blocks,
                                                   self.block_size, self.params.attention_layout))
         out = ParallelStepTime(overhead=base.overhead, swap=base.swap)
         if not new_tokens:
