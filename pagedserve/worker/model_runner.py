@@ -4,6 +4,12 @@ It owns the model, the device KV pool ([layers, 2, num_blocks * block_size, kv_h
 head_dim]), the sampler, and what it has been told about each request (CachedRequestState):
 the scheduler sends a request's prompt and parameters once, then per-step diffs (new
 tokens, new blocks). It never calls back into the scheduler.
+
+Under tensor parallelism one ModelRunner runs in each rank's process (worker/worker.py),
+holding its shard of the weights and a pool of its KV heads only, with the same number of
+blocks and the same block tables as every other rank: each rank applies the same
+SchedulerOutput, runs the same forward (the collectives keep them in step), and copies its
+own blocks on swap. Only rank 0 samples; the others return an empty StepResult.
 """
 from __future__ import annotations
 
@@ -19,6 +25,7 @@ from pagedserve.attention.torch_backend import build_metadata
 from pagedserve.core.outputs import StepResult
 from pagedserve.core.scheduler import NewRequestData, ScheduledRequest, SchedulerOutput
 from pagedserve.sampling import SamplingParams
+from pagedserve.model.config import TPShard
 from pagedserve.model.loader import TORCH_DTYPES, ModelConfig, load_model
 from pagedserve.worker.sampler import Sampler
 
@@ -84,15 +91,16 @@ class CachedRequestState:
 
 class ModelRunner:
     def __init__(self, model_config: ModelConfig, dtype: str, device: str, block_size: int,
-                 eos_token_ids: frozenset[int], seed: int) -> None:
+                 eos_token_ids: frozenset[int], seed: int, shard: TPShard | None = None) -> None:
         self.model_config = model_config
+        self.shard = shard or TPShard.of(model_config)
         self.device = torch.device(device)
         self.dtype = TORCH_DTYPES[dtype]
         self.block_size = block_size
         if self.device.type == "cpu":
             keep_freed_memory_in_process()
         torch.manual_seed(seed)
-        self.model = load_model(model_config, dtype, device)
+        self.model = load_model(model_config, dtype, device, self.shard)
         self.sampler = Sampler(eos_token_ids, seed, self.device)
         self.num_blocks = 0
         self.kv_cache = self.host_cache = None
@@ -103,7 +111,7 @@ class ModelRunner:
         CUDA so block copies can be asynchronous)."""
         cfg = self.model_config
         self.num_blocks = num_blocks
-        shape = (cfg.num_layers, 2, num_blocks * self.block_size, cfg.num_kv_heads, cfg.head_dim)
+        shape = (cfg.num_layers, 2, num_blocks * self.block_size, self.shard.num_kv_heads, cfg.head_dim)
         self.kv_cache = allocate_zeroed(shape, self.dtype, self.device)
         host_shape = shape[:2] + (num_host_blocks * self.block_size,) + shape[3:]
         self.host_cache = allocate_zeroed(host_shape, self.dtype, torch.device("cpu")) if num_host_blocks else None
@@ -120,7 +128,7 @@ class ModelRunner:
         torch.cuda.reset_peak_memory_stats(self.device)
         before = torch.cuda.memory_allocated(self.device)
         cfg = self.model_config
-        scratch = torch.zeros((cfg.num_layers, 2, max_num_batched_tokens + self.block_size, cfg.num_kv_heads,
+        scratch = torch.zeros((cfg.num_layers, 2, max_num_batched_tokens + self.block_size, self.shard.num_kv_heads,
                                cfg.head_dim), dtype=self.dtype, device=self.device)
         blocks = np.arange(-(-max_num_batched_tokens // self.block_size), dtype=np.int64)
         meta, positions = build_metadata([], [(blocks, 0, max_num_batched_tokens)], self.block_size,
@@ -128,7 +136,9 @@ class ModelRunner:
         ids = torch.zeros(max_num_batched_tokens, dtype=torch.long, device=self.device)
         hidden = self.model(ids, torch.from_numpy(positions).to(self.device), scratch, meta)
         rows = hidden[-min(max_num_seqs, max_num_batched_tokens):]
-        torch.log_softmax(self.model.compute_logits(rows), dim=-1)
+        logits = self.model.compute_logits(rows)
+        if logits is not None:
+            torch.log_softmax(logits, dim=-1)
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device) - before - scratch.numel() * scratch.element_size()
         del scratch, hidden, rows
@@ -244,6 +254,7 @@ class ModelRunner:
         hidden = self.model(input_ids, pos, self.kv_cache, meta, prompt_lens)
         if sampling:
             logits = self.model.compute_logits(hidden[torch.tensor(last_rows, device=self.device)])
+        if sampling and logits is not None:  # rank 0: the gathered logits are here
             tokens, logprobs = self.sampler(logits, sampling)
             for state, tok, lp in zip(sampling, tokens, logprobs):
                 result.sampled[state.request_id] = tok
@@ -253,6 +264,11 @@ class ModelRunner:
         result.forward_time = t2 - t1
         result.duration = t2 - t0
         return result
+
+    @property
+    def kv_cache_bytes(self) -> int:
+        """Bytes of this rank's device KV pool, as allocated."""
+        return 0 if self.kv_cache is None else self.kv_cache.numel() * self.kv_cache.element_size()
 
     def shutdown(self) -> None:
         self.requests.clear()
