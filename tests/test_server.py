@@ -243,7 +243,7 @@ def test_non_streaming_client_that_leaves_is_aborted(server, model):
                        json={"model": model, "prompt": "hello", "max_tokens": 100, "ignore_eos": True})
         # the abort reaches the command queue once the server sees the disconnect
         end = time.monotonic() + 30
-        while not any(c[0] == "abort" for c in list(ae._commands)) and time.monotonic() < end:
+        while not any(c[0] == "finish" for c in list(ae.client._commands)) and time.monotonic() < end:
             time.sleep(0.02)
     finally:
         ae.resume()
