@@ -1,0 +1,258 @@
+"""Scaling out, measured side by side in one run:
+
+1. wire: what one step costs to encode + decode, msgspec Structs vs pickle (EngineCoreOutputs
+   of 32 decodes; a SchedulerOutput of 32 decodes, the per-step TP broadcast)
+2. served output tok/s at concurrency 1 / 8 / 32, engine core in a thread vs in its own
+   process, and offline LLM.generate on the same requests (the peers' HTTP workload:
+   128-token prompts of random ids, 128 new tokens, greedy, ignore_eos)
+3. tensor parallelism: tp=1 (in process) vs tp=1 (one mp worker) vs tp=2 (two mp workers)
+   offline, with the broadcast and all-reduce share of step time
+
+    python benchmarks/scaleout.py [--model /tmp/peers/small-llama] [--parts wire,served,tp]
+
+The model: --model, else the 246M peer checkpoint at /tmp/peers/small-llama if present,
+else a 100M random Llama (common.benchmark_checkpoint). Results: results/scaleout.json.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pickle
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from common import ROOT, benchmark_checkpoint, param_count, write_result
+
+PEER_MODEL = Path("/tmp/peers/small-llama")
+PEER_BENCH = Path("/work/shared/peers/bench_http.py")
+PROMPT_LEN, NEW_TOKENS = 128, 128
+
+
+def pick_model(arg: str | None) -> Path:
+    if arg:
+        return Path(arg)
+    return PEER_MODEL if (PEER_MODEL / "config.json").exists() else benchmark_checkpoint("100m")
+
+
+# -- 1. wire --------------------------------------------------------------------------
+def bench_wire(n: int = 3000) -> dict:
+    import msgspec
+
+    from pagedserve.core.outputs import EngineCoreOutput, EngineCoreOutputs, SchedulerStats, TokenLogprobs
+    from pagedserve.core.scheduler import ScheduledRequest, SchedulerOutput
+
+    outs = EngineCoreOutputs([EngineCoreOutput(f"cmpl-{i:032x}", [1000 + i],
+                                               [TokenLogprobs(1000 + i, -0.5, 1, [(1000 + i, -0.5), (7, -2.0)])]
+                                               if i % 4 == 0 else None) for i in range(32)],
+                             SchedulerStats(num_batched_tokens=32, num_running=32, num_preempted={"swap": 0}),
+                             123.0, 0.05, 0.049, 0.048)
+    sched = SchedulerOutput([ScheduledRequest(f"cmpl-{i:032x}", 300 + i, [1000 + i], [77] if i % 16 == 0 else [],
+                                              False, True) for i in range(32)], 32)
+    enc = msgspec.msgpack.Encoder()
+    result = {}
+    for name, obj, typ in (("EngineCoreOutputs(32 decodes)", outs, EngineCoreOutputs),
+                           ("SchedulerOutput(32 decodes)", sched, SchedulerOutput)):
+        dec = msgspec.msgpack.Decoder(typ)
+        t0 = time.perf_counter()
+        for _ in range(n):
+            dec.decode(enc.encode(obj))
+        t_msgspec = (time.perf_counter() - t0) / n
+        t0 = time.perf_counter()
+        for _ in range(n):
+            pickle.loads(pickle.dumps(obj))
+        t_pickle = (time.perf_counter() - t0) / n
+        result[name] = {"msgspec_us": t_msgspec * 1e6, "pickle_us": t_pickle * 1e6,
+                        "msgspec_bytes": len(enc.encode(obj)), "pickle_bytes": len(pickle.dumps(obj)),
+                        "speedup": t_pickle / t_msgspec}
+    print("\n## wire: encode + decode of one step (us)")
+    print(f"{'message':32}{'msgspec':>10}{'pickle':>10}{'ratio':>8}{'bytes msgspec/pickle':>24}")
+    for name, r in result.items():
+        print(f"{name:32}{r['msgspec_us']:>10.1f}{r['pickle_us']:>10.1f}{r['speedup']:>7.1f}x"
+              f"{r['msgspec_bytes']:>12}/{r['pickle_bytes']}")
+    return result
+
+
+# -- 2. served: thread vs process vs LLM.generate --------------------------------------
+def free_port() -> int:
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def serve_and_bench(model: Path, mode: str, concs: list[int], engine_flags: list[str]) -> dict:
+    import httpx
+
+    port = free_port()
+    log = open(ROOT / "results" / f"scaleout_serve_{mode}.log", "w")
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.Popen([sys.executable, "-m", "pagedserve.cli", "serve", "--model", str(model), "--port",
+                             str(port), "--engine-core-mode", mode, "--log-interval", "0",
+                             "--uvicorn-log-level", "warning", *engine_flags], stdout=log, stderr=subprocess.STDOUT,
+                            env=env)
+    try:
+        deadline = time.monotonic() + 600
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                raise RuntimeError(f"the {mode} server died at start-up; see results/scaleout_serve_{mode}.log")
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        name = httpx.get(f"http://127.0.0.1:{port}/v1/models").json()["data"][0]["id"]
+        vocab = json.loads((model / "config.json").read_text())["vocab_size"]
+        runs = {}
+        common = [sys.executable, str(PEER_BENCH), "--port", str(port), "--model", name, "--vocab", str(vocab),
+                  "--flavor", "vllm"]
+        subprocess.run(common + ["--conc", "1", "--max-tokens", "8", "--label", "warmup"], check=True,
+                       capture_output=True, timeout=600)
+        for c in concs:
+            out = subprocess.run(common + ["--conc", str(c), "--requests", str(c), "--prompt-len", str(PROMPT_LEN),
+                                           "--max-tokens", str(NEW_TOKENS), "--label", mode],
+                                 check=True, capture_output=True, text=True, timeout=1800)
+            runs[c] = json.loads(out.stdout.strip().splitlines()[-1])
+            print(f"  {mode:8} conc {c:>3}: {runs[c]['out_tok_s']:8.1f} out tok/s "
+                  f"(errors {runs[c]['errors']}, ttft {runs[c]['ttft_mean_s']} s)", flush=True)
+        return runs
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+def offline_generate(model: Path, concs: list[int], engine_args: dict) -> dict:
+    import random
+
+    from pagedserve import LLM, SamplingParams
+
+    vocab = json.loads((model / "config.json").read_text())["vocab_size"]
+    llm = LLM(str(model), **engine_args)
+    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True, min_tokens=NEW_TOKENS)
+    llm.generate([[5] * 8], SamplingParams(max_tokens=8), use_tqdm=False)  # warm-up
+    runs = {}
+    for c in concs:
+        rng = random.Random(0)  # the HTTP bench's prompts: seeded random ids in [3, vocab)
+        prompts = [[rng.randrange(3, vocab) for _ in range(PROMPT_LEN)] for _ in range(c)]
+        t0 = time.perf_counter()
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        wall = time.perf_counter() - t0
+        ntok = sum(len(o.outputs[0].token_ids) for o in outs)
+        runs[c] = {"out_tokens": ntok, "wall_s": wall, "out_tok_s": ntok / wall}
+        print(f"  {'generate':8} conc {c:>3}: {ntok / wall:8.1f} out tok/s", flush=True)
+    llm.shutdown()
+    return runs
+
+
+def bench_served(model: Path, concs: list[int], engine_args: dict) -> dict:
+    flags = []
+    for k, v in engine_args.items():
+        flags += [f"--{k.replace('_', '-')}", str(v)]
+    print(f"\n## served output tok/s, {PROMPT_LEN}-token prompts, {NEW_TOKENS} new tokens ({model.name})")
+    res = {"thread": serve_and_bench(model, "thread", concs, flags),
+           "process": serve_and_bench(model, "process", concs, flags),
+           "generate": offline_generate(model, concs, engine_args)}
+    print(f"{'conc':>6}{'thread':>10}{'process':>10}{'generate':>10}{'process/thread':>16}{'thread/generate':>17}")
+    for c in concs:
+        t, p, g = (res[k][c]["out_tok_s"] for k in ("thread", "process", "generate"))
+        print(f"{c:>6}{t:>10.1f}{p:>10.1f}{g:>10.1f}{p / t:>15.2f}x{t / g:>16.2f}x")
+    return res
+
+
+# -- 3. tensor parallelism ------------------------------------------------------------
+def bench_tp(model: Path, num_seqs: int, engine_args: dict) -> dict:
+    import random
+
+    from pagedserve import LLM, SamplingParams
+
+    vocab = json.loads((model / "config.json").read_text())["vocab_size"]
+    rng = random.Random(0)
+    prompts = [[rng.randrange(3, vocab) for _ in range(PROMPT_LEN)] for _ in range(num_seqs)]
+    params = SamplingParams(max_tokens=NEW_TOKENS // 2, temperature=0.0, ignore_eos=True)
+    print(f"\n## tensor parallelism, LLM.generate: {num_seqs} x ({PROMPT_LEN} prompt + {NEW_TOKENS // 2} new), "
+          f"{os.cpu_count()} cores")
+    res = {}
+    for label, extra in (("tp1 in-process", dict(tensor_parallel_size=1)),
+                         ("tp1 mp worker", dict(tensor_parallel_size=1, distributed_executor_backend="mp")),
+                         ("tp2 mp workers", dict(tensor_parallel_size=2))):
+        llm = LLM(str(model), **engine_args, **extra)
+        llm.generate(prompts[:2], SamplingParams(max_tokens=4), use_tqdm=False)  # warm-up
+        ex = llm.engine.executor
+        if hasattr(ex, "reset_stats"):
+            ex.reset_stats()
+        core = llm.engine.engine_core
+        step_time = {"sum": 0.0}
+        original_step = core.step
+
+        def timed_step():
+            out = original_step()
+            step_time["sum"] += out.step_time
+            return out
+
+        core.step = timed_step
+        t0 = time.perf_counter()
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        wall = time.perf_counter() - t0
+        ntok = sum(len(o.outputs[0].token_ids) for o in outs)
+        row = {"wall_s": wall, "out_tok_s": ntok / wall, "step_seconds": step_time["sum"],
+               "tokens": [o.outputs[0].token_ids for o in outs]}
+        if hasattr(ex, "worker_stats"):
+            stats = ex.worker_stats()
+            rank0 = stats[0]
+            row.update(broadcasts=ex.num_broadcasts, broadcast_seconds=ex.broadcast_seconds,
+                       broadcast_bytes_per_step=ex.broadcast_bytes / max(ex.num_broadcasts, 1),
+                       rank0_decode_seconds=rank0["decode_seconds"], rank0_execute_seconds=rank0["execute_seconds"],
+                       rank0_all_reduce_seconds=rank0["all_reduce"], rank0_gather_seconds=rank0["gather"],
+                       rank0_collectives=rank0["calls"])
+        llm.shutdown()
+        res[label] = row
+    base = res["tp1 in-process"]
+    print(f"{'':18}{'out tok/s':>10}{'vs tp1':>8}{'broadcast':>11}{'all-reduce':>12}{'B/step':>8}")
+    for label, r in res.items():
+        if "broadcast_seconds" in r:
+            bshare = (r["broadcast_seconds"] + r["rank0_decode_seconds"]) / r["step_seconds"]
+            ashare = (r["rank0_all_reduce_seconds"] + r["rank0_gather_seconds"]) / r["step_seconds"]
+            extra = f"{bshare:>10.1%}{ashare:>12.1%}{r['broadcast_bytes_per_step']:>8.0f}"
+        else:
+            extra = f"{'-':>10}{'-':>12}{'-':>8}"
+        print(f"{label:18}{r['out_tok_s']:>10.1f}{r['out_tok_s'] / base['out_tok_s']:>7.2f}x{extra}")
+    same = res["tp2 mp workers"]["tokens"] == base["tokens"]
+    print(f"(shares are of the engine core's summed step time; tp2 greedy tokens identical to tp1: {same})")
+    for r in res.values():
+        r.pop("tokens")
+    res["tp2_tokens_identical"] = same
+    return res
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--parts", default="wire,served,tp")
+    ap.add_argument("--concs", default="1,8,32")
+    ap.add_argument("--tp-seqs", type=int, default=8)
+    args = ap.parse_args()
+    (ROOT / "results").mkdir(exist_ok=True)
+    model = pick_model(args.model)
+    parts = args.parts.split(",")
+    engine_args = dict(kv_cache_memory="2GiB", max_model_len=1024, max_num_seqs=64)
+    result = {"model": str(model), "params": param_count(model), "cores": os.cpu_count(),
+              "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+    print(f"model {model} ({param_count(model) / 1e6:.0f}M parameters), {os.cpu_count()} cores")
+    if "wire" in parts:
+        result["wire"] = bench_wire()
+    if "served" in parts:
+        result["served"] = bench_served(model, [int(c) for c in args.concs.split(",")], engine_args)
+    if "tp" in parts:
+        result["tp"] = bench_tp(model, args.tp_seqs, engine_args)
+    print(f"wrote {write_result('scaleout', result)}")
+
+
+if __name__ == "__main__":
+    main()
