@@ -161,7 +161,7 @@ class ThreadCoreClient:
                 if check_health is not None:
                     check_health()
                 outputs = core.step() if core.has_unfinished_requests() else core.snapshot()
-            except Exception as e:  # noqa: BLE001 - fatal: the core's state is unknown
+            except BaseException as e:  # noqa: BLE001 - fatal, whatever it is: the core's state is unknown
                 logger.exception("engine step failed; the engine is dead")
                 self._post(e)
                 return

@@ -99,7 +99,7 @@ class EngineCoreLoop:
         code = 0
         try:
             self._loop()
-        except Exception as e:  # noqa: BLE001 - fatal: report it, whoever caused it
+        except BaseException as e:  # noqa: BLE001 - fatal, whatever it is: report it, whoever caused it
             logger.exception("engine core failed; the engine is dead")
             self.outbox.put(DeadMsg(f"{type(e).__name__}: {e}"))
             code = 1
