@@ -27,7 +27,7 @@ from typing import Callable, Sequence
 
 from pagedserve.core.outputs import EngineCoreOutputs
 from pagedserve.core.request import RequestStatus
-from pagedserve.engine.core_client import ThreadCoreClient
+from pagedserve.engine.core_client import EngineCoreDied, ThreadCoreClient
 from pagedserve.engine.output_processor import OutputKind, make_core_requests
 from pagedserve.outputs import RequestOutput
 from pagedserve.sampling import SamplingParams
@@ -117,7 +117,13 @@ class AsyncLLM:
             self.output_processor.add_request(request_id, text, list(token_ids), core_requests, kind)
             self._queues[request_id] = queue
             batch.extend(core_requests)
-        self.client.add_requests(batch)
+        try:
+            self.client.add_requests(batch)
+        except EngineCoreDied as e:  # died before its death was posted: refuse, change nothing
+            for request_id, _, _ in entries:
+                self._queues.pop(request_id, None)
+                self.output_processor.abort_request(request_id)
+            raise EngineDead(f"the engine is not running: {e}") from None
         return queue
 
     def abort(self, request_id: str) -> None:
@@ -125,7 +131,13 @@ class AsyncLLM:
         self._queues.pop(request_id, None)
         core_ids = self.output_processor.abort_request(request_id)
         if core_ids and self.dead_error is None:
-            self.client.finish_requests(core_ids, RequestStatus.FINISHED_ABORTED, None)
+            self._finish(core_ids, RequestStatus.FINISHED_ABORTED, None)
+
+    def _finish(self, core_ids: list[str], status: RequestStatus, stop_reason) -> None:
+        try:
+            self.client.finish_requests(core_ids, status, stop_reason)
+        except EngineCoreDied:
+            pass  # the core is gone: its death reaches _handle_outputs and fails everyone
 
     def _dead_detail(self) -> str:
         return f": {type(self.dead_error).__name__}: {self.dead_error}" if self.dead_error is not None else ""
@@ -157,7 +169,7 @@ class AsyncLLM:
         self._num_waiting_in_core = core_outputs.stats.num_waiting
         processed = self.output_processor.process_outputs(core_outputs)
         for core_id, stop in processed.stopped:
-            self.client.finish_requests([core_id], RequestStatus.FINISHED_STOPPED, stop)
+            self._finish([core_id], RequestStatus.FINISHED_STOPPED, stop)
         for out in processed.request_outputs:
             queue = self._queues.get(out.request_id)
             if queue is None:

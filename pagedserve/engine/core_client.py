@@ -196,6 +196,7 @@ class ProcessCoreClient:
         base = os.path.join(tempfile.gettempdir(), f"pagedserve-{uuid.uuid4().hex[:12]}")
         self._paths = [f"{base}-in", f"{base}-out"]
         self._in = self._ctx.socket(zmq.PUSH)
+        self._in.setsockopt(zmq.SNDHWM, 0)  # never block a send on a live core; a dead one: see _send
         self._in.bind(f"ipc://{self._paths[0]}")
         self._out = self._ctx.socket(zmq.PULL)
         self._out.bind(f"ipc://{self._paths[1]}")
@@ -257,10 +258,18 @@ class ProcessCoreClient:
         return self.process.is_alive() and self._receiver is not None and self._receiver.is_alive()
 
     def _send(self, msg) -> None:
+        """Non-blocking: a PUSH socket whose peer is gone would block forever (and with it the
+        event loop, or the shutdown)."""
+        import zmq
+
         payload = ENCODER.encode(msg)
         with self._send_lock:
-            if not self._closing:
-                self._in.send(payload, copy=False)
+            if self._closing:
+                return
+            try:
+                self._in.send(payload, flags=zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                raise EngineCoreDied(f"{self.describe()} does not take messages (it is gone)") from None
 
     def add_requests(self, requests: list[Request]) -> None:
         self._num_sent += len(requests)
@@ -297,7 +306,7 @@ class ProcessCoreClient:
             return
         try:
             self._send(ShutdownMsg())
-        except Exception:  # noqa: BLE001 - the socket may be gone already
+        except Exception:  # noqa: BLE001 - the core is gone already
             pass
         self._closing = True
         self._stop_process(timeout)
