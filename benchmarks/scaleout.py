@@ -84,81 +84,96 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def serve_and_bench(model: Path, mode: str, concs: list[int], engine_flags: list[str]) -> dict:
-    import httpx
+class Served:
+    """`pagedserve serve` in a subprocess (log in results/), stopped with SIGTERM."""
 
-    port = free_port()
-    log = open(ROOT / "results" / f"scaleout_serve_{mode}.log", "w")
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    proc = subprocess.Popen([sys.executable, "-m", "pagedserve.cli", "serve", "--model", str(model), "--port",
-                             str(port), "--engine-core-mode", mode, "--log-interval", "0",
-                             "--uvicorn-log-level", "warning", *engine_flags], stdout=log, stderr=subprocess.STDOUT,
-                            env=env)
-    try:
+    def __init__(self, model: Path, mode: str, engine_flags: list[str]) -> None:
+        import httpx
+
+        self.mode = mode
+        self.port = free_port()
+        log = open(ROOT / "results" / f"scaleout_serve_{mode}.log", "w")
+        env = {**os.environ, "PYTHONPATH": str(ROOT)}
+        self.proc = subprocess.Popen([sys.executable, "-m", "pagedserve.cli", "serve", "--model", str(model),
+                                      "--port", str(self.port), "--engine-core-mode", mode, "--log-interval", "0",
+                                      "--uvicorn-log-level", "warning", *engine_flags],
+                                     stdout=log, stderr=subprocess.STDOUT, env=env)
         deadline = time.monotonic() + 600
         while time.monotonic() < deadline:
-            if proc.poll() is not None:
+            if self.proc.poll() is not None:
                 raise RuntimeError(f"the {mode} server died at start-up; see results/scaleout_serve_{mode}.log")
             try:
-                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+                if httpx.get(f"http://127.0.0.1:{self.port}/health", timeout=2).status_code == 200:
                     break
             except httpx.HTTPError:
                 pass
             time.sleep(0.5)
-        name = httpx.get(f"http://127.0.0.1:{port}/v1/models").json()["data"][0]["id"]
-        vocab = json.loads((model / "config.json").read_text())["vocab_size"]
-        runs = {}
-        common = [sys.executable, str(PEER_BENCH), "--port", str(port), "--model", name, "--vocab", str(vocab),
-                  "--flavor", "vllm"]
-        subprocess.run(common + ["--conc", "1", "--max-tokens", "8", "--label", "warmup"], check=True,
-                       capture_output=True, timeout=600)
-        for c in concs:
-            out = subprocess.run(common + ["--conc", str(c), "--requests", str(c), "--prompt-len", str(PROMPT_LEN),
-                                           "--max-tokens", str(NEW_TOKENS), "--label", mode],
-                                 check=True, capture_output=True, text=True, timeout=1800)
-            runs[c] = json.loads(out.stdout.strip().splitlines()[-1])
-            print(f"  {mode:8} conc {c:>3}: {runs[c]['out_tok_s']:8.1f} out tok/s "
-                  f"(errors {runs[c]['errors']}, ttft {runs[c]['ttft_mean_s']} s)", flush=True)
-        return runs
-    finally:
-        proc.send_signal(signal.SIGTERM)
+        self.name = httpx.get(f"http://127.0.0.1:{self.port}/v1/models").json()["data"][0]["id"]
+        self.vocab = json.loads((model / "config.json").read_text())["vocab_size"]
+
+    def bench(self, conc: int, new_tokens: int) -> dict:
+        common = [sys.executable, str(PEER_BENCH), "--port", str(self.port), "--model", self.name,
+                  "--vocab", str(self.vocab), "--flavor", "vllm", "--prompt-len", str(PROMPT_LEN)]
+        out = subprocess.run(common + ["--conc", str(conc), "--requests", str(conc), "--max-tokens", str(new_tokens),
+                                       "--label", self.mode], check=True, capture_output=True, text=True, timeout=3600)
+        return json.loads(out.stdout.strip().splitlines()[-1])
+
+    def stop(self) -> None:
+        self.proc.send_signal(signal.SIGTERM)
         try:
-            proc.wait(60)
+            self.proc.wait(60)
         except subprocess.TimeoutExpired:
-            proc.kill()
+            self.proc.kill()
 
 
-def offline_generate(model: Path, concs: list[int], engine_args: dict) -> dict:
-    import random
+class Offline:
+    """LLM.generate on the HTTP bench's prompts (seeded random ids in [3, vocab))."""
 
-    from pagedserve import LLM, SamplingParams
+    def __init__(self, model: Path, engine_args: dict) -> None:
+        from pagedserve import LLM
 
-    vocab = json.loads((model / "config.json").read_text())["vocab_size"]
-    llm = LLM(str(model), **engine_args)
-    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True, min_tokens=NEW_TOKENS)
-    llm.generate([[5] * 8], SamplingParams(max_tokens=8), use_tqdm=False)  # warm-up
-    runs = {}
-    for c in concs:
-        rng = random.Random(0)  # the HTTP bench's prompts: seeded random ids in [3, vocab)
-        prompts = [[rng.randrange(3, vocab) for _ in range(PROMPT_LEN)] for _ in range(c)]
+        self.vocab = json.loads((model / "config.json").read_text())["vocab_size"]
+        self.llm = LLM(str(model), **engine_args)
+
+    def bench(self, conc: int, new_tokens: int) -> dict:
+        import random
+
+        from pagedserve import SamplingParams
+
+        rng = random.Random(0)
+        prompts = [[rng.randrange(3, self.vocab) for _ in range(PROMPT_LEN)] for _ in range(conc)]
+        params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True, min_tokens=new_tokens)
         t0 = time.perf_counter()
-        outs = llm.generate(prompts, params, use_tqdm=False)
+        outs = self.llm.generate(prompts, params, use_tqdm=False)
         wall = time.perf_counter() - t0
         ntok = sum(len(o.outputs[0].token_ids) for o in outs)
-        runs[c] = {"out_tokens": ntok, "wall_s": wall, "out_tok_s": ntok / wall}
-        print(f"  {'generate':8} conc {c:>3}: {ntok / wall:8.1f} out tok/s", flush=True)
-    llm.shutdown()
-    return runs
+        return {"out_tokens": ntok, "wall_s": wall, "out_tok_s": ntok / wall}
+
+    def stop(self) -> None:
+        self.llm.shutdown()
 
 
-def bench_served(model: Path, concs: list[int], engine_args: dict) -> dict:
+def bench_served(model: Path, concs: list[int], new_tokens: int, engine_args: dict) -> dict:
+    """All three loaded at once, idle but one; at each concurrency they run one after the
+    other, so a change in the machine's load hits all three alike."""
     flags = []
     for k, v in engine_args.items():
         flags += [f"--{k.replace('_', '-')}", str(v)]
-    print(f"\n## served output tok/s, {PROMPT_LEN}-token prompts, {NEW_TOKENS} new tokens ({model.name})")
-    res = {"thread": serve_and_bench(model, "thread", concs, flags),
-           "process": serve_and_bench(model, "process", concs, flags),
-           "generate": offline_generate(model, concs, engine_args)}
+    print(f"\n## served output tok/s, {PROMPT_LEN}-token prompts, {new_tokens} new tokens ({model.name})", flush=True)
+    runners = {"thread": Served(model, "thread", flags), "process": Served(model, "process", flags),
+               "generate": Offline(model, engine_args)}
+    res: dict = {name: {} for name in runners}
+    try:
+        for name, runner in runners.items():  # warm-up
+            runner.bench(1, 4)
+        for c in concs:
+            for name, runner in runners.items():
+                res[name][c] = r = runner.bench(c, new_tokens)
+                print(f"  {name:8} conc {c:>3}: {r['out_tok_s']:8.1f} out tok/s"
+                      + (f" (errors {r['errors']}, ttft {r['ttft_mean_s']} s)" if "errors" in r else ""), flush=True)
+    finally:
+        for runner in runners.values():
+            runner.stop()
     print(f"{'conc':>6}{'thread':>10}{'process':>10}{'generate':>10}{'process/thread':>16}{'thread/generate':>17}")
     for c in concs:
         t, p, g = (res[k][c]["out_tok_s"] for k in ("thread", "process", "generate"))
@@ -167,7 +182,7 @@ def bench_served(model: Path, concs: list[int], engine_args: dict) -> dict:
 
 
 # -- 3. tensor parallelism ------------------------------------------------------------
-def bench_tp(model: Path, num_seqs: int, engine_args: dict) -> dict:
+def bench_tp(model: Path, num_seqs: int, new_tokens: int, engine_args: dict) -> dict:
     import random
 
     from pagedserve import LLM, SamplingParams
@@ -175,8 +190,8 @@ def bench_tp(model: Path, num_seqs: int, engine_args: dict) -> dict:
     vocab = json.loads((model / "config.json").read_text())["vocab_size"]
     rng = random.Random(0)
     prompts = [[rng.randrange(3, vocab) for _ in range(PROMPT_LEN)] for _ in range(num_seqs)]
-    params = SamplingParams(max_tokens=NEW_TOKENS // 2, temperature=0.0, ignore_eos=True)
-    print(f"\n## tensor parallelism, LLM.generate: {num_seqs} x ({PROMPT_LEN} prompt + {NEW_TOKENS // 2} new), "
+    params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
+    print(f"\n## tensor parallelism, LLM.generate: {num_seqs} x ({PROMPT_LEN} prompt + {new_tokens} new), "
           f"{os.cpu_count()} cores")
     res = {}
     for label, extra in (("tp1 in-process", dict(tensor_parallel_size=1)),
@@ -236,6 +251,7 @@ def main() -> None:
     ap.add_argument("--model", default=None)
     ap.add_argument("--parts", default="wire,served,tp")
     ap.add_argument("--concs", default="1,8,32")
+    ap.add_argument("--new-tokens", type=int, default=NEW_TOKENS)
     ap.add_argument("--tp-seqs", type=int, default=8)
     args = ap.parse_args()
     (ROOT / "results").mkdir(exist_ok=True)
@@ -248,9 +264,9 @@ def main() -> None:
     if "wire" in parts:
         result["wire"] = bench_wire()
     if "served" in parts:
-        result["served"] = bench_served(model, [int(c) for c in args.concs.split(",")], engine_args)
+        result["served"] = bench_served(model, [int(c) for c in args.concs.split(",")], args.new_tokens, engine_args)
     if "tp" in parts:
-        result["tp"] = bench_tp(model, args.tp_seqs, engine_args)
+        result["tp"] = bench_tp(model, args.tp_seqs, args.new_tokens, engine_args)
     print(f"wrote {write_result('scaleout', result)}")
 
 
