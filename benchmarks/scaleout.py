@@ -253,14 +253,22 @@ def main() -> None:
     ap.add_argument("--concs", default="1,8,32")
     ap.add_argument("--new-tokens", type=int, default=NEW_TOKENS)
     ap.add_argument("--tp-seqs", type=int, default=8)
+    ap.add_argument("--threads", type=int, default=None,
+                    help="torch threads for every engine (OMP_NUM_THREADS for the servers and ranks); "
+                         "default: torch's own choice")
     args = ap.parse_args()
+    if args.threads:
+        import torch
+        os.environ["OMP_NUM_THREADS"] = str(args.threads)  # the servers and mp ranks inherit it
+        torch.set_num_threads(args.threads)
     (ROOT / "results").mkdir(exist_ok=True)
     model = pick_model(args.model)
     parts = args.parts.split(",")
     engine_args = dict(kv_cache_memory="2GiB", max_model_len=1024, max_num_seqs=64)
-    result = {"model": str(model), "params": param_count(model), "cores": os.cpu_count(),
+    result = {"model": str(model), "params": param_count(model), "cores": os.cpu_count(), "threads": args.threads,
               "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
-    print(f"model {model} ({param_count(model) / 1e6:.0f}M parameters), {os.cpu_count()} cores")
+    print(f"model {model} ({param_count(model) / 1e6:.0f}M parameters), {os.cpu_count()} cores, "
+          f"torch threads per engine/rank: {args.threads or 'default'}")
     if "wire" in parts:
         result["wire"] = bench_wire()
     if "served" in parts:

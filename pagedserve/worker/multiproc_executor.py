@@ -52,8 +52,10 @@ def describe_exit(exitcode: int | None) -> str:
 
 
 def threads_per_rank(tp: int) -> int:
-    """Ranks on one machine share its cores: each gets its share as torch threads."""
-    return max(1, (os.cpu_count() or 1) // tp)
+    """Ranks on one machine share its cores: each gets its share as torch threads, unless
+    the operator set OMP_NUM_THREADS, which every rank then takes as it is."""
+    explicit = os.environ.get("OMP_NUM_THREADS", "")
+    return int(explicit) if explicit.isdigit() and int(explicit) > 0 else max(1, (os.cpu_count() or 1) // tp)
 
 
 class _Rank:
