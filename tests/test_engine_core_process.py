@@ -75,16 +75,22 @@ def test_split_server_matches_the_in_process_engine(split_server, tiny_llama):
     assert text == want[0]
 
 
-def test_stop_string_found_in_the_api_process_frees_the_core_request(split_server):
+def test_stop_string_found_in_the_api_process_ends_the_core_request(split_server):
+    """The stop string is matched in the API process; the core must stop computing at once
+    (it would otherwise run on to max_tokens), and its blocks return."""
     full = completion(split_server, prompt="def fibonacci(n):", max_tokens=40, ignore_eos=True).json()
     text = full["choices"][0]["text"]
     stop = text[len(text) // 2: len(text) // 2 + 2]
     assert len(stop) == 2 and text.index(stop) < len(text) - 2
-    cut = completion(split_server, prompt="def fibonacci(n):", max_tokens=40, ignore_eos=True, stop=[stop]).json()
+    computed = "pagedserve:iteration_tokens_total_sum{}"
+    before = wait_idle(split_server)[computed]
+    cut = completion(split_server, prompt="def fibonacci(n):", max_tokens=200, ignore_eos=True, stop=[stop]).json()
     choice = cut["choices"][0]
     assert choice["finish_reason"] == "stop" and choice["text"] == text[:text.index(stop)]
     m = wait_idle(split_server)
     assert m["pagedserve:kv_cache_used_tokens{}"] == 0 and m["pagedserve:num_requests_running{}"] == 0
+    prompt_tokens = cut["usage"]["prompt_tokens"]
+    assert m[computed] - before < prompt_tokens + 60, "the core ran on past the stop string"
 
 
 def test_disconnect_aborts_in_the_core_and_bad_input_changes_nothing(split_server):
