@@ -1,7 +1,11 @@
 """/metrics: parses with prometheus_client, counters and histograms move by known amounts."""
 from __future__ import annotations
 
+import json
 import logging
+import pathlib
+import re
+import sys
 import threading
 import time
 
@@ -12,7 +16,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from pagedserve.config import EngineConfig
 from pagedserve.engine import LLM
-from pagedserve.metrics import EngineMetrics, build_1_2_5_buckets
+from pagedserve import metric_names
+from pagedserve.metrics import EngineMetrics, build_1_2_5_buckets, token_count_buckets
 from pagedserve.sampling import SamplingParams
 from pagedserve.server.launcher import ServerThread, build_server
 from metrics_scrape import scrape, wait_idle
@@ -68,12 +73,36 @@ def test_every_metric_is_exposed_with_its_type(server):
     m = scrape(server)
     assert m["pagedserve:kv_cache_total_tokens{}"] == 8 * 16
     assert "pagedserve:num_preemptions_total{mode=recompute}" in m
-    # vLLM's buckets
-    ttft = sorted(float(k.split("le=")[1].rstrip("}")) for k in m
-                  if k.startswith("pagedserve:time_to_first_token_seconds_bucket"))
-    assert ttft[:3] == [0.001, 0.005, 0.01] and ttft[-2:] == [2560.0, float("inf")]
-    prompt_buckets = [k for k in m if k.startswith("pagedserve:request_prompt_tokens_bucket")]
-    assert len(prompt_buckets) == len(build_1_2_5_buckets(64)) + 1
+    # Our bounds: 24 per decade where TTFT and ITL live (vLLM has none between 10 and 25 ms ITL),
+    # up to vLLM's top bound.
+    ttft = bounds(m, "time_to_first_token_seconds")
+    assert [b for b in ttft if 0.1 <= b <= 0.2] == [0.1, 0.11, 0.12, 0.13, 0.15, 0.16, 0.18, 0.2]
+    assert ttft[-2:] == [2560.0, float("inf")]
+    itl = bounds(m, "inter_token_latency_seconds")
+    assert [b for b in itl if 0.01 <= b <= 0.025] == [0.01, 0.011, 0.012, 0.013, 0.015, 0.016, 0.018, 0.02, 0.022,
+                                                      0.024]
+    for latency, top in (("time_to_first_token_seconds", 100), ("inter_token_latency_seconds", 1),
+                         ("e2e_request_latency_seconds", 300)):
+        dense = [b for b in bounds(m, latency) if 0.01 <= b <= top]
+        assert max(b / a for a, b in zip(dense, dense[1:])) <= 1.16, latency
+    # Token counts: every integer to 10, then E24 (7-15% apart), ending at max_model_len (64).
+    assert bounds(m, "request_prompt_tokens") == [*range(1, 11), 11, 12, 13, 15, 16, 18, 20, 22, 24, 27, 30, 33,
+                                                  36, 39, 43, 47, 51, 56, 62, 64, float("inf")]
+    assert bounds(m, "request_num_preemptions")[:11] == [float(n) for n in range(11)]
+
+
+def bounds(scraped: dict, histogram: str) -> list[float]:
+    prefix = f"pagedserve:{histogram}_bucket"
+    return sorted(float(k.split("le=")[1].rstrip("}")) for k in scraped if k.startswith(prefix))
+
+
+def test_exposed_families_are_the_names_table(server):
+    """metrics.py builds from metric_names: the table and the exposition agree both ways."""
+    fams = families(server)
+    ours = {name.removeprefix("pagedserve:") for name in fams if name.startswith("pagedserve:")}
+    assert ours == set(metric_names.SPECS) == set(EXPECTED)
+    for spec in metric_names.METRICS:
+        assert fams["pagedserve:" + spec.name].type == spec.kind, spec.name
 
 
 def test_counters_and_histograms_move_by_known_amounts(server, client, model):
@@ -207,19 +236,50 @@ def test_busy_ratio_window_and_buckets():
     m.tick(now=2.0)  # an idle window
     assert m.engine_busy_ratio._value.get() == 0.0
     assert build_1_2_5_buckets(100) == [1, 2, 5, 10, 20, 50, 100]
+    assert token_count_buckets(12) == list(range(1, 13))
+    # Neighbouring bounds at most 16% apart above 10 tokens, however long the context.
+    ladder = token_count_buckets(131072)
+    assert ladder[-1] == 131072 and max(b / a for a, b in zip(ladder[9:], ladder[10:])) <= 1.16
+
+
+DASHBOARD = pathlib.Path(__file__).resolve().parent.parent / "deploy" / "grafana-dashboard.json"
+
+
+def dashboard_exprs() -> list[str]:
+    dashboard = json.loads(DASHBOARD.read_text())
+    return [t["expr"] for p in dashboard["panels"] for t in p.get("targets", [])]
 
 
 def test_grafana_dashboard_uses_only_exposed_metrics(server):
-    import json
-    import pathlib
-    import re
-
-    path = pathlib.Path(__file__).resolve().parent.parent / "deploy" / "grafana-dashboard.json"
-    dashboard = json.loads(path.read_text())
-    exprs = [t["expr"] for p in dashboard["panels"] for t in p.get("targets", [])]
-    used = {m for e in exprs for m in re.findall(r"pagedserve:[a-z0-9_]+", e)}
+    used = {m for e in dashboard_exprs() for m in re.findall(r"pagedserve:[a-z0-9_]+", e)}
     exposed = set(scrape(server)) | {k.split("{")[0] for k in scrape(server)}
     assert used and used <= exposed, used - exposed
     for name in ("kv_cache_usage_perc", "num_preemptions_total", "time_to_first_token_seconds_bucket",
                  "inter_token_latency_seconds_bucket", "engine_busy_ratio"):
         assert "pagedserve:" + name in used
+
+
+def test_grafana_dashboard_rules():
+    """One data-source mechanism, a mean beside every quantile, instances told apart, and the
+    committed JSON is what deploy/make_dashboard.py writes (so the rules cannot drift)."""
+    sys.path.insert(0, str(DASHBOARD.parent))
+    import make_dashboard
+
+    assert DASHBOARD.read_text() == make_dashboard.render()
+    dashboard = json.loads(DASHBOARD.read_text())
+    assert "__inputs" not in dashboard
+    variables = {v["name"]: v for v in dashboard["templating"]["list"]}
+    assert variables["datasource"]["type"] == "datasource"
+    sources = [p["datasource"] for p in dashboard["panels"] if "datasource" in p]
+    sources += [t["datasource"] for p in dashboard["panels"] for t in p.get("targets", [])]
+    sources += [v["datasource"] for v in variables.values() if "datasource" in v]
+    assert sources and all(ds == {"type": "prometheus", "uid": "${datasource}"} for ds in sources)
+    for p in dashboard["panels"]:
+        targets = p.get("targets", [])
+        for t in targets:
+            assert "{{instance}}" in t["legendFormat"], (p["title"], t["legendFormat"])
+        histograms = {m for t in targets for m in re.findall(r"pagedserve:([a-z0-9_]+)_bucket", t["expr"])}
+        for h in histograms:
+            mean = f"rate(pagedserve:{h}_sum"
+            assert any(mean in t["expr"] and f"pagedserve:{h}_count" in t["expr"] for t in targets), (p["title"], h)
+            assert sum(f"pagedserve:{h}_bucket" in t["expr"] for t in targets) == 3   # P50, P90, P99

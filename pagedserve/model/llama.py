@@ -14,8 +14,9 @@ from torch import nn
 
 from pagedserve.attention.torch_backend import AttentionMetadata, paged_attention
 from pagedserve.model.config import ModelConfig, TPShard
-from pagedserve.model.parallel import (RowParallelLinear, VocabParallelEmbedding, shard_checkpoint_tensor,
-                                       vocab_parallel_logits)
+from pagedserve.model.layers import Linear
+from pagedserve.model.parallel import (RowParallelLinear, VocabParallelEmbedding, gather_vocab_logits,
+                                       shard_checkpoint_tensor)
 from pagedserve.model.rope import RotaryEmbedding
 
 
@@ -43,7 +44,7 @@ class Attention(nn.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = shard.num_heads, shard.num_kv_heads, cfg.head_dim
         self.q_size = shard.num_heads * cfg.head_dim
         self.kv_size = shard.num_kv_heads * cfg.head_dim
-        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias)
+        self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias)
         self.o_proj = RowParallelLinear(self.q_size, cfg.hidden_size, cfg.o_proj_bias, shard.tp)
         self.scale = self.head_dim ** -0.5
 
@@ -62,7 +63,7 @@ class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig, shard: TPShard) -> None:
         super().__init__()
         self.inter = shard.intermediate_size
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * self.inter, bias=cfg.mlp_bias)
+        self.gate_up_proj = Linear(cfg.hidden_size, 2 * self.inter, bias=cfg.mlp_bias)
         self.down_proj = RowParallelLinear(self.inter, cfg.hidden_size, cfg.mlp_bias, shard.tp)
 
     def forward(self, x):
@@ -92,7 +93,7 @@ class LlamaForCausalLM(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(cfg, shard) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = (None if cfg.tie_word_embeddings
-                        else nn.Linear(cfg.hidden_size, shard.vocab_per_rank, bias=False))
+                        else Linear(cfg.hidden_size, shard.vocab_per_rank, bias=False))
 
     # -- loading ----------------------------------------------------------------------
     def load_checkpoint(self, tensors) -> None:
@@ -150,6 +151,9 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """fp32 logits over the whole vocabulary; under TP every rank must call this (it
-        gathers), and only rank 0 gets the logits (None elsewhere)."""
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return vocab_parallel_logits(hidden, weight, self.shard, self.cfg.vocab_size)
+        gathers its vocabulary slice to rank 0), and only rank 0 gets the logits (None elsewhere)."""
+        if self.lm_head is None:  # tied: the embedding table is the head, kept plain for the lookup
+            local = F.linear(hidden, self.embed_tokens.weight).float()
+        else:
+            local = self.lm_head(hidden).float()
+        return gather_vocab_logits(local, self.shard, self.cfg.vocab_size)

@@ -2,7 +2,8 @@
 
     qkv_proj, gate_up_proj   column-parallel: each rank computes its heads / its slice of the
                              intermediate dimension; no communication
-    o_proj, down_proj        row-parallel (RowParallelLinear): each rank multiplies its slice
+    o_proj, down_proj        row-parallel (RowParallelLinear, a model.layers.Linear, so the
+                             GEMM path chosen per shape applies): each rank multiplies its slice
                              of the input, then one all-reduce sums the partial outputs; a bias
                              is added once, after the sum
     embed_tokens             vocab-parallel: a rank looks up the ids in its rows, zeros for the
@@ -29,6 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedserve.model.config import ModelConfig, TPShard
+from pagedserve.model.layers import Linear
 
 COMM_TIME = {"all_reduce": 0.0, "gather": 0.0, "calls": 0}
 
@@ -51,9 +53,10 @@ def gather_on_rank0(x: torch.Tensor, shard: TPShard) -> torch.Tensor | None:
     return torch.cat(parts, dim=-1) if parts is not None else None
 
 
-class RowParallelLinear(nn.Linear):
-    """y = sum over ranks of x_r @ W_r^T, then + bias (once). Parameter names stay
-    `weight`/`bias` so checkpoints load by their HF names."""
+class RowParallelLinear(Linear):
+    """y = sum over ranks of x_r @ W_r^T, then + bias (once). A model.layers.Linear: its GEMM
+    runs by the LinearMethod chosen for its (per-rank) shape at load, and its parameter names
+    stay `weight`/`bias` so checkpoints load by their HF names."""
 
     def __init__(self, in_features_per_rank: int, out_features: int, bias: bool, tp: int) -> None:
         super().__init__(in_features_per_rank, out_features, bias=bias)
@@ -61,8 +64,8 @@ class RowParallelLinear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp == 1:
-            return F.linear(x, self.weight, self.bias)
-        y = all_reduce(F.linear(x, self.weight))
+            return super().forward(x)
+        y = all_reduce(self.method.apply(x, self.weight, None))
         return y if self.bias is None else y + self.bias
 
 
@@ -83,10 +86,9 @@ class VocabParallelEmbedding(nn.Embedding):
         return all_reduce(rows)
 
 
-def vocab_parallel_logits(hidden: torch.Tensor, weight: torch.Tensor, shard: TPShard,
-                          vocab_size: int) -> torch.Tensor | None:
-    """Full-vocabulary fp32 logits on rank 0 (None on the others)."""
-    local = F.linear(hidden, weight).float()
+def gather_vocab_logits(local: torch.Tensor, shard: TPShard, vocab_size: int) -> torch.Tensor | None:
+    """This rank's vocabulary slice of the logits -> the full vocabulary's on rank 0 (None on
+    the others)."""
     if shard.tp == 1:
         return local
     full = gather_on_rank0(local, shard)

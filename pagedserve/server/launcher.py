@@ -45,7 +45,8 @@ def build_server(config: EngineConfig, api_key: str | None = None, max_queue_len
         client = ProcessCoreClient(config, engine.eos_token_ids)
     else:
         engine, client = Engine(config), None
-    metrics = EngineMetrics(engine.model_name, engine.config.max_model_len, log_interval=log_interval)
+    metrics = EngineMetrics(engine.model_name, engine.config.max_model_len, log_interval=log_interval,
+                            max_num_batched_tokens=engine.config.max_num_batched_tokens)
     async_engine = AsyncLLM(engine, metrics, max_queue_len=max_queue_len, client=client)
     return build_app(async_engine, api_key=api_key, max_request_bytes=max_request_bytes,
                      enable_prompt_tokens_details=enable_prompt_tokens_details), async_engine
