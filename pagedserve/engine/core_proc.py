@@ -63,12 +63,15 @@ def run_engine_core(config, eos_token_ids: list[int], in_addr: str, out_addr: st
 
 def _build_core(config, eos_token_ids: frozenset[int]):
     from pagedserve.config import resolve_dtype
-    from pagedserve.engine.llm_engine import build_engine_core
+    from pagedserve.engine.llm_engine import build_engine_core, load_tokenizer, make_grammar_compiler
     from pagedserve.model.config import read_model_config
 
     model_config = read_model_config(config.model)
     dtype = resolve_dtype(config.dtype, model_config.checkpoint_dtype, config.device)
-    return build_engine_core(config, model_config, dtype, eos_token_ids)
+    grammar_compiler = None
+    if config.distributed_executor_backend == "uni":  # the model runs here; ranks build their own
+        grammar_compiler = make_grammar_compiler(load_tokenizer(config), model_config.vocab_size, eos_token_ids)
+    return build_engine_core(config, model_config, dtype, eos_token_ids, grammar_compiler=grammar_compiler)
 
 
 _STOP = object()

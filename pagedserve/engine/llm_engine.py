@@ -37,6 +37,24 @@ def default_model_dir() -> str:
     return str(DEFAULT_MODEL_DIR)
 
 
+def make_grammar_compiler(tokenizer, vocab_size: int, eos_token_ids: frozenset[int]):
+    """Structured outputs compile against the tokenizer's vocabulary: none without one."""
+    if tokenizer is None:
+        return None
+    from pagedserve.structured.compiler import GrammarCompiler
+    return GrammarCompiler(tokenizer, vocab_size, eos_token_ids)
+
+
+def load_tokenizer(config: EngineConfig):
+    from transformers import AutoTokenizer
+    path = config.tokenizer or config.model
+    try:
+        return AutoTokenizer.from_pretrained(path)
+    except Exception as e:  # a checkpoint without tokenizer files can still run token ids
+        logger.warning("no tokenizer loaded from %s (%s); only token-id prompts will work", path, e)
+        return None
+
+
 class EngineFrontend:
     """What a front-end holds: the resolved config, the model's config (no weights), the
     tokenizer, and the input and output processors. The API process of a split server holds
@@ -55,7 +73,9 @@ class EngineFrontend:
         self.dtype = resolve_dtype(config.dtype, self.model_config.checkpoint_dtype, config.device)
         self.tokenizer = tokenizer if tokenizer is not None else self._load_tokenizer()
         self.eos_token_ids = self._eos_token_ids()
-        self.input_processor = InputProcessor(config, self.model_config.vocab_size, self.tokenizer)
+        self.grammar_compiler = self._grammar_compiler()
+        self.input_processor = InputProcessor(config, self.model_config.vocab_size, self.tokenizer,
+                                              self.grammar_compiler)
         self.output_processor = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
 
@@ -65,13 +85,10 @@ class EngineFrontend:
 
     # -- set-up helpers -------------------------------------------------------------------
     def _load_tokenizer(self):
-        from transformers import AutoTokenizer
-        path = self.config.tokenizer or self.config.model
-        try:
-            return AutoTokenizer.from_pretrained(path)
-        except Exception as e:  # a checkpoint without tokenizer files can still run token ids
-            logger.warning("no tokenizer loaded from %s (%s); only token-id prompts will work", path, e)
-            return None
+        return load_tokenizer(self.config)
+
+    def _grammar_compiler(self):
+        return make_grammar_compiler(self.tokenizer, self.model_config.vocab_size, self.eos_token_ids)
 
     def _eos_token_ids(self) -> frozenset[int]:
         ids: set[int] = set()
@@ -93,12 +110,15 @@ class EngineFrontend:
 
 
 def build_engine_core(config: EngineConfig, model_config: ModelConfig, dtype: str,
-                      eos_token_ids: frozenset[int], executor=None) -> EngineCore:
+                      eos_token_ids: frozenset[int], executor=None, grammar_compiler=None) -> EngineCore:
     """The executor config asks for (unless given), the pool sized as `plan` sizes it (per
     rank), and the core: what Engine builds in process and the engine-core process builds
-    for a split server."""
+    for a split server. `grammar_compiler`: structured outputs in an in-process executor
+    (tensor-parallel rank 0 builds its own from the tokenizer)."""
     if executor is None:
-        executor = make_executor(config, model_config, dtype, eos_token_ids)
+        executor = make_executor(config, model_config, dtype, eos_token_ids, grammar_compiler)
+    elif getattr(executor, "grammar_compiler", False) is None:
+        executor.grammar_compiler = grammar_compiler
     try:
         if config.kv_cache_memory is None and config.num_kv_blocks is None:  # CUDA: measure, then subtract
             config.kv_cache_memory = executor.profile_kv_budget(
@@ -128,7 +148,8 @@ class Engine(EngineFrontend):
 
     def __init__(self, config: EngineConfig, executor=None, tokenizer=None) -> None:
         super().__init__(config, tokenizer)
-        self.engine_core = build_engine_core(config, self.model_config, self.dtype, self.eos_token_ids, executor)
+        self.engine_core = build_engine_core(config, self.model_config, self.dtype, self.eos_token_ids, executor,
+                                             self.grammar_compiler)
         self.pool_sizing = self.engine_core.pool
 
     # -- looking inside (tests, benchmarks; the step never goes through these) -------------

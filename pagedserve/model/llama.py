@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagedserve.attention.torch_backend import AttentionMetadata, paged_attention
+from pagedserve.attention import AttentionMetadata, paged_attention
 from pagedserve.model.config import ModelConfig, TPShard
 from pagedserve.model.layers import Linear
 from pagedserve.model.parallel import (RowParallelLinear, VocabParallelEmbedding, gather_vocab_logits,

@@ -12,7 +12,7 @@ from pagedserve.model.config import ModelConfig
 
 
 def make_executor(config: EngineConfig, model_config: ModelConfig, dtype: str,
-                  eos_token_ids: frozenset[int]) -> Executor:
+                  eos_token_ids: frozenset[int], grammar_compiler=None) -> Executor:
     backend = config.distributed_executor_backend
     if backend == "mp":
         from pagedserve.worker.multiproc_executor import MultiprocExecutor
@@ -21,4 +21,5 @@ def make_executor(config: EngineConfig, model_config: ModelConfig, dtype: str,
         from pagedserve.worker.ray_executor import RayExecutor
         return RayExecutor(config, dtype, eos_token_ids)
     from pagedserve.worker.model_runner import ModelRunner
-    return ModelRunner(model_config, dtype, config.device, config.block_size, eos_token_ids, config.seed)
+    return ModelRunner(model_config, dtype, config.device, config.block_size, eos_token_ids, config.seed,
+                       grammar_compiler=grammar_compiler)

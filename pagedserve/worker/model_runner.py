@@ -5,6 +5,14 @@ head_dim]), the sampler, and what it has been told about each request (CachedReq
 the scheduler sends a request's prompt and parameters once, then per-step diffs (new
 tokens, new blocks). It never calls back into the scheduler.
 
+Two per-request extras ride on that state:
+- structured outputs: a grammar matcher, synced to the output tokens fed so far before
+  each sample (so a recompute that re-feeds them leaves it where it was) and advanced by
+  each sampled token;
+- prompt logprobs: each prefill chunk's prompt rows are scored as the chunk runs (row p
+  predicts prompt token p + 1); a counter keeps tokens already scored from being scored
+  again when a preempted request recomputes its prompt.
+
 Under tensor parallelism one ModelRunner runs in each rank's process (worker/worker.py),
 holding its shard of the weights and a pool of its KV heads only, with the same number of
 blocks and the same block tables as every other rank: each rank applies the same
@@ -21,15 +29,19 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from pagedserve.attention.torch_backend import build_metadata
-from pagedserve.core.outputs import StepResult
+from pagedserve.attention import build_metadata
+from pagedserve.core.outputs import StepResult, TokenLogprobs
 from pagedserve.core.scheduler import NewRequestData, ScheduledRequest, SchedulerOutput
 from pagedserve.sampling import SamplingParams
 from pagedserve.model.config import TPShard
 from pagedserve.model.loader import TORCH_DTYPES, ModelConfig, load_model
+from pagedserve.structured.compiler import GrammarCompiler, GrammarMatcher
 from pagedserve.worker.sampler import Sampler
 
 logger = logging.getLogger("pagedserve.worker")
+
+# Prompt rows scored per logits matmul: bounds the [rows, vocab] float32 scratch.
+PROMPT_LOGPROBS_ROWS_PER_PASS = 512
 
 
 def keep_freed_memory_in_process() -> None:
@@ -70,13 +82,26 @@ class CachedRequestState:
     sampling_params: SamplingParams
     token_ids: list[int]        # every token whose position the runner has seen: prompt, then fed outputs
     block_ids: list[int]
+    grammar: GrammarMatcher | None = None  # structured outputs: consumed = the outputs fed so far
+    num_prompt_logprobs_done: int = 1      # prompt tokens [1, this) are scored (token 0 has none)
+    context_len: int = 0                   # tokens fed up to the end of this step
 
     @classmethod
-    def new(cls, data: NewRequestData) -> "CachedRequestState":
-        return cls(data.request_id, data.prompt_token_ids, data.sampling_params, list(data.prompt_token_ids), [])
+    def new(cls, data: NewRequestData, grammar_compiler: GrammarCompiler | None = None,
+            samples: bool = True) -> "CachedRequestState":
+        """`samples`: False on tensor-parallel ranks other than 0, which never sample and so
+        keep no grammar matcher."""
+        state = cls(data.request_id, data.prompt_token_ids, data.sampling_params, list(data.prompt_token_ids), [])
+        spec = data.sampling_params.structured_outputs
+        if spec is not None and samples:
+            if grammar_compiler is None:
+                raise ValueError("structured_outputs: this executor has no grammar compiler")
+            state.grammar = grammar_compiler.new_matcher(spec)
+        return state
 
     def apply(self, sr: ScheduledRequest) -> None:
         self.token_ids[sr.start_pos:sr.context_len] = sr.token_ids
+        self.context_len = sr.context_len
         if sr.resumed:
             self.block_ids = list(sr.new_block_ids)
         elif sr.new_block_ids:
@@ -91,7 +116,8 @@ class CachedRequestState:
 
 class ModelRunner:
     def __init__(self, model_config: ModelConfig, dtype: str, device: str, block_size: int,
-                 eos_token_ids: frozenset[int], seed: int, shard: TPShard | None = None) -> None:
+                 eos_token_ids: frozenset[int], seed: int, grammar_compiler: GrammarCompiler | None = None,
+                 shard: TPShard | None = None) -> None:
         self.model_config = model_config
         self.shard = shard or TPShard.of(model_config)
         self.device = torch.device(device)
@@ -105,6 +131,7 @@ class ModelRunner:
         self.num_blocks = 0
         self.kv_cache = self.host_cache = None
         self.requests: dict[str, CachedRequestState] = {}
+        self.grammar_compiler = grammar_compiler
 
     def initialize_cache(self, num_blocks: int, num_host_blocks: int = 0) -> None:
         """The device pool, and swap space in the same layout in host memory (pinned on
@@ -202,7 +229,8 @@ class ModelRunner:
             self.requests.pop(rid, None)
         self.sampler.forget(out.finished_ids)
         for data in out.new_requests:
-            self.requests[data.request_id] = CachedRequestState.new(data)
+            self.requests[data.request_id] = CachedRequestState.new(data, self.grammar_compiler,
+                                                                    samples=self.shard.rank == 0)
         states = []
         for sr in out.scheduled:
             state = self.requests[sr.request_id]
@@ -252,12 +280,16 @@ class ModelRunner:
                 sampling.append(states[i])
         t1 = time.perf_counter()
         hidden = self.model(input_ids, pos, self.kv_cache, meta, prompt_lens)
+        self._score_prompts(hidden, [states[i] for i in order], [sched[i] for i in order], result)
         if sampling:
             logits = self.model.compute_logits(hidden[torch.tensor(last_rows, device=self.device)])
         if sampling and logits is not None:  # rank 0: the gathered logits are here
+            sync_grammars(sampling)
             tokens, logprobs = self.sampler(logits, sampling)
             for state, tok, lp in zip(sampling, tokens, logprobs):
                 result.sampled[state.request_id] = tok
+                if state.grammar is not None:
+                    state.grammar.accept(tok)
                 if lp is not None:
                     result.logprobs[state.request_id] = lp
         t2 = time.perf_counter()
@@ -270,5 +302,60 @@ class ModelRunner:
         """Bytes of this rank's device KV pool, as allocated."""
         return 0 if self.kv_cache is None else self.kv_cache.numel() * self.kv_cache.element_size()
 
+    def _score_prompts(self, hidden: torch.Tensor, states: list[CachedRequestState],
+                       sched: list[ScheduledRequest], result: StepResult) -> None:
+        """Prompt logprobs of the prompt tokens this step's chunks predict (rows in batch order)."""
+        row = 0
+        for state, sr in zip(states, sched):
+            k = state.sampling_params.prompt_logprobs
+            if k is not None:
+                first, last = prompt_tokens_scored(sr.start_pos, sr.context_len, len(state.prompt_token_ids),
+                                                   state.num_prompt_logprobs_done)
+                if first < last:
+                    # Token j is predicted by the row of position j - 1.
+                    rows = hidden[row + first - 1 - sr.start_pos: row + last - 1 - sr.start_pos]
+                    targets = state.prompt_token_ids[first:last]
+                    result.prompt_logprobs[state.request_id] = self._token_logprobs(rows, targets, k)
+                    state.num_prompt_logprobs_done = last
+            row += sr.num_new_tokens
+
+    def _token_logprobs(self, hidden_rows: torch.Tensor, targets: list[int], k: int) -> list[TokenLogprobs]:
+        """For each row: the target token's logprob and rank, and the top k (fp32 log_softmax)."""
+        out: list[TokenLogprobs] = []
+        for lo in range(0, len(targets), PROMPT_LOGPROBS_ROWS_PER_PASS):
+            chunk_targets = targets[lo:lo + PROMPT_LOGPROBS_ROWS_PER_PASS]
+            logits = self.model.compute_logits(hidden_rows[lo:lo + len(chunk_targets)])
+            if logits is None:  # a tensor-parallel rank > 0: the gather (every rank joins it) went to rank 0
+                continue
+            logits = logits.float()
+            lps = torch.log_softmax(logits, dim=-1)
+            target_ids = torch.tensor(chunk_targets, device=lps.device)
+            target_lps = lps.gather(1, target_ids[:, None])
+            ranks = (lps > target_lps).sum(dim=1) + 1
+            top_vals, top_ids = lps.topk(k, dim=-1) if k > 0 else (None, None)
+            target_list, rank_list = target_lps[:, 0].tolist(), ranks.tolist()
+            top_v = top_vals.tolist() if k > 0 else None
+            top_i = top_ids.tolist() if k > 0 else None
+            for j, token in enumerate(chunk_targets):
+                top = list(zip(top_i[j], top_v[j])) if k > 0 else []
+                out.append(TokenLogprobs(token, target_list[j], rank_list[j], top))
+        return out
+
     def shutdown(self) -> None:
         self.requests.clear()
+
+
+def prompt_tokens_scored(start_pos: int, context_len: int, num_prompt_tokens: int, num_done: int) -> tuple[int, int]:
+    """[first, last): the prompt tokens a chunk computing positions [start_pos, context_len)
+    predicts and that are not scored yet. Row p predicts token p + 1, so tokens
+    start_pos + 1 .. context_len (the first token of the next chunk included: it is known)."""
+    first = max(start_pos + 1, num_done)
+    last = min(context_len + 1, num_prompt_tokens)
+    return first, max(first, last)
+
+
+def sync_grammars(states: list[CachedRequestState]) -> None:
+    """Before a sample: each matcher has consumed exactly the outputs fed so far."""
+    for state in states:
+        if state.grammar is not None:
+            state.grammar.sync(state.token_ids, len(state.prompt_token_ids), state.context_len)

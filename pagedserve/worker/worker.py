@@ -121,8 +121,13 @@ class Worker:
         config = self.spec.config
         model_config = read_model_config(config.model)
         shard = TPShard.of(model_config, self.tp, self.rank)
-        self.runner = ModelRunner(model_config, self.spec.dtype, device, config.block_size,
-                                  frozenset(self.spec.eos_token_ids), config.seed, shard)
+        eos = frozenset(self.spec.eos_token_ids)
+        grammar_compiler = None
+        if self.rank == 0:  # only rank 0 samples, so only it needs structured outputs' masks
+            from pagedserve.engine.llm_engine import load_tokenizer, make_grammar_compiler
+            grammar_compiler = make_grammar_compiler(load_tokenizer(config), model_config.vocab_size, eos)
+        self.runner = ModelRunner(model_config, self.spec.dtype, device, config.block_size, eos, config.seed,
+                                  grammar_compiler=grammar_compiler, shard=shard)
 
     def stats(self) -> dict:
         from pagedserve.model.parallel import COMM_TIME
