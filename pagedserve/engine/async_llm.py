@@ -63,6 +63,12 @@ class AsyncLLM:
         self._num_waiting_in_core = 0
         self._publish_metrics(self.client.initial_snapshot())  # the pool size is known before the first request
 
+    @property
+    def engine_core(self):
+        """The EngineCore when it steps in this process (the thread client); None when it runs
+        in an engine-core process."""
+        return getattr(self.client, "engine_core", None)
+
     # -- life cycle ---------------------------------------------------------------------
     def start(self) -> None:
         """Start the engine core's side and the output handler (call from the serving loop)."""
