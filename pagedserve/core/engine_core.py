@@ -72,10 +72,11 @@ class StepTrace:
 
 
 def size_pool(config: EngineConfig, shape: ModelShape, dtype: str) -> KVPoolSize:
-    """How many blocks the pool gets: the very function `pagedserve plan` calls. An exact
-    num_kv_blocks (tests, reproductions) wins over bytes."""
+    """How many blocks each rank's pool gets: the very function `pagedserve plan` calls, with
+    kv_cache_memory as one rank's budget and one rank's bytes per token (its share of the KV
+    heads). An exact num_kv_blocks (tests, reproductions) wins over bytes."""
     pool = size_kv_pool(shape, config.kv_cache_memory or 0, kv_dtype_bytes=dtype_bytes(dtype),
-                        block_size=config.block_size)
+                        block_size=config.block_size, tp=config.tensor_parallel_size)
     if config.num_kv_blocks is not None:
         pool = KVPoolSize(config.num_kv_blocks, config.block_size, pool.bytes_per_token)
     return pool

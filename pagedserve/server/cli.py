@@ -43,6 +43,10 @@ def register(sub) -> None:
     server.add_argument("--log-interval", type=float, default=10.0,
                         help="seconds between stats log lines (0 = off)")
     server.add_argument("--uvicorn-log-level", default="info")
+    server.add_argument("--engine-core-mode", choices=("auto", "thread", "process"), default="auto",
+                        help="where the engine core (scheduler + executor) runs: a thread of the API process, "
+                             "or its own process fed over ZMQ; auto = process on CUDA, and on CPU the one "
+                             "measured faster (see README, Scaling out)")
     p.set_defaults(func=run)
 
 
@@ -77,7 +81,14 @@ def server_settings(args) -> dict:
     return settings
 
 
+# After the engine dies the server answers 503 for this long (so health probes and load
+# balancers see why), then exits non-zero.
+EXIT_AFTER_ENGINE_DEATH_SECONDS = 2.0
+
+
 def run(args) -> int:
+    import asyncio
+
     import uvicorn
 
     from pagedserve.engine_args import engine_config_from_args
@@ -90,7 +101,23 @@ def run(args) -> int:
                                      max_request_bytes=settings["max_request_bytes"],
                                      enable_prompt_tokens_details=bool(settings["enable_prompt_tokens_details"]),
                                      enable_auto_tool_choice=bool(settings["enable_auto_tool_choice"]),
-                                     tool_call_parser=settings["tool_call_parser"])
+                                     tool_call_parser=settings["tool_call_parser"],
+                                     engine_core_mode=getattr(args, "engine_core_mode", "auto"))
+    server = uvicorn.Server(uvicorn.Config(app, host=settings["host"], port=settings["port"],
+                                           log_level=args.uvicorn_log_level, timeout_graceful_shutdown=5))
+
+    def exit_soon(error: BaseException) -> None:
+        logger.error("the engine is dead (%s: %s); the server exits in %.0f s", type(error).__name__, error,
+                     EXIT_AFTER_ENGINE_DEATH_SECONDS)
+        asyncio.get_running_loop().call_later(EXIT_AFTER_ENGINE_DEATH_SECONDS, setattr, server, "should_exit", True)
+
+    async_engine.on_dead.append(exit_soon)
     logger.info("serving %s on http://%s:%d", async_engine.engine.model_name, settings["host"], settings["port"])
-    uvicorn.run(app, host=settings["host"], port=settings["port"], log_level=args.uvicorn_log_level)
+    try:
+        server.run()
+    finally:
+        async_engine.shutdown()  # a no-op if the app's lifespan already did it; never leave a process behind
+    if async_engine.dead_error is not None:
+        logger.error("exiting with status 1: the engine died: %s", async_engine.dead_error)
+        return 1
     return 0

@@ -40,7 +40,6 @@ def _add_deployment_args(p: argparse.ArgumentParser, engine_flags: bool = True) 
         add_engine_args(p)
     g = p.add_argument_group("simulated hardware")
     g.add_argument("--gpu", default=None, help="GPU preset (H100-SXM, A100-80GB, H200, L40S, ...); omit with --device cpu")
-    g.add_argument("--tensor-parallel-size", "-tp", "--tp", dest="tp", type=int, default=1)
     g.add_argument("--cost-model", default=None, metavar="COST.json",
                    help="cost constants from `simulate calibrate` (default: the GPU preset's stated defaults)")
 
@@ -63,7 +62,7 @@ def register(subparsers) -> None:
     c.add_argument("--model", required=True, help="the checkpoint directory (config.json) or preset the trace ran")
     c.add_argument("--out", required=True, help="where to write the cost model JSON")
     c.add_argument("--gpu", default=None, help="the GPU the trace ran on (its peaks scale the efficiencies); omit for CPU")
-    c.add_argument("--tensor-parallel-size", "-tp", "--tp", dest="tp", type=int, default=1)
+    c.add_argument("--tensor-parallel-size", "-tp", "--tp", dest="tensor_parallel_size", type=int, default=1)
     c.add_argument("--dtype", default="auto", help="the dtype the engine ran (auto: float32 on CPU, checkpoint's on GPU)")
     c.add_argument("--block-size", type=int, default=16)
     c.add_argument("--attention-layout", choices=("paged", "padded"), default=None,
@@ -89,8 +88,6 @@ def run(args) -> int:
 
     if args.num_prompts < 1:
         raise ValueError(f"num_prompts: must be >= 1, got {args.num_prompts}")
-    if args.tp < 1:
-        raise ValueError(f"tensor_parallel_size: must be >= 1, got {args.tp}")
     slos = parse_goodput(args.goodput)
     config = engine_config_from_args(args)
     if args.model is None:
@@ -98,7 +95,7 @@ def run(args) -> int:
     if args.gpu is None and args.device != "cpu":
         raise ValueError("gpu: give a GPU preset (--gpu H100-SXM), or --device cpu with --cost-model")
     gpu = None if args.device == "cpu" else args.gpu
-    dep = build_deployment(config, args.model, gpu=gpu, tp=args.tp, cost_params=args.cost_model)
+    dep = build_deployment(config, args.model, gpu=gpu, cost_params=args.cost_model)
     workload = build_workload(args, dep.vocab_size)
     rate = "inf" if math.isinf(args.request_rate) else f"{args.request_rate:g}"
     cfg = dep.config
@@ -152,7 +149,7 @@ def run_calibrate(args) -> int:
         base = CostParams(peak_flops=CPU_NOMINAL_FLOPS, mem_bandwidth=CPU_NOMINAL_BANDWIDTH,
                           attention_layout=args.attention_layout or "padded")
         dtype = resolve_dtype(args.dtype, info.checkpoint_dtype, "cpu")
-    mcost = ModelCost.from_shape(info.shape, dtype, None, args.tp)
+    mcost = ModelCost.from_shape(info.shape, dtype, None, args.tensor_parallel_size)
     records = read_trace(args.trace)
     params, report = fit(records, mcost, base, block_size=args.block_size)
     CostModel(mcost, params, args.block_size).save(args.out, {"fit": report, "model": info.name,

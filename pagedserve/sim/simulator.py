@@ -84,16 +84,24 @@ def build_core(deployment: Deployment, executor, clock) -> EngineCore:
     return EngineCore.build(deployment.config, executor, deployment.pool, clock=clock)
 
 
-def build_deployment(config: EngineConfig, model: str, *, gpu: str | None = None, tp: int = 1,
+def build_deployment(config: EngineConfig, model: str, *, gpu: str | None = None, tp: int | None = None,
                      cost_params: CostParams | str | Path | None = None) -> Deployment:
     """Resolve knobs and size the pool exactly as `serve` (on CPU) or `plan` (on a GPU) would.
 
     GPU: pool = plan.budget.compute_plan (total x gpu_memory_utilization - weights/TP -
     activations - sampler - overhead, cut into blocks by size_kv_pool), unless
     num_kv_blocks / kv_cache_memory are given. CPU: engine.size_pool on kv_cache_memory /
-    num_kv_blocks, the very function the engine calls.
+    num_kv_blocks, the very function the engine calls. `tp` defaults to the config's
+    tensor_parallel_size (the pool is one rank's, as on the real engine).
     """
     from pagedserve.plan.models import load_model
+
+    if tp is None:
+        tp = config.tensor_parallel_size
+    elif tp != config.tensor_parallel_size:
+        config.tensor_parallel_size = tp
+        config.distributed_executor_backend = None
+        config.validate()
 
     info = load_model(model)
     shape = info.shape
@@ -122,8 +130,6 @@ def build_deployment(config: EngineConfig, model: str, *, gpu: str | None = None
         mcost = ModelCost.from_shape(shape, weight_dtype, plan.kv_dtype, tp)
         device = spec.name
     else:
-        if tp != 1:
-            raise ValueError("tensor_parallel_size: the CPU engine runs one rank; use --gpu for TP")
         config.device = "cpu"
         config.resolve(shape.max_position_embeddings or 8192)
         dtype = resolve_dtype(config.dtype, info.checkpoint_dtype, "cpu")
@@ -135,7 +141,7 @@ def build_deployment(config: EngineConfig, model: str, *, gpu: str | None = None
             raise ValueError("cost_model: on --device cpu give --cost-model COST.json "
                              "(made by `pagedserve simulate calibrate` from an engine step trace)")
         params = cost_params
-        mcost = ModelCost.from_shape(shape, dtype, dtype, 1)
+        mcost = ModelCost.from_shape(shape, dtype, dtype, tp)
         device = "cpu"
     check_pool_fits(KVPoolSize(num_blocks, config.block_size, bytes_per_block // config.block_size), config)
     return Deployment(config, num_blocks, CostModel(mcost, params, config.block_size), info.name,
