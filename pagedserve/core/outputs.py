@@ -10,7 +10,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from typing import TYPE_CHECKING
+
 from pagedserve.core.request import FinishReason
+
+if TYPE_CHECKING:
+    from pagedserve.core.snapshot import PoolSnapshot
 
 
 @dataclass
@@ -80,6 +85,7 @@ class EngineCoreOutput:
     num_preemptions: int = 0
     first_scheduled_time: float | None = None  # on a request's first output only
     num_cached_tokens: int = 0                 # on a request's first output only
+    arrival_time: float | None = None          # on a request's first output only (TTFT without a lookup)
 
     @property
     def finished(self) -> bool:
@@ -96,3 +102,6 @@ class EngineCoreOutputs:
     step_time: float = 0.0          # wall seconds of the whole step (schedule, execute, update)
     execute_time: float = 0.0       # of which in the executor
     forward_time: float = 0.0       # of which in the model forward + sampling
+    # The pool and queues after this step (core/snapshot.py), only when a dashboard asked for
+    # one: the engine loop takes it at a bounded rate, the front-end's loop ships it.
+    pool_snapshot: "PoolSnapshot | None" = None
