@@ -61,6 +61,10 @@ class AsyncLLM:
         self._paused = False  # tests: hold the thread so queue states can be set up exactly
         self.dead_error: BaseException | None = None
         self._num_waiting_in_core = 0
+        # The dashboard's seams (server/dashboard.py): a gate saying when the engine thread
+        # takes a pool snapshot, and callables the loop hands every step's outputs to.
+        self.pool_snapshots = None   # core.snapshot.SnapshotGate | None
+        self.step_listeners: list = []
         self._publish_metrics(self.engine_core.snapshot())  # the pool size is known before the first request
 
     # -- life cycle ---------------------------------------------------------------------
@@ -169,6 +173,11 @@ class AsyncLLM:
                 self.abort(out.request_id)
                 queue.put_nowait((out.request_id, e))
         self._publish_metrics(core_outputs)
+        for listener in self.step_listeners:
+            try:
+                listener(core_outputs)
+            except Exception:  # noqa: BLE001 - a watcher's failure must not stop the serving
+                logger.exception("step listener %r failed", listener)
 
     def _process_output(self, queue: asyncio.Queue, out: RequestOutput) -> None:
         if out.finished:
@@ -214,7 +223,17 @@ class AsyncLLM:
                 logger.exception("engine step failed; the engine is dead")
                 self._post(e)
                 return
+            if self.pool_snapshots is not None:
+                self._attach_pool_snapshot(outputs)
             self._post(outputs)
+
+    def _attach_pool_snapshot(self, outputs: EngineCoreOutputs) -> None:
+        """A snapshot only reads the core: if it fails, the pool view stops, the engine does not."""
+        try:
+            outputs.pool_snapshot = self.pool_snapshots.take(self.engine_core.scheduler)
+        except Exception:  # noqa: BLE001
+            logger.exception("pool snapshot failed; the dashboard's pool view stops")
+            self.pool_snapshots = None
 
     def _apply(self, commands: list[tuple]) -> None:
         core = self.engine_core
