@@ -455,9 +455,11 @@ class _EngineStream(StreamingResponse):
 
 
 def build_app(async_engine: AsyncLLM, api_key: str | None = None, manage_engine: bool = True,
-              max_request_bytes: int | None = None, enable_prompt_tokens_details: bool = False) -> FastAPI:
+              max_request_bytes: int | None = None, enable_prompt_tokens_details: bool = False,
+              dashboard: bool = True) -> FastAPI:
     """The FastAPI app. With manage_engine the engine thread starts and stops with the app.
-    `max_request_bytes`: None = default_max_request_bytes(max_model_len); 0 = no limit."""
+    `max_request_bytes`: None = default_max_request_bytes(max_model_len); 0 = no limit.
+    `dashboard`: serve /dashboard (server/dashboard.py)."""
     server = OpenAIServer(async_engine, enable_prompt_tokens_details)
     metrics = async_engine.metrics
     if max_request_bytes is None:
@@ -581,4 +583,7 @@ def build_app(async_engine: AsyncLLM, api_key: str | None = None, manage_engine:
             raise APIError(400, "tokens: this model has no tokenizer", "tokens")
         return {"prompt": await server.off_loop(server.decode, body.tokens)}
 
+    if dashboard:
+        from pagedserve.server.dashboard import mount_dashboard
+        mount_dashboard(app, async_engine)
     return app

@@ -1,6 +1,7 @@
 """`pagedserve serve`: every engine knob as a vLLM-named flag, plus the server's own."""
 from __future__ import annotations
 
+import argparse
 import logging
 import os
 
@@ -9,7 +10,7 @@ import yaml
 logger = logging.getLogger("pagedserve.server")
 
 _SERVER_DEFAULTS = {"host": "127.0.0.1", "port": 8000, "api_key": None, "max_queue_len": None,
-                    "max_request_bytes": None, "enable_prompt_tokens_details": False}
+                    "max_request_bytes": None, "enable_prompt_tokens_details": False, "dashboard": True}
 
 
 def register(sub) -> None:
@@ -31,6 +32,9 @@ def register(sub) -> None:
                              "max_model_len, at least 1 MiB; 0 = no limit)")
     server.add_argument("--enable-prompt-tokens-details", action="store_true", default=None,
                         help="report usage.prompt_tokens_details.cached_tokens (prompt tokens the prefix cache served)")
+    server.add_argument("--dashboard", action=argparse.BooleanOptionalAction, default=None,
+                        help="serve the live KV-pool dashboard at /dashboard (default on; public like /metrics, "
+                             "also with --api-key: it shows request ids and counts, never text)")
     server.add_argument("--log-interval", type=float, default=10.0,
                         help="seconds between stats log lines (0 = off)")
     server.add_argument("--uvicorn-log-level", default="info")
@@ -58,15 +62,16 @@ def server_settings(args) -> dict:
         raise ValueError(f"max_request_bytes: must be an integer >= 0 (0 = no limit), got {size!r}")
     if not isinstance(port, int) or not 0 <= port <= 65535:
         raise ValueError(f"port: must be an integer in [0, 65535], got {port!r}")
+    if not isinstance(settings["dashboard"], bool):
+        raise ValueError(f"dashboard: must be true or false, got {settings['dashboard']!r}")
     if queue is not None and (not isinstance(queue, int) or queue < 0):
         raise ValueError(f"max_queue_len: must be an integer >= 0, got {queue!r}")
     return settings
 
 
 def run(args) -> int:
-    import uvicorn
-
     from pagedserve.engine_args import engine_config_from_args
+    from pagedserve.server.dashboard import run_server
     from pagedserve.server.launcher import build_server
 
     settings = server_settings(args)
@@ -74,7 +79,10 @@ def run(args) -> int:
     app, async_engine = build_server(config, api_key=settings["api_key"],
                                      max_queue_len=settings["max_queue_len"], log_interval=args.log_interval,
                                      max_request_bytes=settings["max_request_bytes"],
-                                     enable_prompt_tokens_details=bool(settings["enable_prompt_tokens_details"]))
+                                     enable_prompt_tokens_details=bool(settings["enable_prompt_tokens_details"]),
+                                     dashboard=settings["dashboard"])
     logger.info("serving %s on http://%s:%d", async_engine.engine.model_name, settings["host"], settings["port"])
-    uvicorn.run(app, host=settings["host"], port=settings["port"], log_level=args.uvicorn_log_level)
+    if settings["dashboard"]:
+        logger.info("dashboard: http://%s:%d/dashboard", settings["host"], settings["port"])
+    run_server(app, settings["host"], settings["port"], args.uvicorn_log_level)
     return 0
