@@ -53,7 +53,7 @@ class PoolSnapshot:
     host_runs: list[int]             # the host swap pool: blocks of swapped-out requests
     requests: list[list]             # rows in REQUEST_COLUMNS order: running, swapped, then waiting
     num_waiting_unlisted: int = 0    # waiting requests past MAX_WAITING_ROWS
-    cost: float = 0.0                # wall seconds the engine loop spent taking it
+    cost: float = 0.0                # CPU seconds the engine thread spent taking it
 
     def to_dict(self) -> dict:
         return {"time": self.time, "block_size": self.block_size, "num_blocks": self.num_blocks,
@@ -64,81 +64,65 @@ class PoolSnapshot:
                 "num_waiting_unlisted": self.num_waiting_unlisted, "cost": self.cost}
 
 
-@dataclass
-class _Segment:
-    start: int
-    length: int
-    owner: int
-    first_pos: int
-    pos_step: int
-    ref_cnt: int
-    cached: int
-
-    def extends(self, block_id: int, owner: int, pos: int, ref_cnt: int, cached: int) -> bool:
-        """Whether `block_id` (at `pos` in owner's table) continues this run, fixing its direction."""
-        if owner != self.owner or ref_cnt != self.ref_cnt or cached != self.cached:
-            return False
-        last_id = self.start + self.length - 1 if self.pos_step >= 0 else self.start
-        last_pos = self.first_pos + (self.length - 1) * self.pos_step if self.pos_step >= 0 else self.first_pos
-        if pos != last_pos + 1:
-            return False
-        if self.length == 1:  # the second block fixes the direction
-            if block_id == self.start + 1:
-                self.pos_step = 1
-            elif block_id == self.start - 1:
-                self.pos_step = -1
-            else:
-                return False
-        elif block_id != last_id + self.pos_step:
-            return False
-        if self.pos_step < 0:  # ids fall as positions rise: the run grows downwards
-            self.start = block_id
-            self.first_pos = pos
-        self.length += 1
-        return True
+def _table_runs(owner: int, table: list[KVBlock], shared_seen: set[int], out: list[tuple]) -> None:
+    """Append the runs of one block table to `out` (unsorted). A shared block (ref > 1) goes
+    to the first table that shows it; `shared_seen` remembers those."""
+    ids = [b.block_id for b in table]
+    refs = [b.ref_cnt for b in table]
+    hashed = [b.block_hash is not None for b in table]
+    n = len(ids)
+    i = 0
+    while i < n:
+        bid, ref, cached = ids[i], refs[i], hashed[i]
+        if ref > 1:
+            if bid in shared_seen:
+                i += 1
+                continue
+            shared_seen.add(bid)
+        j = i + 1
+        step = ids[j] - bid if j < n else 0
+        if step == 1 or step == -1:
+            while (j < n and ids[j] - ids[j - 1] == step and refs[j] == ref and hashed[j] == cached
+                   and (ref == 1 or ids[j] not in shared_seen)):
+                if ref > 1:
+                    shared_seen.add(ids[j])
+                j += 1
+        if j - i == 1:
+            out.append((bid, 1, owner, i, 0, ref, int(cached)))
+        elif step == 1:
+            out.append((bid, j - i, owner, i, 1, ref, int(cached)))
+        else:  # ids fall as positions rise: the run starts at its lowest id, the table's last
+            out.append((ids[j - 1], j - i, owner, j - 1, -1, ref, int(cached)))
+        i = j
 
 
 def encode_pool(num_blocks: int, tables: Iterable[tuple[int, list[KVBlock]]],
-                cached_free: Iterable[KVBlock] = ()) -> list[int]:
+                cached_free_ids: Iterable[int] = ()) -> list[int]:
     """Runs (RUN_WIDTH ints each) for a pool of `num_blocks` whose held blocks are the
-    (owner, block table) pairs in `tables`; `cached_free`: its free blocks that keep a prefix."""
-    claimed = bytearray(num_blocks)
-    segments: list[_Segment] = []
+    (owner, block table) pairs in `tables`; `cached_free_ids`: its free blocks that keep a prefix."""
+    segments: list[tuple] = []
+    shared_seen: set[int] = set()
     for owner, table in tables:
-        run: _Segment | None = None
-        for pos, block in enumerate(table):
-            bid = block.block_id
-            if claimed[bid]:  # shared with an earlier table: shown under that owner
-                run = None
-                continue
-            claimed[bid] = 1
-            cached = 1 if block.block_hash is not None else 0
-            if run is None or not run.extends(bid, owner, pos, block.ref_cnt, cached):
-                run = _Segment(bid, 1, owner, pos, 0, block.ref_cnt, cached)
-                segments.append(run)
-    for block in cached_free:
-        if not claimed[block.block_id]:
-            claimed[block.block_id] = 1
-            segments.append(_Segment(block.block_id, 1, FREE, 0, 0, 0, 1))
-    segments.sort(key=lambda s: s.start)
+        _table_runs(owner, table, shared_seen, segments)
+    previous = -2
+    for bid in sorted(cached_free_ids):  # consecutive cached-free ids merge into one run
+        if bid == previous + 1:
+            start, length, *rest = segments[-1]
+            segments[-1] = (start, length + 1, *rest)
+        else:
+            segments.append((bid, 1, FREE, 0, 0, 0, 1))
+        previous = bid
+    segments.sort()
     runs: list[int] = []
     cursor = 0
-
-    def emit(start: int, length: int, owner: int, first_pos: int, step: int, ref_cnt: int, cached: int) -> None:
-        # Adjacent free runs of the same kind merge: the free part of a pool stays a few runs.
-        if (owner == FREE and runs and runs[-5] == FREE and runs[-1] == cached
-                and runs[-7] + runs[-6] == start):
-            runs[-6] += length
-            return
-        runs.extend((start, length, owner, first_pos, step, ref_cnt, cached))
-
-    for s in segments:
-        if s.start > cursor:
-            emit(cursor, s.start - cursor, FREE, 0, 0, 0, 0)
-        emit(s.start, s.length, s.owner, s.first_pos, s.pos_step, s.ref_cnt, s.cached)
-        cursor = s.start + s.length
+    for segment in segments:
+        start, length = segment[0], segment[1]
+        if start > cursor:
+            runs.extend((cursor, start - cursor, FREE, 0, 0, 0, 0))
+        runs.extend(segment)
+        cursor = start + length
     if cursor < num_blocks:
-        emit(cursor, num_blocks - cursor, FREE, 0, 0, 0, 0)
+        runs.extend((cursor, num_blocks - cursor, FREE, 0, 0, 0, 0))
     return runs
 
 
@@ -154,8 +138,8 @@ def decode_runs(runs: list[int], num_blocks: int) -> list[tuple[int, int, int, i
     return out  # type: ignore[return-value]
 
 
-def _cached_free_blocks(pool: BlockPool) -> list[KVBlock]:
-    return [b for b in pool.hash_to_block.values() if b.ref_cnt == 0]
+def _cached_free_ids(pool: BlockPool) -> list[int]:
+    return [b.block_id for b in pool.hash_to_block.values() if b.ref_cnt == 0]
 
 
 def take_snapshot(scheduler: "Scheduler", max_waiting_rows: int = MAX_WAITING_ROWS) -> PoolSnapshot:
@@ -178,7 +162,7 @@ def take_snapshot(scheduler: "Scheduler", max_waiting_rows: int = MAX_WAITING_RO
                      req.times.arrival])
     pool = kv.pool
     host_pool = kv.host_pool
-    cached_free = _cached_free_blocks(pool) if pool.enable_caching else []
+    cached_free = _cached_free_ids(pool) if pool.enable_caching else []
     return PoolSnapshot(
         time=scheduler.clock(), block_size=kv.block_size, num_blocks=pool.num_blocks,
         num_used_blocks=pool.num_used_blocks, num_cached_free_blocks=len(cached_free),
@@ -192,14 +176,17 @@ def take_snapshot(scheduler: "Scheduler", max_waiting_rows: int = MAX_WAITING_RO
 @dataclass
 class SnapshotGate:
     """When the engine loop takes a snapshot: only while someone watches, at most `max_rate`
-    per second, and spending at most `max_share` of the loop's wall time on it (a snapshot
-    that took t seconds waits t / max_share before the next). The front-end's loop counts
-    watchers; the engine loop calls `take` after each step. An int written by one thread
-    and read by the other needs no lock under the GIL; a stale read costs one snapshot."""
+    per second, and spending at most `max_share` of the loop's time on it (a snapshot that
+    cost t seconds waits t / max_share before the next). The cost is the engine thread's own
+    CPU time (`cost_clock`), not wall time: waiting for the GIL while the front-end's loop
+    encodes a frame is not the snapshot's cost. The front-end's loop counts watchers; the
+    engine loop calls `take` after each step. An int written by one thread and read by the
+    other needs no lock under the GIL; a stale read costs one snapshot."""
 
     max_rate: float = 4.0
-    max_share: float = 0.02
+    max_share: float = 0.01
     clock: Callable[[], float] = time.perf_counter
+    cost_clock: Callable[[], float] = time.thread_time
     watchers: int = 0
     _next_due: float = field(default=0.0, repr=False)
 
@@ -222,7 +209,8 @@ class SnapshotGate:
         now = self.clock()
         if now < self._next_due:
             return None
+        cpu0 = self.cost_clock()
         snapshot = take_snapshot(scheduler)
-        snapshot.cost = self.clock() - now
+        snapshot.cost = self.cost_clock() - cpu0
         self._next_due = now + max(1.0 / self.max_rate, snapshot.cost / self.max_share)
         return snapshot
