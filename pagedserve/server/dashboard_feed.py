@@ -55,11 +55,11 @@ class _Accumulator:
     itl: list[float] = field(default_factory=list)
 
 
-def _quantiles(chunks: list[list[float]]) -> tuple[float | None, float | None]:
-    values = [v for chunk in chunks for v in chunk]
-    if not values:
+def _quantiles(chunks: list[np.ndarray]) -> tuple[float | None, float | None]:
+    values = np.concatenate(chunks) if chunks else np.empty(0)
+    if not values.size:
         return None, None
-    p50, p99 = np.percentile(np.asarray(values, dtype=np.float64), [50, 99])
+    p50, p99 = np.percentile(values, [50, 99])
     return float(p50), float(p99)
 
 
@@ -76,7 +76,7 @@ class LiveSeries:
         self.total_steps = 0
         self._acc: _Accumulator | None = None
         self._last_outs: EngineCoreOutputs | None = None
-        self._window: collections.deque[tuple[float, list[float], list[float]]] = collections.deque()
+        self._window: collections.deque[tuple[float, np.ndarray, np.ndarray]] = collections.deque()
         self._last_token: dict[str, float] = {}
         self._last_sweep = 0.0
 
@@ -115,6 +115,39 @@ class LiveSeries:
         return point
 
     def _latency(self, outs: EngineCoreOutputs, acc: _Accumulator) -> None:
+        """Per output: 64 running requests make this the hub's per-step cost, so it stays lean."""
+        now = outs.timestamp
+        last = self._last_token
+        ttft, itl = acc.ttft, acc.itl
+        for out in outs.outputs:
+            rid = out.request_id
+            num_new = len(out.new_token_ids)
+            if num_new:
+                if out.arrival_time is not None:  # the request's first output
+                    ttft.append(now - out.arrival_time)
+                else:
+                    previous = last.get(rid)
+                    if previous is not None:
+                        gap = (now - previous) / num_new
+                        if num_new == 1:
+                            itl.append(gap)
+                        else:
+                            itl.extend([gap] * num_new)
+                last[rid] = now
+            if out.finish_reason is not None:
+                last.pop(rid, None)
+
+    def close_point(self) -> dict | None:
+        """Close the point in the making now (a run's end), if it has seen anything."""
+        acc, outs = self._acc, self._last_outs
+        if acc is None or outs is None:
+            return None
+        point = self._close(acc, outs)
+        self._acc = _Accumulator(start=outs.timestamp)
+        self._last_outs = None
+        return point
+
+    def _latency(self, outs: EngineCoreOutputs, acc: _Accumulator) -> None:
         now = outs.timestamp
         last = self._last_token
         for out in outs.outputs:
@@ -133,8 +166,8 @@ class LiveSeries:
         now = outs.timestamp
         st = outs.stats
         elapsed = max(now - acc.start, 1e-9)
-        window = self._window
-        window.append((now, acc.ttft, acc.itl))
+        window = self._window  # a point's samples are kept as arrays: the percentiles cost O(window) in numpy
+        window.append((now, np.asarray(acc.ttft, dtype=np.float64), np.asarray(acc.itl, dtype=np.float64)))
         while window and window[0][0] < now - self.window_s:
             window.popleft()
         ttft50, ttft99 = _quantiles([w[1] for w in window])
