@@ -151,14 +151,14 @@ def test_snapshot_equals_the_tables_through_random_runs(mode, caching):
 def test_snapshot_gate_rate_share_and_watchers():
     now = [0.0]
     cost = [0.0]
+    cpu = [0.0]
 
-    def clock():
-        t = now[0]
-        now[0] += cost[0]  # take() reads the clock before and after: the snapshot "costs" cost[0]
-        return t
+    def cpu_clock():
+        cpu[0] += cost[0]  # take() reads it before and after: each snapshot "costs" cost[0]
+        return cpu[0]
 
     sched = _scheduler(8, 4)
-    gate = SnapshotGate(max_rate=4.0, max_share=0.02, clock=clock)
+    gate = SnapshotGate(max_rate=4.0, max_share=0.02, clock=lambda: now[0], cost_clock=cpu_clock)
     assert gate.take(sched) is None                  # nobody watches
     gate.add_watcher()
     assert gate.take(sched) is not None
@@ -284,6 +284,46 @@ def test_dashboard_is_public_like_metrics_and_can_be_turned_off(tiny_llama):
         assert httpx.get(st.url + "/dashboard").status_code == 404
         assert httpx.get(st.url + "/metrics").status_code == 200
     assert async_engine.pool_snapshots is None and not async_engine.step_listeners
+
+
+@pytest.mark.slow
+def test_an_open_page_does_not_hold_the_servers_shutdown(tiny_llama):
+    """uvicorn's graceful shutdown waits for every open response, and a page never closes its
+    event stream: `pagedserve serve` must end the streams itself when told to stop."""
+    import signal
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen([sys.executable, "-m", "pagedserve.cli", "serve", "--model", str(tiny_llama),
+                             "--port", str(port), "--num-kv-blocks", "32", "--max-model-len", "64",
+                             "--uvicorn-log-level", "warning"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        end = time.monotonic() + 120
+        while True:
+            assert proc.poll() is None, proc.stderr.read().decode()
+            try:
+                if httpx.get(url + "/health").status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < end, "server did not come up"
+            time.sleep(0.2)
+        with httpx.stream("GET", url + "/dashboard/events", timeout=90) as events:
+            lines = events.iter_lines()
+            assert json.loads(next(lines)[6:])["type"] == "init"
+            proc.send_signal(signal.SIGINT)
+            rest = list(lines)  # returns once the server ends the stream
+            assert all(not line.startswith("data: ") or json.loads(line[6:])["type"] == "frame" for line in rest)
+        proc.wait(60)  # without the stream's end this waits for ever: uvicorn never stops
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(30)
 
 
 def test_dashboard_flag_and_yaml_key(tmp_path):
