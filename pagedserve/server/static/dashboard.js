@@ -234,7 +234,7 @@
   const COLUMNS = [
     ["request_id", "request"], ["state", "state"], ["num_prompt_tokens", "prompt"], ["num_output_tokens", "output"],
     ["num_computed_tokens", "computed"], ["num_blocks", "blocks"], ["num_host_blocks", "host"],
-    ["num_preemptions", "preempted"], ["age", "age s"],
+    ["num_preemptions", "preempts"], ["age", "age s"],
   ];
   const STATE_ORDER = { running: 0, swapped: 1, waiting: 2 };
   const MAX_TABLE_ROWS = 300;
