@@ -27,7 +27,6 @@ is printed from the one run.
 from __future__ import annotations
 
 import argparse
-import json
 import subprocess
 import sys
 import threading

@@ -21,7 +21,6 @@ from __future__ import annotations
 import asyncio
 import collections
 import json
-import logging
 import math
 import time
 from dataclasses import dataclass, field
@@ -31,8 +30,6 @@ import numpy as np
 
 from pagedserve.core.outputs import EngineCoreOutputs
 from pagedserve.core.snapshot import SnapshotGate
-
-logger = logging.getLogger("pagedserve.dashboard")
 
 PREEMPTION_MODES = ("recompute", "swap")
 _STALE_REQUEST_S = 300.0   # a request silent this long (aborted) leaves the ITL bookkeeping
