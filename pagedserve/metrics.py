@@ -1,9 +1,20 @@
 """Prometheus metrics for a serving engine, named as vLLM names them (prefix `pagedserve:`).
 
-vLLM's set (gauges of queue and pool state, token counters, per-request latency histograms
-with vLLM's buckets) plus what operators ask vLLM for: the pool size and use in tokens,
-recomputed tokens, swapped blocks, the step time, and `engine_busy_ratio` — the share of
-wall time the engine spends in the model forward (our "utilisation").
+vLLM's set (gauges of queue and pool state, token counters, per-request latency and length
+histograms) plus what operators ask vLLM for: the pool size and use in tokens, recomputed tokens,
+swapped blocks, the step time, and `engine_busy_ratio` — the share of wall time the engine spends
+in the model forward (our "utilisation"). Names and help texts come from `metric_names.METRICS`.
+
+Histogram bounds are ours, not vLLM's (README, "Metrics"): a classic histogram's quantile is a
+linear interpolation inside the bucket that holds it, so it can be off by up to one bucket width.
+Latency bounds therefore follow the preferred numbers over the whole range pagedserve's
+latencies take on CPU and GPU: E24 (24 per decade, neighbours 7-15% apart) for the latencies
+SLOs are written on (TTFT, ITL, E2E), whose P99 often rests on a density cliff or a handful of
+requests, and E12 (12 per decade, 18-25% apart) for queue and step time. Token counts are exact
+up to 10 and E24 above (E12 for tokens per step), and preemption counts have a bound at every
+integer a request realistically reaches, so `ceil(histogram_quantile(...))` of them is exact.
+About 600 bucket series per server and model (vLLM: about 200). vLLM's bounds stay here as
+`VLLM_BUCKETS` to compare against (benchmarks).
 
 Every metric lives in the `EngineMetrics`' own CollectorRegistry, so several engines (tests,
 benchmarks) can live in one process. prometheus_client is thread-safe: the engine thread
@@ -13,29 +24,44 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
+from typing import Callable, Sequence
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+from pagedserve import metric_names as mn
 
 # As vLLM: no `_created` series next to every counter and histogram.
 disable_created_metrics()
 
 logger = logging.getLogger("pagedserve.metrics")
 
-PREFIX = "pagedserve:"
+PREFIX = mn.PREFIX
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 
-# vLLM's buckets (v1 PrometheusStatLogger).
-TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
-                20.0, 40.0, 80.0, 160.0, 640.0, 2560.0]
-ITL_BUCKETS = [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
-               20.0, 40.0, 80.0]
-REQUEST_LATENCY_BUCKETS = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
-                           120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0]
-ITERATION_TOKEN_BUCKETS = [1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384]
-PREEMPTION_BUCKETS = [0, 1, 2, 5, 10, 20, 50, 100]
-# Ours: engine steps on CPU take milliseconds to seconds.
-STEP_BUCKETS = [0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0]
+# IEC 60063 preferred numbers: E12 neighbours are 18-25% apart, E24 neighbours 7-15% apart.
+E12 = (1.0, 1.2, 1.5, 1.8, 2.2, 2.7, 3.3, 3.9, 4.7, 5.6, 6.8, 8.2)
+E24 = (1.0, 1.1, 1.2, 1.3, 1.5, 1.6, 1.8, 2.0, 2.2, 2.4, 2.7, 3.0, 3.3, 3.6, 3.9, 4.3, 4.7, 5.1, 5.6, 6.2,
+       6.8, 7.5, 8.2, 9.1)
+
+
+def preferred_ladder(mantissas: Sequence[float], low: float, high: float) -> list[float]:
+    """Every mantissa x 10^k within [low, high], ascending (rounded so `le` labels read 0.0012, not 0.00120000001)."""
+    if not 0 < low <= high:
+        raise ValueError(f"need 0 < low <= high, got {low}, {high}")
+    values = {round(m * 10.0 ** e, 12) for e in range(-9, 10) for m in mantissas}
+    return sorted(v for v in values if low <= v <= high)
+
+
+def token_count_buckets(max_value: int, mantissas: Sequence[float] = E24) -> list[int]:
+    """1..10 one by one, then the preferred numbers (E24: 7-15% apart) up to `max_value`,
+    which is the last bound. Integer counts sit exactly on bounds up to 10; above, a quantile
+    reads within one step of the ladder."""
+    if max_value < 1:
+        raise ValueError(f"max_value must be >= 1, got {max_value}")
+    ladder = {int(round(v)) for v in preferred_ladder(mantissas, 10, max_value)}
+    return sorted({n for n in range(1, 11) if n <= max_value} | {n for n in ladder if n < max_value} | {max_value})
 
 
 def build_1_2_5_buckets(max_value: int) -> list[int]:
@@ -50,69 +76,113 @@ def build_1_2_5_buckets(max_value: int) -> list[int]:
         exponent += 1
 
 
+@dataclass(frozen=True)
+class BucketLayout:
+    """Histogram bounds for one EngineMetrics: fixed latency ladders, token ladders sized by limits."""
+    name: str
+    ttft: tuple[float, ...]
+    itl: tuple[float, ...]
+    e2e: tuple[float, ...]
+    queue: tuple[float, ...]
+    step: tuple[float, ...]
+    preemptions: tuple[float, ...]
+    request_tokens: Callable[[int], list[int]]      # max_model_len → bounds
+    iteration_tokens: Callable[[int], list[int]]    # max tokens in one step → bounds
+
+
+PAGEDSERVE_BUCKETS = BucketLayout(
+    name="pagedserve",
+    # The latencies SLOs are written on (TTFT, ITL, E2E): E24. Their P99 often sits where the density
+    # falls off a cliff (the slowest regular steps, the back of a queue) or on a handful of requests;
+    # there linear interpolation can miss by up to the bucket's width, and 7-15% keeps that near 10%.
+    # TTFT: prefill-bound on an idle GPU (a few ms) to minutes in a queue on a loaded CPU.
+    ttft=tuple([0.001, 0.002, 0.003, 0.004] + preferred_ladder(E24, 0.0047, 100.0)
+               + [160.0, 320.0, 640.0, 1280.0, 2560.0]),
+    # ITL: decode steps take ~2-50 ms on GPU, ~5-100 ms on CPU; a preempted request's gap runs to seconds.
+    itl=tuple([0.0002, 0.0005] + preferred_ladder(E24, 0.001, 1.0) + [1.5, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0]),
+    e2e=tuple(preferred_ladder(E24, 0.01, 300.0) + [400.0, 600.0, 900.0, 1200.0, 1920.0, 3840.0, 7680.0]),
+    # Diagnostics (queue time: mostly ~0, seconds when requests queue; step time): E12, 18-25% apart.
+    queue=tuple([0.0001, 0.0005] + preferred_ladder(E12, 0.001, 100.0) + [320.0, 640.0, 1280.0, 2560.0]),
+    step=tuple([0.0002, 0.0005] + preferred_ladder(E12, 0.001, 1.0) + [2.5, 5.0, 10.0]),
+    preemptions=tuple(float(n) for n in [*range(0, 11), 12, 15, 20, 30, 50, 100]),
+    # Lengths: E24, so a fixed benchmark length (every prompt 200 tokens) reads within ~5% at P50.
+    request_tokens=token_count_buckets,
+    # Decode steps carry one token per running request, prefill steps up to the budget: exact to 10, E12
+    # above (vLLM's single 1 -> 8 bucket blurs every decode step of up to 8 requests into one).
+    iteration_tokens=lambda limit: token_count_buckets(limit, E12),
+)
+
+# vLLM's bounds (v1 PrometheusStatLogger), to compare against; not used by the server.
+VLLM_BUCKETS = BucketLayout(
+    name="vllm",
+    ttft=(0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+          20.0, 40.0, 80.0, 160.0, 640.0, 2560.0),
+    itl=(0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+         20.0, 40.0, 80.0),
+    e2e=(0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
+         120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0),
+    queue=(0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
+           120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0),
+    step=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0),
+    preemptions=(0, 1, 2, 5, 10, 20, 50, 100),
+    request_tokens=build_1_2_5_buckets,
+    iteration_tokens=lambda _limit: [1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384],
+)
+BUCKET_LAYOUTS = {layout.name: layout for layout in (PAGEDSERVE_BUCKETS, VLLM_BUCKETS)}
+
+
 class EngineMetrics:
-    """All server metrics. The engine thread calls the record_* methods; /metrics calls render()."""
+    """All server metrics. The engine thread calls the record_* methods; /metrics calls render().
+
+    `max_num_batched_tokens` bounds the tokens-per-step histogram (default: max(max_model_len, 8192));
+    `buckets` picks the bounds (`VLLM_BUCKETS` only to compare against vLLM's)."""
 
     def __init__(self, model_name: str, max_model_len: int, log_interval: float = 10.0,
-                 busy_window: float = 1.0) -> None:
+                 busy_window: float = 1.0, *, max_num_batched_tokens: int | None = None,
+                 buckets: BucketLayout = PAGEDSERVE_BUCKETS) -> None:
         self.registry = CollectorRegistry()
         self.model_name = model_name
-        labels = ["model_name"]
-        reg = self.registry
-
-        def gauge(name: str, doc: str) -> Gauge:
-            return Gauge(PREFIX + name, doc, labels, registry=reg).labels(model_name)
-
-        def counter(name: str, doc: str, extra: list[str] | None = None):
-            c = Counter(PREFIX + name, doc, labels + (extra or []), registry=reg)
-            return c if extra else c.labels(model_name)
-
-        def histogram(name: str, doc: str, buckets) -> Histogram:
-            return Histogram(PREFIX + name, doc, labels, buckets=buckets, registry=reg).labels(model_name)
-
+        self.buckets = buckets
+        step_limit = max_num_batched_tokens or max(max_model_len, 8192)
+        bounds = {
+            mn.TIME_TO_FIRST_TOKEN: buckets.ttft, mn.INTER_TOKEN_LATENCY: buckets.itl,
+            mn.E2E_REQUEST_LATENCY: buckets.e2e, mn.REQUEST_QUEUE_TIME: buckets.queue,
+            mn.ENGINE_STEP: buckets.step, mn.REQUEST_NUM_PREEMPTIONS: buckets.preemptions,
+            mn.REQUEST_PROMPT_TOKENS: buckets.request_tokens(max_model_len),
+            mn.REQUEST_GENERATION_TOKENS: buckets.request_tokens(max_model_len),
+            mn.ITERATION_TOKENS: buckets.iteration_tokens(step_limit),
+        }
+        # One collector per row of the names table, so nothing is exposed that the table lacks.
+        self._collectors = {spec.name: self._collector(spec, bounds.get(spec.name)) for spec in mn.METRICS}
         # Scheduler and pool state.
-        self.num_requests_running = gauge("num_requests_running", "Number of requests in model execution batches.")
-        self.num_requests_waiting = gauge("num_requests_waiting", "Number of requests waiting to be processed.")
-        self.num_requests_swapped = gauge("num_requests_swapped", "Number of requests swapped out to host memory.")
-        self.kv_cache_usage_perc = gauge("kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.")
-        self.kv_cache_total_tokens = gauge("kv_cache_total_tokens", "Tokens the KV-cache pool holds (blocks x block_size).")
-        self.kv_cache_used_tokens = gauge("kv_cache_used_tokens", "Token slots in blocks held by requests.")
-        self.engine_busy_ratio = gauge("engine_busy_ratio",
-                                       "Share of wall time spent in the model forward over the last window.")
+        self.num_requests_running = self._unlabelled(mn.NUM_REQUESTS_RUNNING)
+        self.num_requests_waiting = self._unlabelled(mn.NUM_REQUESTS_WAITING)
+        self.num_requests_swapped = self._unlabelled(mn.NUM_REQUESTS_SWAPPED)
+        self.kv_cache_usage_perc = self._unlabelled(mn.KV_CACHE_USAGE_PERC)
+        self.kv_cache_total_tokens = self._unlabelled(mn.KV_CACHE_TOTAL_TOKENS)
+        self.kv_cache_used_tokens = self._unlabelled(mn.KV_CACHE_USED_TOKENS)
+        self.engine_busy_ratio = self._unlabelled(mn.ENGINE_BUSY_RATIO)
         # Counters.
-        self._preemptions = counter("num_preemptions", "Cumulative number of preemptions.", ["mode"])
-        self.prompt_tokens = counter("prompt_tokens", "Number of prefill tokens processed.")
-        self.generation_tokens = counter("generation_tokens", "Number of generation tokens processed.")
-        self._request_success = counter("request_success", "Count of finished requests by finish reason.",
-                                        ["finished_reason"])
-        self.prefix_cache_queries = counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
-        self.prefix_cache_hits = counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.")
-        self.recomputed_tokens = counter("recomputed_tokens", "Tokens whose KV was dropped by recompute preemption.")
-        self._swapped_blocks = counter("swapped_blocks", "KV blocks moved between device and host.", ["direction"])
+        self._preemptions = self._collectors[mn.NUM_PREEMPTIONS]
+        self.prompt_tokens = self._unlabelled(mn.PROMPT_TOKENS)
+        self.generation_tokens = self._unlabelled(mn.GENERATION_TOKENS)
+        self._request_success = self._collectors[mn.REQUEST_SUCCESS]
+        self.prefix_cache_queries = self._unlabelled(mn.PREFIX_CACHE_QUERIES)
+        self.prefix_cache_hits = self._unlabelled(mn.PREFIX_CACHE_HITS)
+        self.recomputed_tokens = self._unlabelled(mn.RECOMPUTED_TOKENS)
+        self._swapped_blocks = self._collectors[mn.SWAPPED_BLOCKS]
         # Histograms.
-        self.time_to_first_token = histogram("time_to_first_token_seconds",
-                                             "Histogram of time to first token in seconds.", TTFT_BUCKETS)
-        self.inter_token_latency = histogram("inter_token_latency_seconds",
-                                             "Histogram of inter-token latency in seconds.", ITL_BUCKETS)
-        self.e2e_request_latency = histogram("e2e_request_latency_seconds",
-                                             "Histogram of end to end request latency in seconds.",
-                                             REQUEST_LATENCY_BUCKETS)
-        self.request_queue_time = histogram("request_queue_time_seconds",
-                                            "Histogram of time spent waiting before first scheduled.",
-                                            REQUEST_LATENCY_BUCKETS)
-        token_buckets = build_1_2_5_buckets(max_model_len)
-        self.request_prompt_tokens = histogram("request_prompt_tokens", "Number of prefill tokens per request.",
-                                               token_buckets)
-        self.request_generation_tokens = histogram("request_generation_tokens",
-                                                   "Number of generation tokens per request.", token_buckets)
-        self.iteration_tokens = histogram("iteration_tokens_total", "Histogram of tokens per engine step.",
-                                          ITERATION_TOKEN_BUCKETS)
-        self.request_num_preemptions = histogram("request_num_preemptions",
-                                                 "Number of times a finished request was preempted.",
-                                                 PREEMPTION_BUCKETS)
-        self.engine_step = histogram("engine_step_seconds", "Histogram of engine step duration in seconds.",
-                                     STEP_BUCKETS)
+        self.time_to_first_token = self._unlabelled(mn.TIME_TO_FIRST_TOKEN)
+        self.inter_token_latency = self._unlabelled(mn.INTER_TOKEN_LATENCY)
+        self.e2e_request_latency = self._unlabelled(mn.E2E_REQUEST_LATENCY)
+        self.request_queue_time = self._unlabelled(mn.REQUEST_QUEUE_TIME)
+        self.request_prompt_tokens = self._unlabelled(mn.REQUEST_PROMPT_TOKENS)
+        self.request_generation_tokens = self._unlabelled(mn.REQUEST_GENERATION_TOKENS)
+        self.iteration_tokens = self._unlabelled(mn.ITERATION_TOKENS)
+        self.request_num_preemptions = self._unlabelled(mn.REQUEST_NUM_PREEMPTIONS)
+        self.engine_step = self._unlabelled(mn.ENGINE_STEP)
 
+        # Every labelled series exists from the start, so rate() has a zero to start from.
         for mode in ("recompute", "swap"):
             self._preemptions.labels(model_name, mode)
         for reason in ("stop", "length", "abort"):
@@ -132,6 +202,20 @@ class EngineMetrics:
         self._log_queries = 0
         self._log_hits = 0
         self._state = dict(running=0, waiting=0, swapped=0, kv_usage=0.0)
+
+    def _collector(self, spec: mn.MetricSpec, bounds):
+        name, labels = PREFIX + spec.name, ["model_name", *spec.labels]
+        if spec.kind == "gauge":
+            return Gauge(name, spec.help, labels, registry=self.registry)
+        if spec.kind == "counter":
+            return Counter(name, spec.help, labels, registry=self.registry)
+        if bounds is None:
+            raise ValueError(f"no bucket bounds for histogram {spec.name}")
+        return Histogram(name, spec.help, labels, buckets=list(bounds), registry=self.registry)
+
+    def _unlabelled(self, name: str):
+        """The model's series of a metric with no label besides model_name."""
+        return self._collectors[name].labels(self.model_name)
 
     # -- engine-level ------------------------------------------------------------------
     def record_step(self, stats, duration: float, forward_time: float, num_batched_tokens: int) -> None:

@@ -181,6 +181,60 @@ def test_empty_summary_is_nan_not_crash():
     assert "n/a" in format_summary(s)
 
 
+def test_one_report_builder_for_bench_and_sim():
+    """Records (simulator, replay) and client results go through one builder: the simulator's
+    flat vLLM keys carry exactly the bench's numbers, P95 included, checked against numpy."""
+    from pagedserve.bench.report import RequestRecord, results_from_records, vllm_flat_keys
+    from pagedserve.sim.report import compute_metrics
+
+    records = [RequestRecord(str(i), arrival=float(i), prompt_len=8, output_len=4, first_token_time=i + 0.1 * (i + 1),
+                             token_times=[i + 0.1 * (i + 1) + 0.02 * k * (i + 1) for k in range(4)],
+                             finish=i + 0.1 * (i + 1) + 0.06 * (i + 1)) for i in range(5)]
+    flat = compute_metrics(records, duration=10.0)
+    nested = summarize(results_from_records(records), 10.0)
+    assert vllm_flat_keys(nested) == {k: v for k, v in flat.items() if k.endswith("_ms")}
+    ttft_ms = [100.0 * (i + 1) for i in range(5)]
+    itl_ms = [20.0 * (i + 1) for i in range(5) for _ in range(3)]
+    assert flat["p95_ttft_ms"] == pytest.approx(np.percentile(ttft_ms, 95))
+    assert nested["itl_ms"]["p95"] == pytest.approx(np.percentile(itl_ms, 95))
+    assert flat["median_e2el_ms"] == pytest.approx(np.median([160.0 * (i + 1) for i in range(5)]))
+
+
+def test_empty_series_are_nan_in_every_shape():
+    from pagedserve.bench.report import RequestRecord
+    from pagedserve.sim.report import compute_metrics
+
+    never_finished = [RequestRecord("0", arrival=0.0, prompt_len=8, output_len=4)]
+    flat = compute_metrics(never_finished, duration=1.0)
+    latency_keys = [k for k in flat if k.endswith("_ms")]
+    assert len(latency_keys) == 4 * 7 and all(math.isnan(flat[k]) for k in latency_keys)
+    nested = summarize([], duration=1.0)
+    assert all(math.isnan(v) for name in ("ttft", "tpot", "itl", "e2el") for v in nested[f"{name}_ms"].values())
+
+
+def test_bench_never_imports_sim():
+    import subprocess
+    import sys
+
+    code = ("import sys, pkgutil, importlib, pagedserve.bench as b\n"
+            "for m in pkgutil.iter_modules(b.__path__): importlib.import_module('pagedserve.bench.' + m.name)\n"
+            "bad = [m for m in sys.modules if m.startswith(('pagedserve.sim', 'pagedserve.tune'))]\n"
+            "assert not bad, bad")
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_simulator_timeline_speaks_the_exposed_names():
+    """The simulated 'inside the server' timeline feeds the same plots as a scrape: same keys."""
+    from pagedserve import metric_names as mn
+    from pagedserve.bench.metrics_scrape import timeline
+    from pagedserve.sim.simulator import Timeline
+
+    simulated = set(Timeline().as_scraped()) - {"t"}
+    assert simulated and simulated <= {spec.exposed for spec in mn.METRICS}
+    scraped = set(timeline([parse_metrics(PAGEDSERVE_BEFORE)])) - {"t"}
+    assert simulated <= scraped | {mn.NUM_REQUESTS_SWAPPED}   # the fixture has no swapped gauge
+
+
 PAGEDSERVE_BEFORE = """
 # TYPE pagedserve:kv_cache_usage_perc gauge
 pagedserve:kv_cache_usage_perc{model_name="m"} 0.0
@@ -219,9 +273,10 @@ def _pagedserve_text(kv, running, waiting, recompute, swap, out, in_, queries, h
 
 def test_parse_pagedserve_metrics_and_summarise_a_run():
     before = parse_metrics(PAGEDSERVE_BEFORE, t=-0.1)
-    assert before.get("num_preemptions_total") == 3
-    assert before.labelled["num_preemptions_total{mode=recompute}"] == 2
-    assert "time_to_first_token_seconds_bucket" not in before.totals
+    assert before.value("num_preemptions") == 3
+    assert before.by_label("num_preemptions", "mode") == {"recompute": 2, "swap": 1}
+    assert before.histograms["time_to_first_token_seconds"].count == 3      # buckets stay a histogram
+    assert before.value("time_to_first_token_seconds_bucket") is None
     during = [parse_metrics(_pagedserve_text(0.5, 4, 2, 2, 1, 4, 4, 200, 60), t=0.5),
               parse_metrics(_pagedserve_text(0.9, 8, 6, 5, 2, 10, 6, 300, 90), t=1.0)]
     after = parse_metrics(_pagedserve_text(0.1, 0, 0, 6, 2, 12, 12, 400, 130), t=1.5)
@@ -243,9 +298,9 @@ def test_parse_real_engine_metrics_render():
     m = EngineMetrics("tiny", 256, log_interval=0)
     m.set_state(running=3, waiting=1, swapped=0, used_blocks=5, total_blocks=10, block_size=16)
     snap = parse_metrics(m.render().decode())
-    assert snap.get("kv_cache_usage_perc") == pytest.approx(0.5)
-    assert snap.get("num_requests_running") == 3
-    assert "num_preemptions_total" in snap.totals and "prefix_cache_hits_total" in snap.totals
+    assert snap.value("kv_cache_usage_perc") == pytest.approx(0.5)
+    assert snap.value("num_requests_running") == 3
+    assert snap.value("num_preemptions") == 0 and snap.value("prefix_cache_hits") == 0
 
 
 def test_parse_vllm_names():
@@ -262,9 +317,63 @@ vllm:prefix_cache_queries_total{engine="0",model_name="x"} 50.0
 other_metric 1.0
 """
     snap = parse_metrics(text)
-    assert snap.totals == {"kv_cache_usage_perc": 0.25, "num_requests_running": 3.0,
-                           "num_preemptions_total": 7.0, "prefix_cache_queries_total": 50.0}
+    assert snap.gauges == {"kv_cache_usage_perc": 0.25, "num_requests_running": 3.0, "other_metric": 1.0}
+    assert snap.counters == {"num_preemptions": 7.0, "prefix_cache_queries": 50.0}
+    s = summarize_server_metrics(snap, snap, [snap])
+    assert s["num_preemptions_total"] == 0 and s["peak_kv_cache_usage_perc"] == 0.25
     assert summarize_server_metrics(parse_metrics("other_metric 1\n"), snap, [snap]) is None
+
+
+def test_parse_llamacpp_names():
+    text = """# TYPE llamacpp:kv_cache_usage_ratio gauge
+llamacpp:kv_cache_usage_ratio 0.5
+# TYPE llamacpp:requests_processing gauge
+llamacpp:requests_processing 2
+# TYPE llamacpp:requests_deferred gauge
+llamacpp:requests_deferred 1
+# TYPE llamacpp:tokens_predicted_total counter
+llamacpp:tokens_predicted_total 120
+# TYPE llamacpp:prompt_tokens_total counter
+llamacpp:prompt_tokens_total 300
+"""
+    snap = parse_metrics(text, t=2.0)
+    assert snap.t == 2.0
+    assert snap.gauges == {"kv_cache_usage_perc": 0.5, "num_requests_running": 2, "num_requests_waiting": 1}
+    assert snap.counters == {"generation_tokens": 120, "prompt_tokens": 300}
+    empty = parse_metrics(text.replace(" 120", " 0").replace(" 300", " 0"))
+    s = summarize_server_metrics(empty, snap, [snap])
+    assert s["generation_tokens_total"] == 120 and s["peak_num_requests_waiting"] == 1
+
+
+def test_one_snapshot_for_bench_and_advise():
+    """bench and advise read the same parser: counters lose `_total` in the snapshot, and the
+    bench's summary speaks of them by their exposed name (with `_total`), from the names table."""
+    from pagedserve import metric_names
+    from pagedserve.bench import metrics_scrape, prom
+    from pagedserve.tune import advisor
+
+    assert metrics_scrape.parse_metrics is prom.parse_metrics and advisor.Snapshot is prom.Snapshot
+    from pagedserve.metrics import EngineMetrics
+
+    snap = parse_metrics(EngineMetrics("m", 64, log_interval=0).render().decode())
+    assert snap.counters["num_preemptions"] == 0 and "num_preemptions_total" not in snap.counters
+    s = summarize_server_metrics(snap, snap, [snap])
+    for counter in metrics_scrape.COUNTERS:
+        assert metric_names.exposed(counter) in s, counter
+    assert metric_names.exposed("num_preemptions") == "num_preemptions_total"
+    assert metric_names.exposed("iteration_tokens_total") == "iteration_tokens_total"  # a histogram
+    with pytest.raises(KeyError, match="not a pagedserve metric"):
+        metric_names.exposed("num_preemption")
+
+
+def test_names_table_aliases_are_unambiguous():
+    from pagedserve import metric_names as mn
+
+    for old, (new, naming) in mn.ALIASES.items():
+        assert old not in mn.SPECS and new in mn.SPECS and naming in ("vllm", "vllm-v0", "llamacpp")
+    # vLLM's older names for the ITL histogram and the KV gauge read as the new ones.
+    assert mn.ALIASES["time_per_output_token_seconds"][0] == "inter_token_latency_seconds"
+    assert mn.ALIASES["gpu_cache_usage_perc"][0] == "kv_cache_usage_perc"
 
 
 def test_parse_values_and_sweep_points():

@@ -1,7 +1,11 @@
 """/metrics: parses with prometheus_client, counters and histograms move by known amounts."""
 from __future__ import annotations
 
+import json
 import logging
+import pathlib
+import re
+import sys
 import threading
 import time
 
@@ -12,7 +16,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from pagedserve.config import EngineConfig
 from pagedserve.engine import LLM
-from pagedserve.metrics import EngineMetrics, build_1_2_5_buckets
+from pagedserve import metric_names
+from pagedserve.metrics import EngineMetrics, build_1_2_5_buckets, token_count_buckets
 from pagedserve.sampling import SamplingParams
 from pagedserve.server.launcher import ServerThread, build_server
 from metrics_scrape import scrape, wait_idle
@@ -68,12 +73,36 @@ def test_every_metric_is_exposed_with_its_type(server):
     m = scrape(server)
     assert m["pagedserve:kv_cache_total_tokens{}"] == 8 * 16
     assert "pagedserve:num_preemptions_total{mode=recompute}" in m
-    # vLLM's buckets
-    ttft = sorted(float(k.split("le=")[1].rstrip("}")) for k in m
-                  if k.startswith("pagedserve:time_to_first_token_seconds_bucket"))
-    assert ttft[:3] == [0.001, 0.005, 0.01] and ttft[-2:] == [2560.0, float("inf")]
-    prompt_buckets = [k for k in m if k.startswith("pagedserve:request_prompt_tokens_bucket")]
-    assert len(prompt_buckets) == len(build_1_2_5_buckets(64)) + 1
+    # Our bounds: 24 per decade where TTFT and ITL live (vLLM has none between 10 and 25 ms ITL),
+    # up to vLLM's top bound.
+    ttft = bounds(m, "time_to_first_token_seconds")
+    assert [b for b in ttft if 0.1 <= b <= 0.2] == [0.1, 0.11, 0.12, 0.13, 0.15, 0.16, 0.18, 0.2]
+    assert ttft[-2:] == [2560.0, float("inf")]
+    itl = bounds(m, "inter_token_latency_seconds")
+    assert [b for b in itl if 0.01 <= b <= 0.025] == [0.01, 0.011, 0.012, 0.013, 0.015, 0.016, 0.018, 0.02, 0.022,
+                                                      0.024]
+    for latency, top in (("time_to_first_token_seconds", 100), ("inter_token_latency_seconds", 1),
+                         ("e2e_request_latency_seconds", 300)):
+        dense = [b for b in bounds(m, latency) if 0.01 <= b <= top]
+        assert max(b / a for a, b in zip(dense, dense[1:])) <= 1.16, latency
+    # Token counts: every integer to 10, then E24 (7-15% apart), ending at max_model_len (64).
+    assert bounds(m, "request_prompt_tokens") == [*range(1, 11), 11, 12, 13, 15, 16, 18, 20, 22, 24, 27, 30, 33,
+                                                  36, 39, 43, 47, 51, 56, 62, 64, float("inf")]
+    assert bounds(m, "request_num_preemptions")[:11] == [float(n) for n in range(11)]
+
+
+def bounds(scraped: dict, histogram: str) -> list[float]:
+    prefix = f"pagedserve:{histogram}_bucket"
+    return sorted(float(k.split("le=")[1].rstrip("}")) for k in scraped if k.startswith(prefix))
+
+
+def test_exposed_families_are_the_names_table(server):
+    """metrics.py builds from metric_names: the table and the exposition agree both ways."""
+    fams = families(server)
+    ours = {name.removeprefix("pagedserve:") for name in fams if name.startswith("pagedserve:")}
+    assert ours == set(metric_names.SPECS) == set(EXPECTED)
+    for spec in metric_names.METRICS:
+        assert fams["pagedserve:" + spec.name].type == spec.kind, spec.name
 
 
 def test_counters_and_histograms_move_by_known_amounts(server, client, model):
@@ -100,6 +129,64 @@ def test_counters_and_histograms_move_by_known_amounts(server, client, model):
     assert delta(after, before, "pagedserve:prefix_cache_queries_total{}") == n_prompt
     assert 0 <= after["pagedserve:engine_busy_ratio{}"] <= 1
     assert after["pagedserve:kv_cache_usage_perc{}"] == 0
+
+
+def buckets(samples: dict, name: str) -> dict[float, float]:
+    """{upper bound: cumulative count} of one histogram's _bucket series."""
+    prefix = f"pagedserve:{name}_bucket{{le="
+    return {float(k[len(prefix):-1]): v for k, v in samples.items() if k.startswith(prefix)}
+
+
+def bucket_deltas(after: dict, before: dict, name: str) -> dict[float, float]:
+    b = buckets(before, name)
+    return {le: v - b.get(le, 0.0) for le, v in buckets(after, name).items()}
+
+
+def assert_one_observation_in_place(deltas: dict[float, float], value: float, name: str) -> None:
+    """One observation of `value`: exactly the buckets with le >= value moved, each by 1."""
+    for le, d in deltas.items():
+        assert d == (1 if value <= le else 0), (name, le, d, value)
+
+
+def test_histograms_put_known_values_in_the_right_buckets_and_seconds(server, model):
+    """A streamed request alone on the server, with a 10-token prompt and 6 generated tokens (on a
+    bucket bound and one past one, so an off-by-one either way moves a bucket): which _bucket series
+    move is known exactly for the token histograms and the per-step histogram; the latency
+    histograms hold seconds that fit inside what the client measured around them."""
+    before = wait_idle(server)
+    start = time.perf_counter()
+    first_chunk = None
+    with httpx.stream("POST", server.url + "/v1/completions", timeout=60, json={
+            "model": model, "prompt": list(range(20, 30)), "max_tokens": 6, "temperature": 0,
+            "ignore_eos": True, "stream": True}) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: ") and first_chunk is None:
+                first_chunk = time.perf_counter()
+    client_e2e, client_ttft = time.perf_counter() - start, first_chunk - start
+    after = wait_idle(server)
+
+    assert_one_observation_in_place(bucket_deltas(after, before, "request_prompt_tokens"), 10, "prompt")
+    assert_one_observation_in_place(bucket_deltas(after, before, "request_generation_tokens"), 6, "generation")
+    assert_one_observation_in_place(bucket_deltas(after, before, "request_num_preemptions"), 0, "preemptions")
+    # One step of 10 prompt tokens, then five steps of one decode token each.
+    steps = bucket_deltas(after, before, "iteration_tokens_total")
+    assert steps == {le: (5 if le < 10 else 6) for le in steps}
+    assert delta(after, before, "pagedserve:iteration_tokens_total_sum{}") == 10 + 5
+
+    ttft = delta(after, before, "pagedserve:time_to_first_token_seconds_sum{}")
+    e2e = delta(after, before, "pagedserve:e2e_request_latency_seconds_sum{}")
+    queue = delta(after, before, "pagedserve:request_queue_time_seconds_sum{}")
+    itl = delta(after, before, "pagedserve:inter_token_latency_seconds_sum{}")
+    # Seconds, measured inside the client's own interval (milliseconds would be 1000x too big).
+    assert 0 < ttft <= client_ttft and 0 < e2e <= client_e2e and 0 <= queue <= ttft <= e2e
+    # The five gaps between six tokens add up to the time from the first token to the end.
+    assert delta(after, before, "pagedserve:inter_token_latency_seconds_count{}") == 5
+    # (abs: the finish time is read a moment after the last token's, and a busy CI box may
+    # deschedule the engine thread in between)
+    assert itl == pytest.approx(e2e - ttft, abs=0.02)
+    for name, value in (("time_to_first_token_seconds", ttft), ("e2e_request_latency_seconds", e2e),
+                        ("request_queue_time_seconds", queue)):
+        assert_one_observation_in_place(bucket_deltas(after, before, name), value, name)
 
 
 def test_prefix_cache_hits(server, client, model):
@@ -134,7 +221,8 @@ def run_contended(server, client, model) -> tuple[list[str], dict, dict]:
         for t in threads:
             t.start()
         end = time.monotonic() + 30
-        while ae.num_waiting < 4 and time.monotonic() < end:
+        while ae.num_waiting < 4:
+            assert time.monotonic() < end, f"only {ae.num_waiting} of 4 requests arrived"
             time.sleep(0.02)
     finally:
         ae.resume()
@@ -207,19 +295,50 @@ def test_busy_ratio_window_and_buckets():
     m.tick(now=2.0)  # an idle window
     assert m.engine_busy_ratio._value.get() == 0.0
     assert build_1_2_5_buckets(100) == [1, 2, 5, 10, 20, 50, 100]
+    assert token_count_buckets(12) == list(range(1, 13))
+    # Neighbouring bounds at most 16% apart above 10 tokens, however long the context.
+    ladder = token_count_buckets(131072)
+    assert ladder[-1] == 131072 and max(b / a for a, b in zip(ladder[9:], ladder[10:])) <= 1.16
+
+
+DASHBOARD = pathlib.Path(__file__).resolve().parent.parent / "deploy" / "grafana-dashboard.json"
+
+
+def dashboard_exprs() -> list[str]:
+    dashboard = json.loads(DASHBOARD.read_text())
+    return [t["expr"] for p in dashboard["panels"] for t in p.get("targets", [])]
 
 
 def test_grafana_dashboard_uses_only_exposed_metrics(server):
-    import json
-    import pathlib
-    import re
-
-    path = pathlib.Path(__file__).resolve().parent.parent / "deploy" / "grafana-dashboard.json"
-    dashboard = json.loads(path.read_text())
-    exprs = [t["expr"] for p in dashboard["panels"] for t in p.get("targets", [])]
-    used = {m for e in exprs for m in re.findall(r"pagedserve:[a-z0-9_]+", e)}
+    used = {m for e in dashboard_exprs() for m in re.findall(r"pagedserve:[a-z0-9_]+", e)}
     exposed = set(scrape(server)) | {k.split("{")[0] for k in scrape(server)}
     assert used and used <= exposed, used - exposed
     for name in ("kv_cache_usage_perc", "num_preemptions_total", "time_to_first_token_seconds_bucket",
                  "inter_token_latency_seconds_bucket", "engine_busy_ratio"):
         assert "pagedserve:" + name in used
+
+
+def test_grafana_dashboard_rules():
+    """One data-source mechanism, a mean beside every quantile, instances told apart, and the
+    committed JSON is what deploy/make_dashboard.py writes (so the rules cannot drift)."""
+    sys.path.insert(0, str(DASHBOARD.parent))
+    import make_dashboard
+
+    assert DASHBOARD.read_text() == make_dashboard.render()
+    dashboard = json.loads(DASHBOARD.read_text())
+    assert "__inputs" not in dashboard
+    variables = {v["name"]: v for v in dashboard["templating"]["list"]}
+    assert variables["datasource"]["type"] == "datasource"
+    sources = [p["datasource"] for p in dashboard["panels"] if "datasource" in p]
+    sources += [t["datasource"] for p in dashboard["panels"] for t in p.get("targets", [])]
+    sources += [v["datasource"] for v in variables.values() if "datasource" in v]
+    assert sources and all(ds == {"type": "prometheus", "uid": "${datasource}"} for ds in sources)
+    for p in dashboard["panels"]:
+        targets = p.get("targets", [])
+        for t in targets:
+            assert "{{instance}}" in t["legendFormat"], (p["title"], t["legendFormat"])
+        histograms = {m for t in targets for m in re.findall(r"pagedserve:([a-z0-9_]+)_bucket", t["expr"])}
+        for h in histograms:
+            mean = f"rate(pagedserve:{h}_sum"
+            assert any(mean in t["expr"] and f"pagedserve:{h}_count" in t["expr"] for t in targets), (p["title"], h)
+            assert sum(f"pagedserve:{h}_bucket" in t["expr"] for t in targets) == 3   # P50, P90, P99

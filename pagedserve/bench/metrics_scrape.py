@@ -1,12 +1,14 @@
 """What happened inside the server during a run, from its Prometheus /metrics.
 
-Scraped once before, sampled every ~0.5 s during, and once after the run. Names are normalised
-so pagedserve (`pagedserve:`), vLLM (`vllm:`, including v0's `gpu_cache_usage_perc`) and
-llama.cpp (`llamacpp:`, when started with --metrics) all read the same:
+Scraped once before, sampled every ~0.5 s during, and once after the run, each scrape parsed by
+`bench/prom.py` (so pagedserve, vLLM — V1 or older names — and llama.cpp with --metrics all read
+the same). The summary and the timeline key every number by the metric's exposed name without
+prefix (`num_preemptions_total`, `kv_cache_usage_perc`), as a PromQL user would type it:
 
-    kv_cache_usage_perc, num_requests_running, num_requests_waiting, num_requests_swapped,
-    num_preemptions_total, swapped_blocks_total, prefix_cache_queries_total, prefix_cache_hits_total,
-    generation_tokens_total, prompt_tokens_total
+    peak_/mean_ of kv_cache_usage_perc, num_requests_running, num_requests_waiting, num_requests_swapped;
+    the run's increase of num_preemptions_total (and per mode), swapped_blocks_total (and per
+    direction), prefix_cache_queries_total, prefix_cache_hits_total, generation_tokens_total,
+    prompt_tokens_total
 
 A server without /metrics (or with none of these) just yields no server section in the report.
 """
@@ -14,70 +16,22 @@ from __future__ import annotations
 
 import asyncio
 import time
-from dataclasses import dataclass, field
 
 import aiohttp
-from prometheus_client.parser import text_string_to_metric_families
 
-PREFIXES = ("pagedserve:", "vllm:", "llamacpp:")
+from pagedserve import metric_names as mn
+from pagedserve.bench.prom import Snapshot, parse_metrics
 
-# Other servers' names for the same quantity (after the prefix is stripped).
-ALIASES = {
-    "gpu_cache_usage_perc": "kv_cache_usage_perc",      # vLLM v0
-    "cpu_cache_usage_perc": "cpu_kv_cache_usage_perc",  # vLLM v0 swap space
-    "gpu_prefix_cache_queries_total": "prefix_cache_queries_total",
-    "gpu_prefix_cache_hits_total": "prefix_cache_hits_total",
-    "kv_cache_usage_ratio": "kv_cache_usage_perc",      # llama.cpp
-    "requests_processing": "num_requests_running",      # llama.cpp
-    "requests_deferred": "num_requests_waiting",        # llama.cpp
-    "tokens_predicted_total": "generation_tokens_total",  # llama.cpp
-    "prompt_tokens_total": "prompt_tokens_total",
-}
-
-GAUGES = ("kv_cache_usage_perc", "num_requests_running", "num_requests_waiting", "num_requests_swapped")
-COUNTERS = ("num_preemptions_total", "swapped_blocks_total", "prefix_cache_queries_total",
-            "prefix_cache_hits_total", "generation_tokens_total", "prompt_tokens_total")
-IGNORED_LABELS = ("model_name", "engine")
-
-
-@dataclass
-class Snapshot:
-    """One scrape: normalised name -> value summed over labels, and name{label=value} -> value."""
-
-    t: float                                    # seconds since the run started (negative = before)
-    totals: dict[str, float] = field(default_factory=dict)
-    labelled: dict[str, float] = field(default_factory=dict)
-
-    def get(self, name: str, default: float = 0.0) -> float:
-        return self.totals.get(name, default)
-
-
-def normalise_name(name: str) -> str | None:
-    for prefix in PREFIXES:
-        if name.startswith(prefix):
-            base = name[len(prefix):]
-            return ALIASES.get(base, base)
-    return None
-
-
-def parse_metrics(text: str, t: float = 0.0) -> Snapshot:
-    """Parse Prometheus text; keeps only samples with a known server prefix."""
-    snap = Snapshot(t)
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            name = normalise_name(sample.name)
-            if name is None or name.endswith(("_bucket", "_created")):
-                continue
-            labels = {k: v for k, v in sample.labels.items() if k not in IGNORED_LABELS}
-            snap.totals[name] = snap.totals.get(name, 0.0) + sample.value
-            if labels:
-                key = name + "{" + ",".join(f"{k}={v}" for k, v in sorted(labels.items())) + "}"
-                snap.labelled[key] = snap.labelled.get(key, 0.0) + sample.value
-    return snap
+GAUGES = (mn.KV_CACHE_USAGE_PERC, mn.NUM_REQUESTS_RUNNING, mn.NUM_REQUESTS_WAITING, mn.NUM_REQUESTS_SWAPPED)
+COUNTERS = (mn.NUM_PREEMPTIONS, mn.SWAPPED_BLOCKS, mn.PREFIX_CACHE_QUERIES, mn.PREFIX_CACHE_HITS,
+            mn.GENERATION_TOKENS, mn.PROMPT_TOKENS)
+# Counters also reported per label value: (counter, label, summary key).
+BREAKDOWNS = ((mn.NUM_PREEMPTIONS, mn.MODE_LABEL, "preemptions_by_mode"),
+              (mn.SWAPPED_BLOCKS, mn.DIRECTION_LABEL, "swapped_blocks_by_direction"))
 
 
 def is_server_metrics(snap: Snapshot | None) -> bool:
-    return snap is not None and any(name in snap.totals for name in GAUGES + COUNTERS)
+    return snap is not None and any(snap.value(name) is not None for name in GAUGES + COUNTERS)
 
 
 async def scrape(session: aiohttp.ClientSession, url: str, t: float) -> Snapshot | None:
@@ -140,13 +94,9 @@ class MetricsSampler:
             await self._session.close()
 
 
-def _labelled_delta(before: Snapshot, after: Snapshot, name: str) -> dict[str, float]:
-    out = {}
-    for key, value in after.labelled.items():
-        if key.startswith(name + "{"):
-            label = key[len(name) + 1:-1].split("=", 1)[-1]
-            out[label] = value - before.labelled.get(key, 0.0)
-    return out
+def _label_delta(before: Snapshot, after: Snapshot, name: str, label: str) -> dict[str, float]:
+    earlier = before.by_label(name, label)
+    return {key: value - earlier.get(key, 0.0) for key, value in after.by_label(name, label).items()}
 
 
 def summarize_server_metrics(before: Snapshot | None, after: Snapshot | None,
@@ -157,20 +107,19 @@ def summarize_server_metrics(before: Snapshot | None, after: Snapshot | None,
     during = [s for s in samples if s.t >= 0] or [after]
     out: dict = {}
     for gauge in GAUGES:
-        values = [s.totals[gauge] for s in during if gauge in s.totals]
+        values = [v for s in during if (v := s.value(gauge)) is not None]
         if values:
             out[f"peak_{gauge}"] = max(values)
             out[f"mean_{gauge}"] = sum(values) / len(values)
     for counter in COUNTERS:
-        if counter in after.totals:
-            out[counter] = after.totals[counter] - before.get(counter)
-    if "num_preemptions_total" in after.totals:
-        out["preemptions_by_mode"] = _labelled_delta(before, after, "num_preemptions_total")
-    if "swapped_blocks_total" in after.totals:
-        out["swapped_blocks_by_direction"] = _labelled_delta(before, after, "swapped_blocks_total")
-    queries = out.get("prefix_cache_queries_total")
+        if (value := after.value(counter)) is not None:
+            out[mn.exposed(counter)] = value - (before.value(counter) or 0.0)
+    for counter, label, key in BREAKDOWNS:
+        if after.value(counter) is not None:
+            out[key] = _label_delta(before, after, counter, label)
+    queries = out.get(mn.exposed(mn.PREFIX_CACHE_QUERIES))
     if queries:
-        out["prefix_cache_hit_rate"] = out.get("prefix_cache_hits_total", 0.0) / queries
+        out["prefix_cache_hit_rate"] = out.get(mn.exposed(mn.PREFIX_CACHE_HITS), 0.0) / queries
     out["num_samples"] = len(during)
     return out
 
@@ -179,6 +128,7 @@ def timeline(samples: list[Snapshot]) -> dict[str, list[float]]:
     """Per-sample series for plots and the result file: t and every gauge/counter seen."""
     series: dict[str, list[float]] = {"t": [s.t for s in samples]}
     for name in GAUGES + COUNTERS:
-        if any(name in s.totals for s in samples):
-            series[name] = [s.totals.get(name, float("nan")) for s in samples]
+        if any(s.value(name) is not None for s in samples):
+            values = [s.value(name) for s in samples]
+            series[mn.exposed(name)] = [float("nan") if v is None else v for v in values]
     return series

@@ -5,6 +5,7 @@ from pathlib import Path
 
 import numpy as np
 
+from pagedserve import metric_names as mn
 from pagedserve.bench.client import RequestResult
 
 
@@ -65,20 +66,18 @@ def plot_timeline(results: list[RequestResult], timeline: dict[str, list[float]]
     axes[1].step(edges, in_flight + in_flight[-1:], where="post", label="client: in flight")
     if has_server:
         t = timeline["t"]
-        for name, label in (("num_requests_running", "server: running"), ("num_requests_waiting", "server: waiting"),
-                            ("num_requests_swapped", "server: swapped")):
+        for name, label in ((mn.NUM_REQUESTS_RUNNING, "server: running"), (mn.NUM_REQUESTS_WAITING, "server: waiting"),
+                            (mn.NUM_REQUESTS_SWAPPED, "server: swapped")):
             if name in timeline:
                 axes[1].plot(t, timeline[name], marker=".", label=label)
-        if "kv_cache_usage_perc" in timeline:
-            axes[2].plot(t, [100 * v for v in timeline["kv_cache_usage_perc"]], marker=".")
+        if mn.KV_CACHE_USAGE_PERC in timeline:
+            axes[2].plot(t, [100 * v for v in timeline[mn.KV_CACHE_USAGE_PERC]], marker=".")
         axes[2].set_ylabel("KV usage %")
         axes[2].set_ylim(0, 105)
-        if "num_preemptions_total" in timeline:
-            base = timeline["num_preemptions_total"][0]
-            axes[3].plot(t, [v - base for v in timeline["num_preemptions_total"]], label="preemptions")
-        if "swapped_blocks_total" in timeline:
-            base = timeline["swapped_blocks_total"][0]
-            axes[3].plot(t, [v - base for v in timeline["swapped_blocks_total"]], label="swapped blocks")
+        for counter, label in ((mn.NUM_PREEMPTIONS, "preemptions"), (mn.SWAPPED_BLOCKS, "swapped blocks")):
+            key = mn.exposed(counter)
+            if key in timeline:
+                axes[3].plot(t, [v - timeline[key][0] for v in timeline[key]], label=label)
         axes[3].set_ylabel("cumulative")
         axes[3].legend(loc="upper left")
     axes[1].set_ylabel("requests")

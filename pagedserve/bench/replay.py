@@ -11,10 +11,10 @@ from __future__ import annotations
 import time
 from typing import Callable, Sequence
 
+from pagedserve.bench.report import RequestRecord
 from pagedserve.bench.workloads import WorkloadRequest
 from pagedserve.engine.output_processor import OutputKind
 from pagedserve.sampling import SamplingParams
-from pagedserve.sim.report import RequestRecord
 
 
 def greedy_exact_length(w: WorkloadRequest) -> SamplingParams:

@@ -1,23 +1,78 @@
 """From per-request timings to the summary `vllm bench serve` prints, plus the server's side.
 
-Every latency statistic is computed here from what the client measured: TTFT per request, TPOT
-per request ((E2E - TTFT) / (output_tokens - 1)), ITL over every measured gap between content
-chunks of every request, E2EL per request.
+The project's one latency-report builder: `pagedserve bench` feeds it what the client measured,
+`pagedserve simulate` and the in-process replay feed it `RequestRecord`s (converted by
+`results_from_records`), so every report computes the same statistics the same way:
+
+* TTFT per request; TPOT per request ((E2E - TTFT) / (output_tokens - 1), requests with more
+  than one output token); ITL over every measured gap between token chunks of every request,
+  pooled; E2EL per request; only successful requests count.
+* `latency_stats`: mean, median, std and P50/P90/P95/P99 in milliseconds, numpy's linear
+  interpolation. An empty series gives NaN for every statistic, never 0: "no request finished"
+  must not read as "zero latency" (formatted as n/a; NaN fails every SLO comparison).
+* Shape: `summarize` nests them (`summary["itl_ms"]["p99"]`); `vllm_flat_keys` spells the same
+  numbers in vLLM's --save-result naming (`p99_itl_ms`) for result files (simulate, tune).
+
+Imports run one way: `sim` may use this module, this module never imports `sim`.
 """
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass, field
 from typing import Iterable
 
 import numpy as np
 
+from pagedserve import metric_names as mn
 from pagedserve.bench.client import RequestResult
 
-PERCENTILES = (50, 90, 99)
+PERCENTILES = (50, 90, 95, 99)
 LATENCIES = ("ttft", "tpot", "itl", "e2el")
 LATENCY_NAMES = {"ttft": "Time to First Token", "tpot": "Time per Output Token (excl. 1st token)",
                  "itl": "Inter-token Latency", "e2el": "End-to-end Latency"}
 GOODPUT_KEYS = ("ttft", "tpot", "e2el")
+
+
+@dataclass
+class RequestRecord:
+    """One request as the simulator or an in-process replay timed it (seconds on the run's clock)."""
+    request_id: str
+    arrival: float                       # when the request was sent (s)
+    prompt_len: int
+    output_len: int                      # tokens asked for
+    first_token_time: float | None = None
+    token_times: list[float] = field(default_factory=list)  # one per output token
+    finish: float | None = None
+    num_preemptions: int = 0
+    failed: bool = False                 # rejected (e.g. longer than max_model_len)
+    error: str = ""
+
+    @property
+    def completed(self) -> bool:
+        return not self.failed and self.finish is not None
+
+    @property
+    def ttft(self) -> float | None:
+        return None if self.first_token_time is None else self.first_token_time - self.arrival
+
+    @property
+    def e2el(self) -> float | None:
+        return None if self.finish is None else self.finish - self.arrival
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_times)
+
+    @property
+    def tpot(self) -> float | None:
+        n = self.num_output_tokens
+        if n < 2 or self.finish is None or self.first_token_time is None:
+            return None
+        return (self.finish - self.first_token_time) / (n - 1)
+
+    def itls(self) -> list[float]:
+        t = self.token_times
+        return [t[i] - t[i - 1] for i in range(1, len(t))]
 
 
 def parse_goodput(items: Iterable[str] | None) -> dict[str, float]:
@@ -39,7 +94,7 @@ def parse_goodput(items: Iterable[str] | None) -> dict[str, float]:
 
 
 def latency_stats(values_s: list[float]) -> dict[str, float]:
-    """mean / median / std / p50 / p90 / p99 in milliseconds (NaN when there is nothing to measure)."""
+    """mean / median / std / p50 / p90 / p95 / p99 in milliseconds; NaN for all when `values_s` is empty."""
     if not values_s:
         nan = math.nan
         return {"mean": nan, "median": nan, "std": nan, **{f"p{p}": nan for p in PERCENTILES}}
@@ -50,7 +105,27 @@ def latency_stats(values_s: list[float]) -> dict[str, float]:
     return out
 
 
-def results_from_records(records) -> list[RequestResult]:
+def latency_series(results: list[RequestResult]) -> dict[str, list[float]]:
+    """The seconds each statistic is taken over, from the successful requests."""
+    ok = [r for r in results if r.success]
+    return {
+        "ttft": [r.ttft for r in ok],
+        "tpot": [t for r in ok if (t := r.tpot) is not None],
+        "itl": [gap for r in ok for gap in r.itl],
+        "e2el": [r.e2el for r in ok],
+    }
+
+
+def vllm_flat_keys(summary: dict) -> dict[str, float]:
+    """summary["itl_ms"]["p99"] → {"p99_itl_ms": ...}: the same numbers as vLLM's result JSON names them."""
+    out = {}
+    for name in LATENCIES:
+        for stat, value in summary[f"{name}_ms"].items():
+            out[f"{stat}_{name}_ms"] = value
+    return out
+
+
+def results_from_records(records: list[RequestRecord]) -> list[RequestResult]:
     """The client's view of requests the simulator (or an in-process replay) timed, so one
     report serves both: `pagedserve simulate` prints exactly what `pagedserve bench` prints."""
     out = []
@@ -112,12 +187,7 @@ def summarize(results: list[RequestResult], duration: float, slos: dict[str, flo
         summary["goodput_slos_ms"] = dict(slos)
         summary["good_requests"] = good
         summary["request_goodput"] = good / dur
-    series = {
-        "ttft": [r.ttft for r in ok],
-        "tpot": [t for r in ok if (t := r.tpot) is not None],
-        "itl": [gap for r in ok for gap in r.itl],
-        "e2el": [r.e2el for r in ok],
-    }
+    series = latency_series(results)
     for name in LATENCIES:
         summary[f"{name}_ms"] = latency_stats(series[name])
     errors: dict[str, int] = {}
@@ -168,23 +238,21 @@ def format_summary(summary: dict, title: str = "Serving Benchmark Result") -> st
     server = summary.get("server")
     if server:
         lines.append(f"{' Inside the server (/metrics) ':-^{width}}")
-        if "peak_kv_cache_usage_perc" in server:
-            row("Peak KV-cache usage (%):", 100 * server["peak_kv_cache_usage_perc"], ".1f")
-            row("Mean KV-cache usage (%):", 100 * server["mean_kv_cache_usage_perc"], ".1f")
-        for gauge, label in (("num_requests_running", "running"), ("num_requests_waiting", "waiting"),
-                             ("num_requests_swapped", "swapped")):
+        if f"peak_{mn.KV_CACHE_USAGE_PERC}" in server:
+            row("Peak KV-cache usage (%):", 100 * server[f"peak_{mn.KV_CACHE_USAGE_PERC}"], ".1f")
+            row("Mean KV-cache usage (%):", 100 * server[f"mean_{mn.KV_CACHE_USAGE_PERC}"], ".1f")
+        for gauge, label in ((mn.NUM_REQUESTS_RUNNING, "running"), (mn.NUM_REQUESTS_WAITING, "waiting"),
+                             (mn.NUM_REQUESTS_SWAPPED, "swapped")):
             if f"peak_{gauge}" in server:
                 row(f"Peak / mean {label} requests:",
                     f"{server[f'peak_{gauge}']:.0f} / {server[f'mean_{gauge}']:.1f}", "")
-        if "num_preemptions_total" in server:
-            modes = server.get("preemptions_by_mode") or {}
-            detail = " (" + ", ".join(f"{m} {v:.0f}" for m, v in sorted(modes.items())) + ")" if modes else ""
-            row(f"Preemptions{detail}:", server["num_preemptions_total"], ".0f")
-        if "swapped_blocks_total" in server:
-            dirs = server.get("swapped_blocks_by_direction") or {}
-            detail = " (" + ", ".join(f"{d} {v:.0f}" for d, v in sorted(dirs.items())) + ")" if dirs else ""
-            row(f"Swapped blocks{detail}:", server["swapped_blocks_total"], ".0f")
-        if "prefix_cache_queries_total" in server:
+        for counter, label, breakdown in ((mn.NUM_PREEMPTIONS, "Preemptions", "preemptions_by_mode"),
+                                          (mn.SWAPPED_BLOCKS, "Swapped blocks", "swapped_blocks_by_direction")):
+            if mn.exposed(counter) in server:
+                parts = server.get(breakdown) or {}
+                detail = " (" + ", ".join(f"{k} {v:.0f}" for k, v in sorted(parts.items())) + ")" if parts else ""
+                row(f"{label}{detail}:", server[mn.exposed(counter)], ".0f")
+        if mn.exposed(mn.PREFIX_CACHE_QUERIES) in server:
             rate = server.get("prefix_cache_hit_rate")
             row("Prefix-cache hit rate (%):", None if rate is None else 100 * rate, ".1f")
         row("Metric samples during the run:", server.get("num_samples", 0), "d")
@@ -202,7 +270,7 @@ SWEEP_COLUMNS = (("point", "{}"), ("ok/fail", "{}"), ("req/s", "{:.2f}"), ("out 
 
 def sweep_row(label: str, summary: dict) -> list[str]:
     server = summary.get("server") or {}
-    pre = server.get("num_preemptions_total")
+    pre = server.get(mn.exposed(mn.NUM_PREEMPTIONS))
     return [label, f"{summary['successful_requests']}/{summary['failed_requests']}",
             _fmt(summary["request_throughput"]), _fmt(summary["output_throughput"], ".1f"),
             _fmt(summary["ttft_ms"]["p99"], ".1f"), _fmt(summary["itl_ms"]["p99"], ".1f"),

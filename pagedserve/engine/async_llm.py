@@ -219,7 +219,7 @@ class AsyncLLM:
             try:
                 self._apply(commands)
                 outputs = core.step() if core.has_unfinished_requests() else core.snapshot()
-            except Exception as e:  # noqa: BLE001 - fatal: the core's state is unknown
+            except BaseException as e:  # noqa: BLE001 - fatal, whatever it is: the core's state is unknown
                 logger.exception("engine step failed; the engine is dead")
                 self._post(e)
                 return

@@ -15,15 +15,19 @@ from pagedserve.engine.async_llm import AsyncLLM
 
 def build_server(config: EngineConfig, api_key: str | None = None, max_queue_len: int | None = None,
                  log_interval: float = 10.0, max_request_bytes: int | None = None,
-                 enable_prompt_tokens_details: bool = False, dashboard: bool = True):
+                 enable_prompt_tokens_details: bool = False, enable_auto_tool_choice: bool = False,
+                 tool_call_parser: str | None = None, dashboard: bool = True):
     """(app, async_engine) for a fresh Engine; the engine thread starts with the app."""
     from pagedserve.engine.llm_engine import Engine
 
     engine = Engine(config)
-    metrics = EngineMetrics(engine.model_name, engine.config.max_model_len, log_interval=log_interval)
+    metrics = EngineMetrics(engine.model_name, engine.config.max_model_len, log_interval=log_interval,
+                            max_num_batched_tokens=engine.config.max_num_batched_tokens)
     async_engine = AsyncLLM(engine, metrics, max_queue_len=max_queue_len)
     return build_app(async_engine, api_key=api_key, max_request_bytes=max_request_bytes,
-                     enable_prompt_tokens_details=enable_prompt_tokens_details, dashboard=dashboard), async_engine
+                     enable_prompt_tokens_details=enable_prompt_tokens_details,
+                     enable_auto_tool_choice=enable_auto_tool_choice, tool_call_parser=tool_call_parser,
+                     dashboard=dashboard), async_engine
 
 
 class ServerThread:

@@ -96,7 +96,8 @@ class SimReplay:
         self.run_simulation = run_simulation
         self.speed = speed
         self.on_done = on_done
-        self.metrics = EngineMetrics(info.model, max_model_len, log_interval=0)
+        self.metrics = EngineMetrics(info.model, max_model_len, log_interval=0,
+                                     max_num_batched_tokens=info.max_num_batched_tokens)
         self.feeder = SimMetricsFeeder(self.metrics, prompt_len, info.block_size)
         self.gate = SnapshotGate(max_rate=max_snapshot_rate)
         # Windows are the server's in wall time, so in simulated time they stretch with the

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Sequence
 
+from pagedserve import metric_names as mn
 from pagedserve.bench.workloads import WorkloadRequest
 from pagedserve.config import EngineConfig, resolve_dtype
 from pagedserve.core.engine_core import (EngineCore, check_pool_fits, check_request_length, num_host_blocks_for,
@@ -166,9 +167,9 @@ class Timeline:
             total += n
             cumulative.append(total)
         stride = max(1, math.ceil(len(self.time) / max_points))
-        return {"t": self.time[::stride], "num_requests_running": self.num_running[::stride],
-                "num_requests_waiting": self.num_waiting[::stride], "num_requests_swapped": self.num_swapped[::stride],
-                "kv_cache_usage_perc": self.kv_usage[::stride], "num_preemptions_total": cumulative[::stride]}
+        return {"t": self.time[::stride], mn.NUM_REQUESTS_RUNNING: self.num_running[::stride],
+                mn.NUM_REQUESTS_WAITING: self.num_waiting[::stride], mn.NUM_REQUESTS_SWAPPED: self.num_swapped[::stride],
+                mn.KV_CACHE_USAGE_PERC: self.kv_usage[::stride], mn.exposed(mn.NUM_PREEMPTIONS): cumulative[::stride]}
 
 
 @dataclass
@@ -194,19 +195,19 @@ class SimResult:
         simulated steps instead: so the simulated report has the same 'inside the server' part."""
         t = self.timeline
         view = {"num_samples": len(t.time)}
-        for name, series in (("kv_cache_usage_perc", t.kv_usage), ("num_requests_running", t.num_running),
-                             ("num_requests_waiting", t.num_waiting), ("num_requests_swapped", t.num_swapped)):
+        for name, series in ((mn.KV_CACHE_USAGE_PERC, t.kv_usage), (mn.NUM_REQUESTS_RUNNING, t.num_running),
+                             (mn.NUM_REQUESTS_WAITING, t.num_waiting), (mn.NUM_REQUESTS_SWAPPED, t.num_swapped)):
             if series:
                 view[f"peak_{name}"] = max(series)
                 view[f"mean_{name}"] = sum(series) / len(series)
-        view["num_preemptions_total"] = float(self.num_preemptions)
+        view[mn.exposed(mn.NUM_PREEMPTIONS)] = float(self.num_preemptions)
         view["preemptions_by_mode"] = {m: float(n) for m, n in self.preemptions_by_mode.items() if n}
-        view["swapped_blocks_total"] = float(self.num_blocks_swapped_out + self.num_blocks_swapped_in)
-        view["swapped_blocks_by_direction"] = {"out": float(self.num_blocks_swapped_out),
+        view[mn.exposed(mn.SWAPPED_BLOCKS)] = float(self.num_blocks_swapped_out + self.num_blocks_swapped_in)
+        view[f"{mn.SWAPPED_BLOCKS}_by_direction"] = {"out": float(self.num_blocks_swapped_out),
                                                "in": float(self.num_blocks_swapped_in)}
         if self.prefix_cache_queries:
-            view["prefix_cache_queries_total"] = float(self.prefix_cache_queries)
-            view["prefix_cache_hits_total"] = float(self.prefix_cache_hits)
+            view[mn.exposed(mn.PREFIX_CACHE_QUERIES)] = float(self.prefix_cache_queries)
+            view[mn.exposed(mn.PREFIX_CACHE_HITS)] = float(self.prefix_cache_hits)
             view["prefix_cache_hit_rate"] = self.prefix_cache_hits / self.prefix_cache_queries
         return view
 

@@ -10,7 +10,7 @@ import time
 from urllib.parse import urlsplit, urlunsplit
 
 from pagedserve.tune.advisor import Thresholds, advise, format_report, observe
-from pagedserve.tune.prom import Snapshot, parse_metrics, scrape
+from pagedserve.bench.prom import Snapshot, fetch_text, parse_metrics
 
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|min|h)?\s*$")
 _UNIT_SECONDS = {"ms": 0.001, "s": 1.0, None: 1.0, "m": 60.0, "min": 60.0, "h": 3600.0}
@@ -74,13 +74,13 @@ def scrape_interval(url: str, interval_s: float, sample_every_s: float, timeout:
     """Scrape at the start, every `sample_every_s`, and at the end; return the snapshots and the
     measured time between the first and the last."""
     start = clock()
-    snapshots = [parse_metrics(scrape(url, timeout))]
+    snapshots = [parse_metrics(fetch_text(url, timeout))]
     first_done = clock()
     k = 1
     while True:
         due = min(first_done + k * sample_every_s, first_done + interval_s)
         sleep(max(0.0, due - clock()))
-        snapshots.append(parse_metrics(scrape(url, timeout)))
+        snapshots.append(parse_metrics(fetch_text(url, timeout)))
         if due >= first_done + interval_s:
             break
         k += 1

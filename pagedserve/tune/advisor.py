@@ -18,7 +18,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
-from pagedserve.tune.prom import Snapshot, counter_delta, histogram_delta, histogram_quantile, naming_label
+from pagedserve import metric_names as mn
+from pagedserve.bench.prom import Snapshot, counter_delta, histogram_delta, histogram_quantile, naming_label
 
 
 @dataclass
@@ -64,8 +65,10 @@ class Observations:
     generation_tokens_per_s: float | None
     requests_per_s: float | None
     ttft_p50_ms: float | None
+    ttft_p90_ms: float | None
     ttft_p99_ms: float | None
     itl_p50_ms: float | None
+    itl_p90_ms: float | None
     itl_p99_ms: float | None
     e2e_p99_s: float | None
     queue_time_p99_ms: float | None
@@ -153,23 +156,23 @@ def observe(first: Snapshot, last: Snapshot, samples: list[Snapshot], interval_s
     def rate(d: float | None) -> float | None:
         return None if d is None else d / interval_s
 
-    kv = gauge_series("kv_cache_usage_perc")
-    running = gauge_series("num_requests_running")
-    waiting = gauge_series("num_requests_waiting")
-    swapped = gauge_series("num_requests_swapped")
-    busy = gauge_series("engine_busy_ratio")
+    kv = gauge_series(mn.KV_CACHE_USAGE_PERC)
+    running = gauge_series(mn.NUM_REQUESTS_RUNNING)
+    waiting = gauge_series(mn.NUM_REQUESTS_WAITING)
+    swapped = gauge_series(mn.NUM_REQUESTS_SWAPPED)
+    busy = gauge_series(mn.ENGINE_BUSY_RATIO)
     if gpu_util is not None:
         utilisation, source = gpu_util, "--gpu-util"
     elif busy:
-        utilisation, source = _mean(busy), "engine_busy_ratio"
+        utilisation, source = _mean(busy), mn.ENGINE_BUSY_RATIO
     else:
         utilisation, source = None, "unknown"
 
-    preemptions = delta("num_preemptions")
-    ttft, itl = hist("time_to_first_token_seconds"), hist("inter_token_latency_seconds")
-    e2e, queue = hist("e2e_request_latency_seconds"), hist("request_queue_time_seconds")
-    prompt_len, steps = hist("request_prompt_tokens"), hist("iteration_tokens_total")
-    finished = delta("request_success")
+    preemptions = delta(mn.NUM_PREEMPTIONS)
+    ttft, itl = hist(mn.TIME_TO_FIRST_TOKEN), hist(mn.INTER_TOKEN_LATENCY)
+    e2e, queue = hist(mn.E2E_REQUEST_LATENCY), hist(mn.REQUEST_QUEUE_TIME)
+    prompt_len, steps = hist(mn.REQUEST_PROMPT_TOKENS), hist(mn.ITERATION_TOKENS)
+    finished = delta(mn.REQUEST_SUCCESS)
     if finished is None and e2e is not None:
         finished = e2e.count
 
@@ -191,12 +194,14 @@ def observe(first: Snapshot, last: Snapshot, samples: list[Snapshot], interval_s
         swapped_mean=_mean(swapped),
         preemptions=preemptions,
         preemptions_per_min=None if preemptions is None else preemptions * 60.0 / interval_s,
-        prompt_tokens_per_s=rate(delta("prompt_tokens")),
-        generation_tokens_per_s=rate(delta("generation_tokens")),
+        prompt_tokens_per_s=rate(delta(mn.PROMPT_TOKENS)),
+        generation_tokens_per_s=rate(delta(mn.GENERATION_TOKENS)),
         requests_per_s=rate(finished),
         ttft_p50_ms=_ms(quantile(ttft, 0.5)),
+        ttft_p90_ms=_ms(quantile(ttft, 0.9)),
         ttft_p99_ms=_ms(quantile(ttft, 0.99)),
         itl_p50_ms=_ms(quantile(itl, 0.5)),
+        itl_p90_ms=_ms(quantile(itl, 0.9)),
         itl_p99_ms=_ms(quantile(itl, 0.99)),
         e2e_p99_s=quantile(e2e, 0.99),
         queue_time_p99_ms=_ms(quantile(queue, 0.99)),
@@ -422,8 +427,9 @@ def format_report(report: Report, source: str) -> str:
         f"{_f(o.waiting_mean, 1)} max {_f(o.waiting_max, 0)} (> 0 in {_pct(o.waiting_share)} of samples); "
         f"swapped mean {_f(o.swapped_mean, 1)}",
         f"  preemptions: {_f(o.preemptions, 0)} ({_f(o.preemptions_per_min, 1)}/min)",
-        f"  latency: TTFT P50/P99 {_f(o.ttft_p50_ms, 0)}/{_f(o.ttft_p99_ms, 0)} ms (SLO {t.ttft_p99_ms:g}); "
-        f"ITL P50/P99 {_f(o.itl_p50_ms, 1)}/{_f(o.itl_p99_ms, 1)} ms (SLO {t.itl_p99_ms:g}); "
+        f"  latency: TTFT P50/P90/P99 {_f(o.ttft_p50_ms, 0)}/{_f(o.ttft_p90_ms, 0)}/{_f(o.ttft_p99_ms, 0)} ms "
+        f"(SLO {t.ttft_p99_ms:g}); ITL P50/P90/P99 {_f(o.itl_p50_ms, 1)}/{_f(o.itl_p90_ms, 1)}/"
+        f"{_f(o.itl_p99_ms, 1)} ms (SLO {t.itl_p99_ms:g}); "
         f"queue P99 {_f(o.queue_time_p99_ms, 0)} ms; e2e P99 {_f(o.e2e_p99_s, 2)} s",
         f"  prompt tokens: mean {_f(o.prompt_tokens_mean, 0)}, P90 {_f(o.prompt_tokens_p90, 0)}",
         "",
