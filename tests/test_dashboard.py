@@ -475,29 +475,36 @@ def test_dashboard_page_in_a_browser(tiny_llama, browser, tmp_path):
         assert page.locator("#tooltip").is_hidden()
 
         # Ten 100-token prompts fill the 64 blocks at admission; their decodes must preempt.
+        # (A request needs ceil(160 / 16) = 10 blocks at its end: 100 for the ten.)
         failures: list[str] = []
 
         def one(i: int) -> None:
             try:
                 r = httpx.post(st.url + "/v1/completions", timeout=120,
-                               json={"prompt": [10 + i] * 100, "max_tokens": 40, "ignore_eos": True,
+                               json={"prompt": [10 + i] * 100, "max_tokens": 60, "ignore_eos": True,
                                      "temperature": 0})
                 if r.status_code != 200:
                     failures.append(r.text)
             except Exception as e:  # noqa: BLE001 - reported by the test thread
                 failures.append(repr(e))
 
+        paused = threading.Event()
+
+        def pause_at_first_preemption(outs) -> None:
+            if not paused.is_set() and any(outs.stats.num_preempted.values()):
+                paused.set()
+                async_engine.pause()
+
+        async_engine.step_listeners.append(pause_at_first_preemption)
         load = [threading.Thread(target=one, args=(i,)) for i in range(10)]
         for t in load:
             t.start()
         # The in-use count on the page equals /metrics' used blocks within one refresh. Both
-        # move every step, so once the page has shown a preemption the engine is held between
-        # two steps (AsyncLLM.pause) and the page must then show exactly /metrics' number. The
-        # gate is opened to every step here, so the step it stopped after carries a snapshot.
-        page.wait_for_function("() => { const s = window.pagedserveDashboard;"
-                               " return s.totals.preemptions.recompute + s.totals.preemptions.swap > 0"
-                               " && s.pool.used > 0; }", timeout=60_000)
-        async_engine.pause()
+        # move every step, so at the first preemption the engine is held between two steps
+        # (AsyncLLM.pause, from the loop as soon as it sees the step) and the page must then
+        # show exactly /metrics' number. The gate is opened to every step here, so the step
+        # the engine stopped after carries a snapshot.
+        assert paused.wait(60), "no preemption"
         steps = -1.0
         while (now := scrape(st)["pagedserve:engine_step_seconds_count{}"]) != steps:  # the step in flight lands
             steps = now

@@ -214,7 +214,7 @@ class LiveAdvisor:
             return False
         self._next = now + self.sample_every
         from pagedserve.tune.advisor import advise, observe
-        from pagedserve.tune.prom import parse_metrics
+        from pagedserve.bench.prom import parse_metrics
 
         text = self.metrics_text()
         self.samples.append((now, parse_metrics(text.decode() if isinstance(text, bytes) else text)))
