@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from msgspec import Struct, field
 
 from pagedserve.core.request import FinishReason
+from pagedserve.core.snapshot import PoolSnapshot
 
 
 class TokenLogprobs(Struct, array_like=True):
@@ -86,6 +87,7 @@ class EngineCoreOutput(Struct, array_like=True, omit_defaults=True):
     num_preemptions: int = 0
     first_scheduled_time: float | None = None  # on a request's first output only
     num_cached_tokens: int = 0                 # on a request's first output only
+    arrival_time: float | None = None          # on a request's first output only (TTFT without a lookup)
     # On a request's first output only, when it asked for them: prompt tokens 1.. (token 0 has none).
     prompt_logprobs: list[TokenLogprobs] | None = None
 
@@ -103,3 +105,6 @@ class EngineCoreOutputs(Struct, array_like=True):
     step_time: float = 0.0          # wall seconds of the whole step (schedule, execute, update)
     execute_time: float = 0.0       # of which in the executor
     forward_time: float = 0.0       # of which in the model forward + sampling
+    # The pool and queues after this step (core/snapshot.py), only when a dashboard asked for
+    # one: the engine loop takes it at a bounded rate, the front-end's loop ships it.
+    pool_snapshot: PoolSnapshot | None = None

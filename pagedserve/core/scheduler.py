@@ -405,6 +405,7 @@ class Scheduler:
                 req.times.first_token = now
                 output.first_scheduled_time = req.times.first_scheduled
                 output.num_cached_tokens = req.num_cached_tokens
+                output.arrival_time = req.times.arrival
                 output.prompt_logprobs, req.prompt_logprobs = req.prompt_logprobs, None
             req.times.last_token = now
             status, reason = check_token_stop(req, token, self.config.max_model_len)

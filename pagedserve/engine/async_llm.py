@@ -61,6 +61,9 @@ class AsyncLLM:
         self._started = False
         self.dead_error: BaseException | None = None
         self._num_waiting_in_core = 0
+        # The dashboard's seam (server/dashboard.py): callables the loop hands every step's
+        # outputs to. Pool snapshots are taken by the client's engine thread (pool_snapshots).
+        self.step_listeners: list = []
         self._publish_metrics(self.client.initial_snapshot())  # the pool size is known before the first request
 
     @property
@@ -68,6 +71,19 @@ class AsyncLLM:
         """The EngineCore when it steps in this process (the thread client); None when it runs
         in an engine-core process."""
         return getattr(self.client, "engine_core", None)
+
+    @property
+    def pool_snapshots(self):
+        """The gate (core.snapshot.SnapshotGate) the engine thread consults after each step to
+        attach a pool snapshot to the step's outputs; only the thread client has one."""
+        return getattr(self.client, "pool_snapshots", None)
+
+    @pool_snapshots.setter
+    def pool_snapshots(self, gate) -> None:
+        if not hasattr(self.client, "pool_snapshots"):
+            raise ValueError("the dashboard's pool view needs the engine core in this process "
+                             "(--engine-core-mode thread)")
+        self.client.pool_snapshots = gate
 
     # -- life cycle ---------------------------------------------------------------------
     def start(self) -> None:
@@ -187,6 +203,11 @@ class AsyncLLM:
                 self.abort(out.request_id)
                 queue.put_nowait((out.request_id, e))
         self._publish_metrics(core_outputs)
+        for listener in self.step_listeners:
+            try:
+                listener(core_outputs)
+            except Exception:  # noqa: BLE001 - a watcher's failure must not stop the serving
+                logger.exception("step listener %r failed", listener)
 
     def _process_output(self, queue: asyncio.Queue, out: RequestOutput) -> None:
         if out.finished:

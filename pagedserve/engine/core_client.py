@@ -94,6 +94,7 @@ class ThreadCoreClient:
         self._post: Callable[[object], None] | None = None
         self._stop = False
         self._paused = False  # tests: hold the thread so queue states can be set up exactly
+        self.pool_snapshots = None  # core.snapshot.SnapshotGate | None: the dashboard's pool view
 
     def initial_snapshot(self) -> EngineCoreOutputs:
         return self.engine_core.snapshot()
@@ -165,7 +166,17 @@ class ThreadCoreClient:
                 logger.exception("engine step failed; the engine is dead")
                 self._post(e)
                 return
+            if self.pool_snapshots is not None:
+                self._attach_pool_snapshot(outputs)
             self._post(outputs)
+
+    def _attach_pool_snapshot(self, outputs: EngineCoreOutputs) -> None:
+        """A snapshot only reads the core: if it fails, the pool view stops, the engine does not."""
+        try:
+            outputs.pool_snapshot = self.pool_snapshots.take(self.engine_core.scheduler)
+        except Exception:  # noqa: BLE001
+            logger.exception("pool snapshot failed; the dashboard's pool view stops")
+            self.pool_snapshots = None
 
     def _apply(self, commands: list[tuple]) -> None:
         core = self.engine_core

@@ -685,9 +685,11 @@ class _EngineStream(StreamingResponse):
 
 def build_app(async_engine: AsyncLLM, api_key: str | None = None, manage_engine: bool = True,
               max_request_bytes: int | None = None, enable_prompt_tokens_details: bool = False,
-              enable_auto_tool_choice: bool = False, tool_call_parser: str | None = None) -> FastAPI:
+              enable_auto_tool_choice: bool = False, tool_call_parser: str | None = None,
+              dashboard: bool = True) -> FastAPI:
     """The FastAPI app. With manage_engine the engine thread starts and stops with the app.
-    `max_request_bytes`: None = default_max_request_bytes(max_model_len); 0 = no limit."""
+    `max_request_bytes`: None = default_max_request_bytes(max_model_len); 0 = no limit.
+    `dashboard`: serve /dashboard (server/dashboard.py)."""
     server = OpenAIServer(async_engine, enable_prompt_tokens_details, enable_auto_tool_choice, tool_call_parser)
     metrics = async_engine.metrics
     if max_request_bytes is None:
@@ -811,4 +813,10 @@ def build_app(async_engine: AsyncLLM, api_key: str | None = None, manage_engine:
             raise APIError(400, "tokens: this model has no tokenizer", "tokens")
         return {"prompt": await server.off_loop(server.decode, body.tokens)}
 
+    if dashboard and async_engine.engine_core is None:
+        logger.warning("no /dashboard: its pool view reads the engine core, which runs in another process "
+                       "here (--engine-core-mode process); use --engine-core-mode thread to see it")
+    elif dashboard:
+        from pagedserve.server.dashboard import mount_dashboard
+        mount_dashboard(app, async_engine)
     return app

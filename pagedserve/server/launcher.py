@@ -32,7 +32,8 @@ CPU_DEFAULT_ENGINE_CORE_MODE = "thread"
 def build_server(config: EngineConfig, api_key: str | None = None, max_queue_len: int | None = None,
                  log_interval: float = 10.0, max_request_bytes: int | None = None,
                  enable_prompt_tokens_details: bool = False, enable_auto_tool_choice: bool = False,
-                 tool_call_parser: str | None = None, engine_core_mode: str = "thread"):
+                 tool_call_parser: str | None = None, engine_core_mode: str = "thread",
+                 dashboard: bool = True):
     """(app, async_engine). engine_core_mode: "thread" (the core steps in a thread of this
     process, from an Engine), "process" (an engine-core process, started and ready before
     this returns), or "auto". The core's side starts with the app."""
@@ -51,7 +52,8 @@ def build_server(config: EngineConfig, api_key: str | None = None, max_queue_len
     async_engine = AsyncLLM(engine, metrics, max_queue_len=max_queue_len, client=client)
     return build_app(async_engine, api_key=api_key, max_request_bytes=max_request_bytes,
                      enable_prompt_tokens_details=enable_prompt_tokens_details,
-                     enable_auto_tool_choice=enable_auto_tool_choice, tool_call_parser=tool_call_parser), async_engine
+                     enable_auto_tool_choice=enable_auto_tool_choice, tool_call_parser=tool_call_parser,
+                     dashboard=dashboard), async_engine
 
 
 class ServerThread:

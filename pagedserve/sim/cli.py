@@ -54,6 +54,14 @@ def register(subparsers) -> None:
                    help="write the report, timelines and per-request preemptions as JSON")
     o.add_argument("--plot", "--plot-dir", dest="plot", default=None, metavar="DIR", help="write PNG plots here")
     o.add_argument("--save-records", action="store_true", help="include every request's timings in the JSON")
+    dash = p.add_argument_group("dashboard")
+    dash.add_argument("--dashboard", action="store_true",
+                      help="replay the run into the server's /dashboard page (it starts when the page connects; "
+                           "the page stays up after the run until Ctrl-C)")
+    dash.add_argument("--dashboard-speed", type=float, default=1.0, metavar="X",
+                      help="simulated seconds per wall second (inf = as fast as it runs)")
+    dash.add_argument("--dashboard-host", default="127.0.0.1")
+    dash.add_argument("--dashboard-port", type=int, default=8000)
     p.set_defaults(func=run)
 
     sub = p.add_subparsers(dest="sim_command", required=False)
@@ -83,9 +91,11 @@ def build_workload(args, vocab_size: int):
 
 def run(args) -> int:
     from pagedserve.engine_args import engine_config_from_args
-    from pagedserve.bench.report import format_summary, parse_goodput, results_from_records, summarize
+    from pagedserve.bench.report import parse_goodput
     from pagedserve.sim.simulator import build_deployment, simulate
 
+    if args.dashboard:
+        _check_dashboard_args(args)
     if args.num_prompts < 1:
         raise ValueError(f"num_prompts: must be >= 1, got {args.num_prompts}")
     slos = parse_goodput(args.goodput)
@@ -104,7 +114,46 @@ def run(args) -> int:
           f"max_model_len={cfg.max_model_len}; cost model: {dep.cost_model.params.source}", flush=True)
     print(f"workload: {args.workload_trace or args.dataset} x {len(workload)}, request rate {rate}, "
           f"burstiness {args.burstiness:g}, max concurrency {args.max_concurrency}", flush=True)
+    if args.dashboard:
+        return _run_with_dashboard(args, dep, workload, slos)
     result = simulate(dep, workload, max_concurrency=args.max_concurrency, goodput_slos=slos, seed=args.seed or 0)
+    _report(args, dep, result, slos)
+    return 0
+
+
+def _check_dashboard_args(args) -> None:
+    if not args.dashboard_speed > 0:
+        raise ValueError(f"dashboard_speed: must be > 0 simulated seconds per second, got {args.dashboard_speed}")
+    if not 0 <= args.dashboard_port <= 65535:
+        raise ValueError(f"dashboard_port: must be in [0, 65535], got {args.dashboard_port}")
+
+
+def _run_with_dashboard(args, dep, workload, slos) -> int:
+    from pagedserve.server.dashboard import run_server
+    from pagedserve.sim.dashboard_replay import SimReplay, replay_info, workload_prompt_len
+    from pagedserve.sim.simulator import simulate
+
+    speed = args.dashboard_speed
+
+    def run_simulation(on_step, gate):
+        return simulate(dep, workload, max_concurrency=args.max_concurrency, goodput_slos=slos,
+                        seed=args.seed or 0, on_step=on_step, pool_snapshots=gate)
+
+    def on_done(result):
+        _report(args, dep, result, slos)
+        print("simulation finished; the dashboard stays up until Ctrl-C", flush=True)
+
+    replay = SimReplay(run_simulation, replay_info(dep, speed), workload_prompt_len(workload),
+                       dep.config.max_model_len, speed=speed, on_done=on_done)
+    print(f"dashboard: open http://{args.dashboard_host}:{args.dashboard_port}/dashboard — the replay "
+          f"(x{speed:g}) starts when the page connects", flush=True)
+    run_server(replay.app(), args.dashboard_host, args.dashboard_port, "warning")
+    return 1 if replay.error is not None else 0
+
+
+def _report(args, dep, result, slos) -> None:
+    from pagedserve.bench.report import format_summary, results_from_records, summarize
+
     summary = summarize(results_from_records(result.records), result.metrics["duration"], slos,
                         server=result.server_view())
     print(format_summary(summary, "Simulated Serving Result"))
@@ -129,7 +178,6 @@ def run(args) -> int:
         for path in plot_run(results_from_records(result.records), result.timeline.as_scraped(),
                              result.metrics["duration"], args.plot):
             print(f"wrote {path}")
-    return 0
 
 
 def run_calibrate(args) -> int:

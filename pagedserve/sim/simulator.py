@@ -35,6 +35,7 @@ from pagedserve.config import EngineConfig, resolve_dtype
 from pagedserve.core.engine_core import (EngineCore, check_pool_fits, check_request_length, num_host_blocks_for,
                                          size_pool)
 from pagedserve.core.request import Request
+from pagedserve.core.snapshot import take_snapshot
 from pagedserve.plan.kv_budget import KVPoolSize
 from pagedserve.sampling import SamplingParams
 from pagedserve.sim.cost_model import CostModel, CostParams, ModelCost, load_params
@@ -289,12 +290,14 @@ def _prompt_ids(w: WorkloadRequest, index: int, vocab_size: int, rng: random.Ran
 def simulate(deployment: Deployment, workload: Sequence[WorkloadRequest], *, max_concurrency: int | None = None,
              goodput_slos: dict[str, float] | None = None, executor=None, seed: int = 0,
              on_step: Callable | None = None, max_steps: int | None = None,
-             clock: VirtualClock | None = None) -> SimResult:
+             clock: VirtualClock | None = None, pool_snapshots=None) -> SimResult:
     """Run `workload` through the deployment's engine core on a virtual clock.
 
     `executor` defaults to SimExecutor(deployment.cost_model) advancing `clock`; tests pass
     a recording one that advances the clock they pass. `on_step(core_outputs)` is called
-    after every step.
+    after every step. `pool_snapshots` (a core.snapshot.SnapshotGate; the dashboard's replay)
+    attaches a pool snapshot to the steps it says, and a last state report (no step, a
+    snapshot of the drained pool) goes to `on_step` when the run ends.
     """
     wall0 = time.perf_counter()
     config = deployment.config
@@ -386,10 +389,16 @@ def simulate(deployment: Deployment, workload: Sequence[WorkloadRequest], *, max
         timeline.num_batched_tokens.append(st.num_batched_tokens)
         timeline.num_preempted.append(n_pre)
         steps += 1
+        if pool_snapshots is not None:
+            outs.pool_snapshot = pool_snapshots.take(scheduler)
         if on_step is not None:
             on_step(outs)
         if max_steps is not None and steps >= max_steps:
             break
+    if pool_snapshots is not None and on_step is not None:
+        final = core.snapshot()
+        final.pool_snapshot = take_snapshot(scheduler)
+        on_step(final)
 
     records = [r for r in records if r is not None]
     duration = max((r.finish for r in records if r.finish is not None), default=clock.now)
