@@ -325,3 +325,40 @@ def test_simulate_writes_the_step_trace_it_is_asked_for(tmp_path, capsys):
         assert s.t_end >= t + s.step_time - 1e-9
         t = s.t_end
     assert steps[-1].t_end <= data["duration"]
+
+
+# -- servers without a step trace (vLLM): steps rebuilt from the client's token arrivals --------
+def test_steps_rebuilt_from_token_arrivals_by_hand():
+    from pagedserve.sim.reconstruct import histogram_mean, serving_from_metrics, steps_from_bench
+
+    # Engine steps (end times): A alone (prefill, 2 decodes), then B joins; an idle spell; C alone.
+    # step 1 @1.00: A prefill (prompt 10)      step 2 @1.05: A decode
+    # step 3 @1.10: A decode, B prefill (20)   step 4 @1.15: A decode, B decode
+    # idle ... step 5 @3.00: C prefill (5)     step 6 @3.04: C decode
+    arrivals = {"A": [1.00, 1.05, 1.10, 1.15], "B": [1.1003, 1.1502], "C": [3.00, 3.04]}
+    prompts, sends = {"A": 10, "B": 20, "C": 5}, {"A": 0.9, "B": 1.02, "C": 2.95}
+    result = {"requests": [{"success": True, "prompt_len": prompts[k], "start": sends[k], "num_chunks": len(t),
+                            "output_tokens": len(t), "ttft": t[0] - sends[k],
+                            "itl": [b - a for a, b in zip(t, t[1:])]} for k, t in arrivals.items()]
+              + [{"success": False, "prompt_len": 3, "start": 0.0, "num_chunks": 0}]}
+    rebuilt = steps_from_bench(result, threshold_s=0.01)
+    assert rebuilt.num_clusters == 6 and rebuilt.num_idle_starts == 2 and rebuilt.num_skipped == 1
+    got = [(s.new_tokens, s.context_lens, round(s.step_time, 6)) for s in rebuilt.steps]
+    assert got == [([1], [11], 0.05),                  # A's 2nd token: decode at context 10 + 1
+                   ([1, 20], [12, 20], 0.05),          # A decodes while B's prompt runs
+                   ([1, 1], [13, 21], 0.05),
+                   ([1], [6], 0.04)]                   # after C's idle start (left out)
+    # Metrics: the client's TTFT minus the engine's queue + prefill is the serving overhead.
+    before = ("vllm:request_queue_time_seconds_sum{model_name=\"m\"} 1.0\n"
+              "vllm:request_queue_time_seconds_count{model_name=\"m\"} 10\n"
+              "vllm:request_prefill_time_seconds_sum{model_name=\"m\"} 2.0\n"
+              "vllm:request_prefill_time_seconds_count{model_name=\"m\"} 10\n")
+    after = ("vllm:request_queue_time_seconds_sum{model_name=\"m\"} 1.03\n"
+             "vllm:request_queue_time_seconds_count{model_name=\"m\"} 13\n"
+             "vllm:request_prefill_time_seconds_sum{model_name=\"m\"} 2.06\n"
+             "vllm:request_prefill_time_seconds_count{model_name=\"m\"} 13\n")
+    assert histogram_mean(before, after, "vllm:request_queue_time_seconds") == (pytest.approx(0.01), 3)
+    overhead, report = serving_from_metrics(result, before, after)
+    client = ((1.00 - 0.9) + (1.1003 - 1.02) + (3.00 - 2.95)) / 3
+    assert overhead == pytest.approx(client - 0.01 - 0.02)
+    assert report["client_ttft_mean_s"] == pytest.approx(client)

@@ -64,8 +64,16 @@ def register(subparsers) -> None:
                        description="Fit the step cost (and, from the server's request trace, the serving "
                                    "overhead) to what a live server logged; print the fit's error by step kind "
                                    "and warn where the trace leaves a term unfitted.")
-    c.add_argument("--trace", required=True, nargs="+", metavar="TRACE",
-                   help="JSON lines written by the engine (--step-trace-path); several runs may be given")
+    src = c.add_mutually_exclusive_group(required=True)
+    src.add_argument("--trace", nargs="+", metavar="TRACE",
+                     help="JSON lines written by the engine (--step-trace-path); several runs may be given")
+    src.add_argument("--from-bench", metavar="RESULT.json",
+                     help="a server that writes no step trace (vLLM): rebuild its steps from this `pagedserve bench "
+                          "--result-file` (every streamed token's arrival; see pagedserve/sim/reconstruct.py)")
+    c.add_argument("--metrics-before", default=None, metavar="FILE",
+                   help="with --from-bench: the server's /metrics scraped just before the run ...")
+    c.add_argument("--metrics-after", default=None, metavar="FILE",
+                   help="... and just after: the serving overhead is the client's TTFT minus the engine's own")
     c.add_argument("--request-trace", default=None, nargs="+", metavar="FILE",
                    help="the server's request trace, one per TRACE (default: each TRACE's companion "
                         "STEM.requests.jsonl, where it exists)")
@@ -181,6 +189,8 @@ def run_calibrate(args) -> int:
                           attention_layout=args.attention_layout or "paged", combine=args.combine or "sum")
         dtype = resolve_dtype(args.dtype, info.checkpoint_dtype, "cpu")
     mcost = ModelCost.from_shape(info.shape, dtype, None, args.tp)
+    if args.from_bench:
+        return _calibrate_from_bench(args, info, mcost, base, dtype)
     for name, given in (("request_trace", args.request_trace), ("bench_result", args.bench_result)):
         if given is not None and len(given) != len(args.trace):
             raise ValueError(f"{name}: give one per --trace ({len(args.trace)}), got {len(given)}")
@@ -221,6 +231,46 @@ def run_calibrate(args) -> int:
         print(json.dumps({"params": params.to_dict(), "fit": report, "serving_fit": serving_report}, indent=2))
     else:
         print(format_calibration(params, report, serving_report))
+    print(f"wrote {args.out}")
+    return 0
+
+
+def _calibrate_from_bench(args, info, mcost, base, dtype) -> int:
+    from pagedserve.sim.cost_model import CostModel, ServingOverhead, fit
+    from pagedserve.sim.reconstruct import serving_from_metrics, steps_from_bench
+
+    result = json.loads(Path(args.from_bench).read_text())
+    rebuilt = steps_from_bench(result)
+    params, report = fit(rebuilt.steps, mcost, base, block_size=args.block_size,
+                         fit_pad_share=args.attention_layout is None and not args.gpu,
+                         max_model_len=args.max_model_len)
+    report["reconstruction"] = {"threshold_s": rebuilt.threshold_s, "num_requests": rebuilt.num_requests,
+                                "num_skipped": rebuilt.num_skipped, "num_clusters": rebuilt.num_clusters,
+                                "num_idle_starts": rebuilt.num_idle_starts, "num_split": rebuilt.num_split}
+    report["warnings"] = rebuilt.notes + report["warnings"]
+    serving_report = None
+    if args.metrics_before and args.metrics_after:
+        admit, serving_report = serving_from_metrics(result, Path(args.metrics_before).read_text(),
+                                                     Path(args.metrics_after).read_text())
+        params.serving = ServingOverhead(admit_s=admit, source="client TTFT minus the engine's queue + prefill "
+                                                               "time (its /metrics)").to_dict()
+    else:
+        report["warnings"].append("no --metrics-before/--metrics-after: the serving overhead is not modelled")
+    CostModel(mcost, params, args.block_size).save(args.out, {"fit": report, "serving_fit": serving_report,
+                                                              "model": info.name, "from_bench": args.from_bench,
+                                                              "dtype": dtype})
+    if args.json:
+        print(json.dumps({"params": params.to_dict(), "fit": report, "serving_fit": serving_report}, indent=2))
+    else:
+        r = report["reconstruction"]
+        print(f"rebuilt {len(rebuilt.steps)} steps from {r['num_requests']} requests' token arrivals "
+              f"({r['num_clusters']} clusters at a {r['threshold_s'] * 1e3:.1f} ms threshold; {r['num_idle_starts']} "
+              f"after an idle spell left out; {r['num_skipped']} requests skipped)")
+        print(format_calibration(params, report, None))
+        if serving_report:
+            print(f"  measured means: client TTFT {serving_report['client_ttft_mean_s'] * 1e3:.1f} ms, engine queue "
+                  f"{serving_report['engine_queue_mean_s'] * 1e3:.1f} ms + prefill "
+                  f"{serving_report['engine_prefill_mean_s'] * 1e3:.1f} ms")
     print(f"wrote {args.out}")
     return 0
 
