@@ -87,18 +87,22 @@ def long_context_dataset(n: int, long_fraction: float = 0.05, long_input_len: in
 
 def calibration_dataset(n: int, input_len: int = 512, output_len: int = 128, vocab_size: int = 32000,
                         seed: int = 0, max_len: int | None = None) -> list[WorkloadRequest]:
-    """Requests whose shapes span what a cost model is asked about: prompt and output lengths
-    log-uniform (prompts 8 .. 2 x input_len, outputs 4 .. 2 x output_len, each pair capped to
-    `max_len` tokens), so decodes run at short and long contexts and prefills come in every
-    size. Paired with `ramp_arrival_times`, batches grow from one request to overload (a
-    queue, full token budgets, mixed prefill + decode steps, and preemption where the pool
-    is small enough)."""
+    """Requests whose shapes span what a cost model is asked about: half the prompts
+    log-uniform over 8 .. 2 x input_len (short prompts and small prefill chunks), half uniform
+    over input_len / 2 .. 2 x input_len (so decodes run at long contexts often enough to fit
+    the attention term there), outputs log-uniform over 4 .. 2 x output_len, each pair capped
+    to `max_len` tokens. Paired with `ramp_arrival_times`, batches grow from one request to
+    overload (a queue, full token budgets, mixed prefill + decode steps, and preemption where
+    the pool is small enough)."""
     if input_len < 1 or output_len < 1:
         raise ValueError(f"random_input_len / random_output_len: must be >= 1, got {input_len} / {output_len}")
     rng = random.Random(seed)
     out = []
     for _ in range(n):
-        p = _log_uniform(rng, 8, max(8, 2 * input_len))
+        if rng.random() < 0.5:
+            p = _log_uniform(rng, 8, max(8, 2 * input_len))
+        else:
+            p = rng.randint(max(1, input_len // 2), max(1, 2 * input_len))
         o = _log_uniform(rng, 4, max(4, 2 * output_len))
         if max_len is not None and p + o > max_len:
             p = max(1, min(p, max_len - 4))

@@ -118,11 +118,6 @@ class CostParams:
     # picks GEMM kernels by shape: here 3 decode rows took 20% longer than 4. Vidur
     # profiles every batch size for the same reason; `fit` fills this from the trace.
     token_count_factors: dict = field(default_factory=dict)
-    # How much the calibration run's steps scattered around the model: measured / predicted
-    # per step, in the trace's order, scaled to mean 1. The simulator replays them in blocks
-    # (SimExecutor) so tails and slow spells come out as the machine made them; empty = every
-    # step takes exactly the model's time.
-    step_time_factors: list = field(default_factory=list)
     # The serving layer's own time (ServingOverhead.to_dict()); empty = not modelled.
     serving: dict = field(default_factory=dict)
     # The shapes the calibration trace held (simulate warns when a run goes beyond them).
@@ -169,23 +164,13 @@ class ServingOverhead:
     admit_per_prompt_token_s: float = 0.0
     deliver_s: float = 0.0
     deliver_per_output_s: float = 0.0
-    # What the fit left over, request by request (seconds): the simulator adds a draw from
-    # these so the overhead's spread, not only its mean, reaches the TTFT tail.
-    admit_residuals: list = field(default_factory=list)
-    deliver_residuals: list = field(default_factory=list)
     source: str = "none"
 
-    def admit(self, prompt_len: int, rng=None) -> float:
-        t = self.admit_s + self.admit_per_prompt_token_s * prompt_len
-        if rng is not None and self.admit_residuals:
-            t += self.admit_residuals[rng.randrange(len(self.admit_residuals))]
-        return max(t, 0.0)
+    def admit(self, prompt_len: int) -> float:
+        return self.admit_s + self.admit_per_prompt_token_s * prompt_len
 
-    def deliver(self, num_outputs: int, rng=None) -> float:
-        t = self.deliver_s + self.deliver_per_output_s * num_outputs
-        if rng is not None and self.deliver_residuals:
-            t += self.deliver_residuals[rng.randrange(len(self.deliver_residuals))]
-        return max(t, 0.0)
+    def deliver(self, num_outputs: int) -> float:
+        return self.deliver_s + self.deliver_per_output_s * num_outputs
 
     @property
     def is_zero(self) -> bool:
@@ -194,11 +179,9 @@ class ServingOverhead:
     def describe(self) -> str:
         if self.is_zero:
             return "none modelled (the cost model has no serving term: calibrate with a request trace)"
-        spread = (f"; spread from {len(self.admit_residuals)} + {len(self.deliver_residuals)} measured residuals"
-                  if self.admit_residuals or self.deliver_residuals else "")
         return (f"admission {self.admit_s * 1e3:.1f} ms + {self.admit_per_prompt_token_s * 1e6:.1f} us/prompt token, "
                 f"delivery {self.deliver_s * 1e3:.1f} ms + {self.deliver_per_output_s * 1e3:.2f} ms per request "
-                f"in the step ({self.source}{spread})")
+                f"in the step ({self.source})")
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -615,7 +598,6 @@ def format_error_report(rep: dict) -> str:
 # FLOPs, GEMM bytes, attention FLOPs, attention bytes (both with the padding share), swap bytes.
 _COL_STEP, _COL_REQ, _COL_CHUNK, _COL_LF, _COL_LB, _COL_AF, _COL_AB, _COL_SWAP = range(8)
 _PAD_SHARES = (0.0, 0.25, 0.5, 0.75, 1.0)
-MAX_STEP_FACTORS = 5000
 
 
 def _design(records: Sequence[StepTrace], model: ModelCost, block_size: int, pad_share: float, form: str):
@@ -802,10 +784,8 @@ def fit(records: Iterable[StepTrace], model: ModelCost, base: CostParams, *, blo
                      f"from {how} (run the calibration load on a small pool with --preemption-mode swap to fit it)")
 
     ratios = y[keep] / np.maximum(pred[keep], 1e-12)
-    step_factors = [round(float(v), 3) for v in (ratios / ratios.mean())[:MAX_STEP_FACTORS]]
     params = replace(
         base,
-        step_time_factors=step_factors,
         step_overhead_s=float(k[_COL_STEP]), per_request_overhead_s=float(k[_COL_REQ]),
         per_prefill_overhead_s=float(k[_COL_CHUNK]), per_output_overhead_s=per_output,
         gemm_mfu=eff(k[_COL_LF], base.peak_flops), gemm_mbu=eff(k[_COL_LB], base.mem_bandwidth),
@@ -826,6 +806,8 @@ def fit(records: Iterable[StepTrace], model: ModelCost, base: CostParams, *, blo
         "token_count_factors": factors, "attention_pad_share": float(pad_share),
         "pad_share_scores": {str(s): score(s) for s in shares} if len(shares) > 1 else None,
         "step_gap": gap_info, "host_bandwidth": host_source, "coverage": coverage, "errors": errors,
+        # How widely steps scatter around the model (measured / predicted): the simulator
+        # predicts means; on a shared machine single steps land this far either side.
         "step_time_spread": {"p10": float(np.percentile(ratios, 10) / ratios.mean()),
                              "p50": float(np.percentile(ratios, 50) / ratios.mean()),
                              "p90": float(np.percentile(ratios, 90) / ratios.mean()),
@@ -887,20 +869,35 @@ def fit_serving(requests: Sequence[dict], steps: Sequence[StepTrace]) -> tuple[S
     """Fit ServingOverhead from the request trace joined to its step trace.
 
     admission = t_submit - (t_send if the client's view was matched, else t_http), regressed
-    on (1, prompt tokens); delivery = (t_client_first, else t_first_out) - t_first_token and
+    on (1, prompt tokens) over the requests that found the serving layer free (every earlier
+    request already handed to the engine): a burst queues at the HTTP loop and the tokenizer
+    thread, and the overload phase of a calibration run would otherwise set the mean for
+    every load (under overload the engine's queue dwarfs it anyway); delivery = (t_client_first, else t_first_out) - t_first_token and
     (t_client_last, else t_last_out) - t_last_token, regressed on (1, requests fed by that step: the step-trace
     line whose t_end is that token's time). Plain least squares on seconds, non-negative:
     the simulator needs the mean right (the tails come from the steps and the queue)."""
     import numpy as np
 
     outputs_at = {r.t_end: r.num_outputs for r in steps if r.t_end}
+
+    def arrived_at(q):
+        return q.get("t_send") if q.get("t_send") is not None else q.get("t_http")
+
+    timed = sorted((q for q in requests if arrived_at(q) is not None and q.get("t_submit") is not None),
+                   key=arrived_at)
+    free, latest_submit = set(), -math.inf
+    for q in timed:
+        if latest_submit < arrived_at(q):
+            free.add(id(q))
+        latest_submit = max(latest_submit, q["t_submit"])
+    use_free = len(free) >= 4
     adm_x, adm_y, del_x, del_y = [], [], [], []
     server_adm, client_adm, server_del, client_del = [], [], [], []
     for q in requests:
         if q.get("t_submit") is None or q.get("t_first_token") is None or q.get("t_first_out") is None:
             continue
-        arrived = q.get("t_send") if q.get("t_send") is not None else q.get("t_http")
-        if arrived is not None:
+        arrived = arrived_at(q)
+        if arrived is not None and (id(q) in free or not use_free):
             adm_x.append((1.0, float(q["prompt_len"] or 0)))
             adm_y.append(q["t_submit"] - arrived)
             if q.get("t_http") is not None:
@@ -929,8 +926,6 @@ def fit_serving(requests: Sequence[dict], steps: Sequence[StepTrace]) -> tuple[S
     d = _nnls(dx, dy)
     client = any(q.get("t_send") is not None for q in requests)
     overhead = ServingOverhead(float(a[0]), float(a[1]), float(d[0]), float(d[1]),
-                               [round(float(v), 5) for v in (ay - ax @ a)],
-                               [round(float(v), 5) for v in (dy - dx @ d)],
                                source=f"fitted on {len(adm_y)} requests"
                                       + (", client's send and receive times included" if client else
                                          ", server side only"))
@@ -940,6 +935,9 @@ def fit_serving(requests: Sequence[dict], steps: Sequence[StepTrace]) -> tuple[S
 
     report = {
         "num_requests": len(requests), "num_admissions": len(adm_y), "num_deliveries": len(del_y),
+        "admissions_from": "requests that found the serving layer free" if use_free else "all requests",
+        "admission_residual_p99_s": float(np.percentile(ay - ax @ a, 99)),
+        "delivery_residual_p99_s": float(np.percentile(dy - dx @ d, 99)),
         "admission_mean_s": mean(adm_y), "delivery_mean_s": mean(del_y),
         "server_admission_mean_s": mean(server_adm), "client_to_server_mean_s": mean(client_adm),
         "server_delivery_mean_s": mean(server_del), "server_to_client_mean_s": mean(client_del),

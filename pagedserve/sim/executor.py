@@ -14,8 +14,6 @@ import random
 
 from pagedserve.core.outputs import StepResult
 
-FACTOR_BLOCK = 32  # steps replayed in a row from the calibration's scatter
-
 
 class SimExecutor:
     def __init__(self, cost_model, vocab_size: int = 32000, seed: int = 0, clock=None) -> None:
@@ -26,12 +24,6 @@ class SimExecutor:
         self._high = max(vocab_size, self._low + 1)
         self._ids = [self._rng.randrange(self._low, self._high) for _ in range(4099)]
         self._next = 0
-        # Calibrated scatter of step times (CostParams.step_time_factors), replayed in blocks of
-        # consecutive steps from random starting points: a slow spell stays a spell.
-        self._factors = list(getattr(cost_model.params, "step_time_factors", None) or [])
-        self._factor_rng = random.Random(seed + 1)
-        self._factor_pos = 0
-        self._factor_left = 0
         # The largest shapes the run asked the cost model about (compared with what it was
         # calibrated on: cost_model.run_beyond_coverage).
         self.shapes = {"max_decode_batch": 0, "max_context": 0, "max_step_tokens": 0, "max_prefill_chunk": 0,
@@ -72,20 +64,10 @@ class SimExecutor:
         self._next = k
         self._note_shape(out)
         duration = self.cost_model.step_time(out) if not out.is_empty else 0.0
-        if self._factors and duration:
-            duration *= self._next_factor()
+
         if self.clock is not None:
             self.clock.now += duration
         return StepResult(sampled=sampled, duration=duration, forward_time=duration)
-
-    def _next_factor(self) -> float:
-        if self._factor_left == 0:
-            self._factor_pos = self._factor_rng.randrange(len(self._factors))
-            self._factor_left = FACTOR_BLOCK
-        factor = self._factors[self._factor_pos % len(self._factors)]
-        self._factor_pos += 1
-        self._factor_left -= 1
-        return factor
 
     def _note_shape(self, out) -> None:
         shapes = self.shapes

@@ -320,21 +320,14 @@ def simulate(deployment: Deployment, workload: Sequence[WorkloadRequest], *, max
     busy = 0.0
     max_len = config.max_model_len
     serving = ServingOverhead.from_dict(deployment.cost_model.params.serving)
-    serving_rng = random.Random(seed + 2)
-    admit_delay: dict[int, float] = {}  # one draw per request, kept until it is admitted
 
     def sent_at(w: WorkloadRequest) -> float:
         return max(w.arrival_time, slot_free_at) if max_concurrency is not None else w.arrival_time
 
-    def admission(i: int) -> float:
-        if i not in admit_delay:
-            admit_delay[i] = serving.admit(workload[i].prompt_len, serving_rng)
-        return admit_delay[i]
-
     def next_entry() -> float:
         """When the next request reaches the engine: sent, plus the serving layer's admission."""
-        i = order[next_idx]
-        return sent_at(workload[i]) + admission(i)
+        w = workload[order[next_idx]]
+        return sent_at(w) + serving.admit(w.prompt_len)
 
     def admit() -> None:
         nonlocal next_idx, in_flight
@@ -344,11 +337,10 @@ def simulate(deployment: Deployment, workload: Sequence[WorkloadRequest], *, max
             if max_concurrency is not None and in_flight >= max_concurrency:
                 return
             sent = sent_at(w)
-            entry = sent + admission(i)
+            entry = sent + serving.admit(w.prompt_len)
             if entry > clock.now:
                 return
             next_idx += 1
-            admit_delay.pop(i, None)
             rec = RequestRecord(str(i), sent, w.prompt_len, w.output_len)
             records[i] = rec
             try:
@@ -382,18 +374,20 @@ def simulate(deployment: Deployment, workload: Sequence[WorkloadRequest], *, max
                                f"{st.num_running} running, nothing schedulable")
         busy += outs.execute_time
         # The client sees the step's tokens after the serving layer delivered them.
-        now = outs.timestamp + serving.deliver(len(outs.outputs), serving_rng) if outs.outputs else outs.timestamp
+        now = outs.timestamp + serving.deliver(len(outs.outputs)) if outs.outputs else outs.timestamp
         for out in outs.outputs:
             rec = live[out.request_id]
+            # One stream delivers in order: a token never overtakes the one before it.
+            seen = max(now, rec.token_times[-1]) if rec.token_times else now
             if rec.first_token_time is None:
-                rec.first_token_time = now
-            rec.token_times.append(now)
+                rec.first_token_time = seen
+            rec.token_times.append(seen)
             if out.finished:
                 live.pop(out.request_id)
-                rec.finish = now
+                rec.finish = seen
                 rec.num_preemptions = out.num_preemptions
                 in_flight -= 1
-                slot_free_at = now
+                slot_free_at = seen
         n_pre = sum(st.num_preempted.values())
         preemptions += n_pre
         recomputed += st.num_recomputed_tokens
