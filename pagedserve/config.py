@@ -6,10 +6,15 @@ anything is allocated.
 from __future__ import annotations
 
 import enum
+import logging
 from dataclasses import dataclass, fields
 from typing import Any
 
+from pagedserve.cpu_isa import CpuFeatures, cpu_features
 from pagedserve.utils import parse_bytes
+
+logger = logging.getLogger("pagedserve.config")
+
 
 class _KnobEnum(str, enum.Enum):
     """A knob's allowed values: compares, prints and serialises as its plain string."""
@@ -43,14 +48,26 @@ DEFAULT_CPU_KV_CACHE_MEMORY = 4 * 2**30  # vLLM's CPU backend reserves 4 GiB unl
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
 
 
-def resolve_dtype(requested: str, checkpoint_dtype: str, device: str) -> str:
-    """The dtype the engine computes in. 'auto' takes the checkpoint's dtype, except that on
-    CPU half types compute in float32 (AVX2 machines have no fast bf16/fp16 arithmetic)."""
-    if requested != "auto":
-        return requested
-    if device == "cpu" or checkpoint_dtype not in ("float32", "bfloat16", "float16"):
-        return "float32"
-    return checkpoint_dtype
+def resolve_dtype(requested: str, checkpoint_dtype: str, device: str, features: CpuFeatures | None = None) -> str:
+    """The dtype the engine computes in (weights and KV cache).
+
+    'auto' takes the checkpoint's dtype on CUDA and float32 on CPU, on every CPU: the default
+    then gives the same tokens as the fp32 reference whatever the machine's ISA (a bf16
+    checkpoint computed in fp32 is exact; computed in bf16 it is not). 'bfloat16' on CPU runs
+    bf16 where the CPU has AVX512-BF16 or AMX (`features`, probed at run time if not given) and
+    float32 elsewhere, where bf16 GEMMs are emulated and slower than fp32; the fallback is logged.
+    """
+    if requested == "auto":
+        if device == "cpu" or checkpoint_dtype not in ("float32", "bfloat16", "float16"):
+            return "float32"
+        return checkpoint_dtype
+    if requested == "bfloat16" and device == "cpu":
+        features = features or cpu_features()
+        if not features.fast_bf16:
+            logger.warning("dtype: bfloat16 requested, but this CPU (%s) has neither AVX512-BF16 nor AMX; "
+                           "computing in float32", features.describe())
+            return "float32"
+    return requested
 
 
 def _check(cond: bool, knob: str, message: str) -> None:

@@ -30,6 +30,14 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     metrics: list[RequestMetrics] = field(default_factory=list)  # one per sample, when finished
+    # With SamplingParams.prompt_logprobs: one entry per prompt token, None for the first
+    # (nothing predicts it). Streaming: on the first output only.
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
+
+    @property
+    def num_cached_tokens(self) -> int:
+        """Prompt tokens the prefix cache served (vLLM's field; known once finished)."""
+        return max((m.num_cached_tokens for m in self.metrics), default=0)
 
 
 __all__ = ["CompletionOutput", "RequestMetrics", "RequestOutput"]

@@ -3,7 +3,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from pagedserve.structured.params import StructuredOutputsParams
+
 _GREEDY_EPS = 1e-5
+# OpenAI's limits on logit_bias: at most this many entries, each bias in [-100, 100].
+MAX_LOGIT_BIAS_ENTRIES = 300
+LOGIT_BIAS_LIMIT = 100.0
 
 
 def _is_int(v) -> bool:
@@ -28,7 +33,10 @@ class SamplingParams:
     max_tokens: int | None = 16
     min_tokens: int = 0
     logprobs: int | None = None
+    prompt_logprobs: int | None = None  # per prompt token: its logprob and the top-k (first token: None)
     skip_special_tokens: bool = True
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit before sampling
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -37,6 +45,8 @@ class SamplingParams:
         self.stop_token_ids = list(self.stop_token_ids or [])
         if self.top_k == -1:
             self.top_k = 0
+        if self.logit_bias is not None:
+            self.logit_bias = dict(self.logit_bias)
         self.validate()
 
     def validate(self) -> None:
@@ -67,12 +77,40 @@ class SamplingParams:
                   f"must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}")
         check(self.logprobs is None or (_is_int(self.logprobs) and self.logprobs >= 0),
               "logprobs", f"must be an integer >= 0, got {self.logprobs!r}")
+        check(self.prompt_logprobs is None or (_is_int(self.prompt_logprobs) and self.prompt_logprobs >= 0),
+              "prompt_logprobs", f"must be an integer >= 0, got {self.prompt_logprobs!r}")
+        self._validate_logit_bias()
+        check(self.structured_outputs is None or isinstance(self.structured_outputs, StructuredOutputsParams),
+              "structured_outputs", "must be a StructuredOutputsParams")
+
+    def _validate_logit_bias(self) -> None:
+        """Shape and range only; token ids against the vocabulary: InputProcessor.validate."""
+        bias = self.logit_bias
+        if bias is None:
+            return
+        if len(bias) > MAX_LOGIT_BIAS_ENTRIES:
+            raise ValueError(f"logit_bias: at most {MAX_LOGIT_BIAS_ENTRIES} entries, got {len(bias)}")
+        for token, value in bias.items():
+            if not _is_int(token) or token < 0:
+                raise ValueError(f"logit_bias: keys must be token ids (integers >= 0), got {token!r}")
+            if (isinstance(value, bool) or not isinstance(value, (int, float))
+                    or not -LOGIT_BIAS_LIMIT <= value <= LOGIT_BIAS_LIMIT):
+                raise ValueError(f"logit_bias: the bias of token {token} must be a number in "
+                                 f"[-{LOGIT_BIAS_LIMIT:g}, {LOGIT_BIAS_LIMIT:g}], got {value!r}")
+
+    @property
+    def plain_greedy(self) -> bool:
+        """Greedy with nothing to apply to the logits first: its token is the row's argmax."""
+        return (self.greedy and not self.logit_bias and self.structured_outputs is None and not self.min_tokens
+                and self.repetition_penalty == 1.0 and not self.frequency_penalty and not self.presence_penalty
+                and self.logprobs is None)
 
     @property
     def greedy(self) -> bool:
         return self.temperature < _GREEDY_EPS
 
     def child(self, index: int) -> "SamplingParams":
-        """Params for the index-th of n parallel samples: n=1, and a distinct seed if seeded."""
+        """Params for the index-th of n parallel samples: n=1, and a distinct seed if seeded.
+        Prompt logprobs are the prompt's, not a sample's: only sample 0 computes them."""
         seed = None if self.seed is None else self.seed + index
-        return replace(self, n=1, seed=seed)
+        return replace(self, n=1, seed=seed, prompt_logprobs=self.prompt_logprobs if index == 0 else None)

@@ -87,3 +87,26 @@ def hf_greedy(path: Path, prompts: list[list[int]], max_tokens: list[int]) -> li
                                  eos_token_id=None, pad_token_id=0, min_new_tokens=n)
             outs.append(gen[0, len(ids):].tolist())
     return outs
+
+
+class HFGreedyReference:
+    """HF transformers (fp32) as the greedy reference, checked by teacher forcing: an output
+    equals HF's greedy generation exactly when each of its tokens is the argmax of HF's logits
+    after the prompt and the output's own earlier tokens (by induction over the tokens). One
+    forward per sequence instead of one per generated token, so a 24-prompt reference costs
+    a second rather than a minute."""
+
+    def __init__(self, path: Path) -> None:
+        import transformers
+
+        self.model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+    def first_divergence(self, prompt: list[int], output: list[int]) -> int | None:
+        """Index of the first output token that is not HF's greedy choice; None if all are."""
+        if not output:
+            return None
+        ids = torch.tensor([list(prompt) + list(output[:-1])])
+        with torch.no_grad():
+            logits = self.model(ids, attention_mask=torch.ones_like(ids)).logits[0, len(prompt) - 1:]
+        greedy = logits.argmax(dim=-1).tolist()
+        return next((j for j, (got, want) in enumerate(zip(output, greedy)) if got != want), None)

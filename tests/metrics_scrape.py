@@ -18,12 +18,14 @@ def scrape(server) -> dict[str, float]:
 
 
 def wait_idle(server, deadline_s: float = 60.0) -> dict[str, float]:
-    """Poll /metrics until nothing runs or waits and no block is held (a wait, not a timing assert)."""
+    """Poll /metrics until nothing runs or waits and no block is held (a wait, not a timing
+    assert: the deadline only turns a hang into a failure)."""
     end = time.monotonic() + deadline_s
     while True:
         m = scrape(server)
         idle = (m["pagedserve:num_requests_running{}"] == 0 and m["pagedserve:num_requests_waiting{}"] == 0
                 and m["pagedserve:kv_cache_used_tokens{}"] == 0)
-        if idle or time.monotonic() > end:
+        if idle:
             return m
+        assert time.monotonic() < end, f"the server did not become idle within {deadline_s} s"
         time.sleep(0.05)

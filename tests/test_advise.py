@@ -354,10 +354,10 @@ def test_cli_missing_file_and_dead_server(capsys, tmp_path):
     assert advise_cli.main(["advise", "--from-files", str(tmp_path / "x.txt"), str(tmp_path / "y.txt")]) == 2
     assert "cannot read" in capsys.readouterr().err
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
+        s.bind(("127.0.0.1", 0))  # bound, never listening, held until the end: connects are refused
         port = s.getsockname()[1]
-    assert advise_cli.main(["advise", "--metrics-url", f"127.0.0.1:{port}", "--interval", "1s",
-                            "--timeout", "2s"]) == 2
+        assert advise_cli.main(["advise", "--metrics-url", f"127.0.0.1:{port}", "--interval", "1s",
+                                "--timeout", "2s"]) == 2
     assert "could not scrape http://127.0.0.1:" in capsys.readouterr().err
 
 
@@ -368,7 +368,22 @@ def test_metrics_url_and_durations():
     assert advise_cli.parse_duration("500ms") == pytest.approx(0.5) and advise_cli.parse_duration("2") == 2
 
 
-def test_live_scrape_over_an_interval(capsys):
+class FakeClock:
+    """A monotonic clock that only `sleep` moves: interval scrapes without waiting for real."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+        self.slept: list[float] = []
+
+    def time(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.slept.append(seconds)
+        self.now += seconds
+
+
+def test_live_scrape_over_an_interval(capsys, monkeypatch):
     before = (FIXTURES / "preemptions.pagedserve.a.txt").read_bytes()
     after = (FIXTURES / "preemptions.pagedserve.b.txt").read_bytes()
     hits = []
@@ -389,6 +404,10 @@ def test_live_scrape_over_an_interval(capsys):
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
+    clock = FakeClock()
+    scrape_for_real = advise_cli.scrape_interval
+    monkeypatch.setattr(advise_cli, "scrape_interval",
+                        lambda *a, **kw: scrape_for_real(*a, **kw, clock=clock.time, sleep=clock.sleep))
     try:
         rc = advise_cli.main(["advise", "--metrics-url", f"http://127.0.0.1:{server.server_port}/metrics",
                               "--interval", "1s", "--sample-every", "0.25s", "--json"])
@@ -397,7 +416,9 @@ def test_live_scrape_over_an_interval(capsys):
         server.server_close()
     assert rc == 0
     out = json.loads(capsys.readouterr().out)
-    assert len(hits) >= 3 and set(hits) == {"/metrics"}
+    # a scrape at 0 s, then every 0.25 s up to the 1 s interval: five, and 1 s of (virtual) sleep
+    assert len(hits) == 5 and set(hits) == {"/metrics"}
+    assert clock.slept == [0.25] * 4
     assert out["observations"]["gauges_sampled"] is True
     assert out["observations"]["num_gauge_samples"] == len(hits)
     assert out["observations"]["naming"] == "pagedserve"

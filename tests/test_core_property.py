@@ -1,11 +1,17 @@
 """Property test: random add / step / abort interleavings keep the block invariants.
 
-Drives the torch-free core directly with a fake executor (random sampled tokens)."""
+Drives the torch-free core directly with a fake executor (random sampled tokens). The
+examples must exercise the mechanisms whose invariants they check: the test counts the
+preemptions (each mode), swap-ins and prefix-cache hits over all examples, and fails if
+any of them never happened. Examples: ~100 by default, 400 with
+`--hypothesis-profile thorough` (see conftest.py).
+"""
 from __future__ import annotations
 
+import collections
 import random
 
-from hypothesis import HealthCheck, given, settings
+from hypothesis import event, given, target
 from hypothesis import strategies as st
 
 from pagedserve.core.block_pool import BlockPool
@@ -64,17 +70,33 @@ def check_invariants(sched: Scheduler, pool: BlockPool, out=None) -> None:
 
 ops = st.lists(st.tuples(st.sampled_from(["add", "add", "step", "step", "step", "abort"]),
                          st.integers(1, 120), st.integers(1, 80), st.integers(0, 10**6)),
-               min_size=1, max_size=80)
+               min_size=20, max_size=80)
 
 
-@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+# What the examples exercised, summed over one run of the property (see the test below).
+SEEN: collections.Counter = collections.Counter()
+
+
+def record_mechanisms(sched: Scheduler) -> None:
+    seen = {"recompute preemptions": sched.total_preemptions_by_mode["recompute"],
+            "swap preemptions": sched.total_preemptions_by_mode["swap"],
+            "blocks swapped in": sched.total_blocks_swapped["in"],
+            "prefix-cache hit tokens": sched.kv.prefix_hits,
+            "partial prefills": sched.total_partial_prefills}
+    for name, count in seen.items():
+        SEEN[name] += count
+        if count:
+            event(f"had {name}")
+    target(float(sched.total_preemptions), label="preemptions")
+
+
 @given(ops=ops, num_blocks=st.integers(4, 24), block_size=st.sampled_from([1, 4, 16]),
        budget=st.integers(8, 256), max_seqs=st.integers(1, 8), chunked=st.booleans(),
        caching=st.booleans(), policy=st.sampled_from(["fcfs", "priority"]),
        mode=st.sampled_from(["recompute", "swap", "auto"]), host_blocks=st.integers(0, 30),
        prefill_cost=st.sampled_from([1e-9, 1e-3]))
-def test_random_interleavings_keep_invariants(ops, num_blocks, block_size, budget, max_seqs, chunked, caching, policy,
-                                             mode, host_blocks, prefill_cost):
+def random_interleavings_keep_invariants(ops, num_blocks, block_size, budget, max_seqs, chunked, caching, policy,
+                                         mode, host_blocks, prefill_cost):
     max_model_len = num_blocks * block_size
     if not chunked:
         budget = max(budget, max_model_len)
@@ -120,3 +142,15 @@ def test_random_interleavings_keep_invariants(ops, num_blocks, block_size, budge
     assert not sched.kv.block_tables
     if host is not None:
         assert host.num_free_blocks == host.num_blocks and not sched.kv.host_tables
+    record_mechanisms(sched)
+
+
+def test_random_interleavings_keep_invariants():
+    """Runs the property, then checks that its examples really preempted (both modes), swapped
+    blocks back in, chunked prompts and hit the prefix cache: invariants kept by examples that
+    never reached a mechanism would prove nothing about it."""
+    SEEN.clear()
+    random_interleavings_keep_invariants()
+    missing = [name for name in ("recompute preemptions", "swap preemptions", "blocks swapped in",
+                                 "prefix-cache hit tokens", "partial prefills") if SEEN[name] == 0]
+    assert not missing, f"no example exercised: {missing} (seen: {dict(SEEN)})"

@@ -4,7 +4,6 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
 
 from pagedserve.default_model_path import DEFAULT_MODEL_DIR, DEFAULT_MODEL_NAME
 
@@ -67,27 +66,24 @@ def test_fibonacci_prompt_continues_as_python(llm):
 
 
 def test_greedy_tokens_equal_hf_transformers(llm):
-    import transformers
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    """Every token (EOS included, when it ends the output) is HF's greedy choice after the prompt
+    and the tokens before it: by induction, exactly HF's greedy generation (teacher forcing, one
+    forward per prompt; see checkpoints.HFGreedyReference)."""
+    from transformers import AutoTokenizer
+
+    from checkpoints import HFGreedyReference
 
     tokenizer = AutoTokenizer.from_pretrained(str(DEFAULT_MODEL_DIR))
-    dtype_kwarg = "dtype" if int(transformers.__version__.split(".")[0]) >= 5 else "torch_dtype"
-    hf_model = AutoModelForCausalLM.from_pretrained(str(DEFAULT_MODEL_DIR), **{dtype_kwarg: torch.float32})
-    hf_model.eval()
-
+    hf = HFGreedyReference(DEFAULT_MODEL_DIR)
     outputs = _greedy(llm, PARITY_PROMPTS)
     for prompt, out in zip(PARITY_PROMPTS, outputs):
         prompt_ids = tokenizer(prompt).input_ids
         assert list(out.prompt_token_ids) == prompt_ids
-        with torch.no_grad():
-            generated = hf_model.generate(torch.tensor([prompt_ids]), max_new_tokens=MAX_TOKENS, do_sample=False,
-                                          pad_token_id=tokenizer.pad_token_id)
-        hf_new = generated[0, len(prompt_ids):].tolist()
-        if tokenizer.eos_token_id in hf_new:  # HF stopped early: compare up to its EOS
-            hf_new = hf_new[: hf_new.index(tokenizer.eos_token_id)]
         ours = list(out.outputs[0].token_ids)
-        assert ours[: len(hf_new)] == hf_new, (prompt, tokenizer.decode(ours), tokenizer.decode(hf_new))
-        assert len(ours) >= len(hf_new)
+        ended_by_eos = out.outputs[0].finish_reason == "stop"
+        assert len(ours) == MAX_TOKENS or (ended_by_eos and ours[-1] == tokenizer.eos_token_id)
+        j = hf.first_divergence(prompt_ids, ours)
+        assert j is None, (prompt, j, tokenizer.decode(ours))
 
 
 def test_serve_without_model_uses_the_default_and_writes_python():

@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from checkpoints import hf_greedy, make_checkpoint
+from checkpoints import HFGreedyReference, hf_greedy, make_checkpoint
 from pagedserve import LLM, EngineConfig, SamplingParams
 from pagedserve.engine import Engine
 
@@ -30,23 +30,58 @@ def test_text_prompt_and_outputs_shape(llm):
     assert pool_is_whole(llm)
 
 
+def token_boundary_stop(tokenizer, token_ids: list[int]) -> tuple[str, str, int]:
+    """(text, stop, where): a stop string made of the end of one output token's text and the
+    start of the next one's, whose first occurrence in the text is exactly there. Tokens whose
+    text is a partial character are not used as ends."""
+    text = tokenizer.decode(token_ids, skip_special_tokens=True)
+    ends = [len(tokenizer.decode(token_ids[:k + 1], skip_special_tokens=True)) for k in range(len(token_ids))]
+    pieces = [tokenizer.decode([t], skip_special_tokens=True) for t in token_ids]
+    for k in range(1, len(token_ids) - 1):
+        start, boundary, end = ends[k - 1], ends[k], ends[k + 1]
+        clean = all(pieces[i] and "\ufffd" not in pieces[i] and ends[i] - ends[i - 1] == len(pieces[i])
+                    for i in (k, k + 1))
+        if clean:
+            stop = text[max(start, boundary - 2):min(end, boundary + 2)]
+            where = boundary - min(2, boundary - start)
+            if text.find(stop) == where:
+                return text, stop, where
+    raise AssertionError("no token boundary usable for a stop string: choose another prompt")
+
+
 def test_stop_string_across_token_boundaries(llm):
     base = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=30, temperature=0, ignore_eos=True),
                         use_tqdm=False)[0].outputs[0]
-    text = base.text
-    assert len(text) > 12
-    stop = text[5:9]  # four characters that may straddle tokens
-    cut = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=30, temperature=0, stop=[stop]),
+    text, stop, where = token_boundary_stop(llm.get_tokenizer(), base.token_ids)
+    assert text.startswith(base.text) and where + len(stop) <= len(base.text)  # (a trailing partial character is never shown)
+    # the stop really straddles: no single token's text contains it
+    assert not any(stop in llm.get_tokenizer().decode([t]) for t in base.token_ids)
+    cut = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=30, temperature=0, stop=[stop], ignore_eos=True),
                        use_tqdm=False)[0].outputs[0]
     assert cut.finish_reason == "stop" and cut.stop_reason == stop
-    assert cut.text == text[: text.index(stop)]
-    kept = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=30, temperature=0, stop=[stop],
+    assert cut.text == text[:where]
+    # generation ended with the token that completed the stop, not later
+    assert cut.token_ids == base.token_ids[:len(cut.token_ids)]
+    assert stop in llm.get_tokenizer().decode(cut.token_ids) and stop not in llm.get_tokenizer().decode(cut.token_ids[:-1])
+    kept = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=30, temperature=0, stop=[stop], ignore_eos=True,
                                                     include_stop_str_in_output=True), use_tqdm=False)[0].outputs[0]
-    assert kept.text == text[: text.index(stop) + len(stop)]
+    assert kept.text == text[:where + len(stop)]
     assert pool_is_whole(llm)
 
 
-def test_stop_token_ids_and_eos(llm, tiny_llama):
+def checkpoint_with_eos(src, dst, eos_id: int):
+    """The same weights and tokenizer, with generation_config.json naming `eos_id` an EOS token."""
+    dst.mkdir()
+    for f in src.iterdir():
+        if f.name != "generation_config.json":
+            (dst / f.name).symlink_to(f)
+    gen = json.loads((src / "generation_config.json").read_text()) if (src / "generation_config.json").exists() else {}
+    gen["eos_token_id"] = [eos_id]
+    (dst / "generation_config.json").write_text(json.dumps(gen))
+    return dst
+
+
+def test_stop_token_ids_and_eos(llm, tiny_llama, tmp_path):
     base = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=20, temperature=0, ignore_eos=True),
                         use_tqdm=False)[0].outputs[0].token_ids
     stop_tok = base[4]
@@ -55,12 +90,70 @@ def test_stop_token_ids_and_eos(llm, tiny_llama):
     assert out.token_ids == base[: base.index(stop_tok) + 1]
     assert out.finish_reason == "stop" and out.stop_reason == stop_tok
 
+    # EOS: the same model, told (as a checkpoint tells it) that one of its greedy tokens is EOS.
+    eos_llm = LLM(str(checkpoint_with_eos(tiny_llama, tmp_path / "eos", stop_tok)), num_kv_blocks=64,
+                  max_model_len=128)
+    at = base.index(stop_tok)
+    out = eos_llm.generate([[5, 6, 7]], SamplingParams(max_tokens=20, temperature=0), use_tqdm=False)[0].outputs[0]
+    assert out.token_ids == base[:at + 1]
+    assert out.finish_reason == "stop" and out.stop_reason is None  # EOS, not a stop token or string
+    ignored = eos_llm.generate([[5, 6, 7]], SamplingParams(max_tokens=20, temperature=0, ignore_eos=True),
+                               use_tqdm=False)[0].outputs[0]
+    assert ignored.token_ids == base and ignored.finish_reason == "length"
+    # min_tokens: EOS cannot end (nor be sampled) before the minimum
+    held = eos_llm.generate([[5, 6, 7]], SamplingParams(max_tokens=20, temperature=0, min_tokens=at + 2),
+                            use_tqdm=False)[0].outputs[0]
+    assert len(held.token_ids) >= at + 2 and stop_tok not in held.token_ids[:at + 2]
 
-def test_max_model_len_stops_generation(tiny_llama):
-    llm = LLM(str(tiny_llama), num_kv_blocks=16, max_model_len=40)
-    out = llm.generate([[3] * 30], SamplingParams(max_tokens=None, temperature=0, ignore_eos=True),
-                       use_tqdm=False)[0].outputs[0]
-    assert len(out.token_ids) == 10 and out.finish_reason == "length"
+
+def test_max_model_len_exactly_at_the_boundary(tiny_llama):
+    """max_model_len = 48 = 3 blocks, and a pool of exactly those 3 blocks: a request may fill
+    the context to the last position, and not one token more."""
+    with pytest.raises(ValueError, match="needs 3 blocks"):
+        LLM(str(tiny_llama), num_kv_blocks=2, max_model_len=48)
+    llm = LLM(str(tiny_llama), num_kv_blocks=3, max_model_len=48)
+    greedy = dict(temperature=0, ignore_eos=True)
+    full = llm.generate([[3] * 40], SamplingParams(max_tokens=None, **greedy), use_tqdm=False)[0].outputs[0]
+    assert len(full.token_ids) == 8 and full.finish_reason == "length"   # 40 + 8 = 48 exactly
+    last = llm.generate([[4] * 47], SamplingParams(max_tokens=1, **greedy), use_tqdm=False)[0].outputs[0]
+    assert len(last.token_ids) == 1                                     # 47 + 1 = 48: accepted
+    assert [full.token_ids, last.token_ids] == hf_greedy(tiny_llama, [[3] * 40, [4] * 47], [8, 1])
+    with pytest.raises(ValueError, match="max_tokens"):
+        llm.generate([[4] * 47], SamplingParams(max_tokens=2, **greedy), use_tqdm=False)   # 49
+    with pytest.raises(ValueError, match="prompt"):
+        llm.generate([[4] * 48], SamplingParams(max_tokens=None, **greedy), use_tqdm=False)  # no room
+    assert pool_is_whole(llm)
+
+
+def test_repeated_prompt_of_whole_blocks_matches_hf(llm, tiny_llama):
+    """A prompt of exactly 3 x block_size tokens, again and again: every block of the repeat is
+    cached except the last, whose final token must still be computed to sample from."""
+    prompt = [(7 * i) % 300 + 2 for i in range(48)]
+    ref = hf_greedy(tiny_llama, [prompt], [10])[0]
+    params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+    first = llm.generate([prompt], params, use_tqdm=False)[0]
+    again = llm.generate([prompt], params, use_tqdm=False)[0]
+    together = llm.generate([prompt, prompt], params, use_tqdm=False)
+    assert again.num_cached_tokens == 32  # 2 of 3 blocks from the cache
+    for out in (first, again, *together):
+        assert out.outputs[0].token_ids == ref
+    assert pool_is_whole(llm)
+
+
+def test_sliding_window_with_prefill_chunks_smaller_than_the_window(tmp_path):
+    """Mistral with a 48-token window, prompts of 150 and 97 tokens prefilled 20 tokens a step
+    (less than the window, and not a multiple of the block size), then decoding past it."""
+    path = make_checkpoint(tmp_path / "mistral", "mistral", sliding_window=48)
+    prompts = [[(11 * i) % 380 + 2 for i in range(150)], [(5 * i) % 370 + 3 for i in range(97)]]
+    llm = LLM(str(path), num_kv_blocks=64, max_model_len=256, max_num_batched_tokens=20)
+    assert all(len(p) > 20 for p in prompts)  # so every prompt is prefilled in chunks
+    got = [o.outputs[0].token_ids for o in llm.generate(
+        prompts, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True), use_tqdm=False)]
+    windowed = HFGreedyReference(path)
+    assert all(len(g) == 12 and windowed.first_divergence(p, g) is None for p, g in zip(prompts, got))
+    # The same weights with full attention would not have produced these tokens: the window mattered.
+    full_attention = HFGreedyReference(make_checkpoint(tmp_path / "full", "mistral", sliding_window=None))
+    assert any(full_attention.first_divergence(p, g) is not None for p, g in zip(prompts, got))
 
 
 def test_n_samples_are_distinct_and_seeded(llm):
@@ -136,18 +229,6 @@ def test_unknown_architecture_is_one_clear_error(tmp_path):
         LLM(str(tmp_path))
     with pytest.raises(ValueError, match="no config.json"):
         LLM(str(tmp_path / "missing"))
-
-
-def test_engine_pool_equals_plan(tiny_llama):
-    from pagedserve.plan.kv_budget import ModelShape, dtype_bytes, size_kv_pool
-
-    engine = Engine(EngineConfig(model=str(tiny_llama), kv_cache_memory="3MiB"))
-    shape = ModelShape.from_hf_config(json.loads((tiny_llama / "config.json").read_text()))
-    plan = size_kv_pool(shape, 3 * 2**20, kv_dtype_bytes=dtype_bytes("float32"), block_size=16)
-    # 2 layers x 2 (K,V) x 2 kv heads x 16 dims x 4 bytes = 512 bytes per token; 3 MiB / (512 x 16) = 384
-    assert plan.num_blocks == 384
-    assert engine.block_pool.num_blocks == plan.num_blocks
-    assert engine.executor.kv_cache.shape[2] == 384 * 16
 
 
 def test_bf16_checkpoint_and_sharded_weights(tmp_path):

@@ -131,6 +131,64 @@ def test_counters_and_histograms_move_by_known_amounts(server, client, model):
     assert after["pagedserve:kv_cache_usage_perc{}"] == 0
 
 
+def buckets(samples: dict, name: str) -> dict[float, float]:
+    """{upper bound: cumulative count} of one histogram's _bucket series."""
+    prefix = f"pagedserve:{name}_bucket{{le="
+    return {float(k[len(prefix):-1]): v for k, v in samples.items() if k.startswith(prefix)}
+
+
+def bucket_deltas(after: dict, before: dict, name: str) -> dict[float, float]:
+    b = buckets(before, name)
+    return {le: v - b.get(le, 0.0) for le, v in buckets(after, name).items()}
+
+
+def assert_one_observation_in_place(deltas: dict[float, float], value: float, name: str) -> None:
+    """One observation of `value`: exactly the buckets with le >= value moved, each by 1."""
+    for le, d in deltas.items():
+        assert d == (1 if value <= le else 0), (name, le, d, value)
+
+
+def test_histograms_put_known_values_in_the_right_buckets_and_seconds(server, model):
+    """A streamed request alone on the server, with a 10-token prompt and 6 generated tokens (on a
+    bucket bound and one past one, so an off-by-one either way moves a bucket): which _bucket series
+    move is known exactly for the token histograms and the per-step histogram; the latency
+    histograms hold seconds that fit inside what the client measured around them."""
+    before = wait_idle(server)
+    start = time.perf_counter()
+    first_chunk = None
+    with httpx.stream("POST", server.url + "/v1/completions", timeout=60, json={
+            "model": model, "prompt": list(range(20, 30)), "max_tokens": 6, "temperature": 0,
+            "ignore_eos": True, "stream": True}) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: ") and first_chunk is None:
+                first_chunk = time.perf_counter()
+    client_e2e, client_ttft = time.perf_counter() - start, first_chunk - start
+    after = wait_idle(server)
+
+    assert_one_observation_in_place(bucket_deltas(after, before, "request_prompt_tokens"), 10, "prompt")
+    assert_one_observation_in_place(bucket_deltas(after, before, "request_generation_tokens"), 6, "generation")
+    assert_one_observation_in_place(bucket_deltas(after, before, "request_num_preemptions"), 0, "preemptions")
+    # One step of 10 prompt tokens, then five steps of one decode token each.
+    steps = bucket_deltas(after, before, "iteration_tokens_total")
+    assert steps == {le: (5 if le < 10 else 6) for le in steps}
+    assert delta(after, before, "pagedserve:iteration_tokens_total_sum{}") == 10 + 5
+
+    ttft = delta(after, before, "pagedserve:time_to_first_token_seconds_sum{}")
+    e2e = delta(after, before, "pagedserve:e2e_request_latency_seconds_sum{}")
+    queue = delta(after, before, "pagedserve:request_queue_time_seconds_sum{}")
+    itl = delta(after, before, "pagedserve:inter_token_latency_seconds_sum{}")
+    # Seconds, measured inside the client's own interval (milliseconds would be 1000x too big).
+    assert 0 < ttft <= client_ttft and 0 < e2e <= client_e2e and 0 <= queue <= ttft <= e2e
+    # The five gaps between six tokens add up to the time from the first token to the end.
+    assert delta(after, before, "pagedserve:inter_token_latency_seconds_count{}") == 5
+    # (abs: the finish time is read a moment after the last token's, and a busy CI box may
+    # deschedule the engine thread in between)
+    assert itl == pytest.approx(e2e - ttft, abs=0.02)
+    for name, value in (("time_to_first_token_seconds", ttft), ("e2e_request_latency_seconds", e2e),
+                        ("request_queue_time_seconds", queue)):
+        assert_one_observation_in_place(bucket_deltas(after, before, name), value, name)
+
+
 def test_prefix_cache_hits(server, client, model):
     prompt = "Paged attention keeps the KV cache in fixed-size blocks handed out as tokens grow."
     client.completions.create(model=model, prompt=prompt, max_tokens=2, temperature=0)
@@ -163,7 +221,8 @@ def run_contended(server, client, model) -> tuple[list[str], dict, dict]:
         for t in threads:
             t.start()
         end = time.monotonic() + 30
-        while ae.num_waiting < 4 and time.monotonic() < end:
+        while ae.num_waiting < 4:
+            assert time.monotonic() < end, f"only {ae.num_waiting} of 4 requests arrived"
             time.sleep(0.02)
     finally:
         ae.resume()

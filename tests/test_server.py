@@ -102,9 +102,9 @@ def test_raw_sse_ends_with_done(server, model):
 
 
 def _chat_expected(llm, messages, max_tokens):
-    tok = llm.get_tokenizer()
-    text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    ids = tok(text, add_special_tokens=False).input_ids
+    """The prompt ids come from transformers' own chat templating and tokenizing in one call."""
+    ids = llm.get_tokenizer().apply_chat_template(messages, tokenize=True, add_generation_prompt=True)
+    ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
     return llm.generate([ids], SamplingParams(temperature=0, max_tokens=max_tokens), use_tqdm=False)[0]
 
 
@@ -127,13 +127,17 @@ def test_chat_greedy_equals_llm_generate_streaming_and_not(client, model, llm):
 
 
 def test_n2_sampled_and_streamed(client, model):
-    r = client.completions.create(model=model, prompt=PROMPTS[0], max_tokens=8, temperature=1.0, n=2, seed=7)
+    no_eos = {"ignore_eos": True}  # random weights may sample EOS: the counts below must not depend on it
+    r = client.completions.create(model=model, prompt=PROMPTS[0], max_tokens=8, temperature=1.0, n=2, seed=7,
+                                  extra_body=no_eos)
     assert sorted(c.index for c in r.choices) == [0, 1]
-    assert r.usage.completion_tokens == 16  # random weights rarely sample EOS; see the assert below
-    again = client.completions.create(model=model, prompt=PROMPTS[0], max_tokens=8, temperature=1.0, n=2, seed=7)
+    assert r.usage.completion_tokens == 16
+    again = client.completions.create(model=model, prompt=PROMPTS[0], max_tokens=8, temperature=1.0, n=2, seed=7,
+                                      extra_body=no_eos)
     assert [c.text for c in again.choices] == [c.text for c in r.choices]  # seeded: reproducible
     chunks = list(client.completions.create(model=model, prompt=PROMPTS[0], max_tokens=8, temperature=1.0, n=2,
-                                            seed=7, stream=True, stream_options={"include_usage": True}))
+                                            seed=7, stream=True, stream_options={"include_usage": True},
+                                            extra_body=no_eos))
     texts = {0: "", 1: ""}
     for c in chunks:
         for choice in c.choices:
@@ -147,48 +151,85 @@ def test_n2_sampled_and_streamed(client, model):
     assert chat.choices[0].message.content == chat.choices[1].message.content  # greedy: the same
 
 
-def _boundary_stop(client, model, prompt, max_tokens):
-    """A stop string made of the last char of one token and the first of the next, first found there."""
-    r = client.completions.create(model=model, prompt=prompt, max_tokens=max_tokens, temperature=0, logprobs=0,
-                                  extra_body={"ignore_eos": True})
-    text = r.choices[0].text
-    tokens, offsets = r.choices[0].logprobs.tokens, r.choices[0].logprobs.text_offset
-    for i in range(2, len(tokens) - 1):
-        if tokens[i] and tokens[i + 1] and "\ufffd" not in tokens[i] + tokens[i + 1]:
-            stop = tokens[i][-1] + tokens[i + 1][0]
-            at = offsets[i + 1] - 1
-            if text.find(stop) == at:
-                return text, stop, at
-    pytest.skip("no clean token boundary in this random output")
+def _boundary_stop(client, model, max_tokens):
+    """(prompt, text, stop, where): a stop string made of the last character of one output token
+    and the first of the next, first found exactly there. Tries the fixed prompts in turn; the
+    checkpoint is seeded, so the choice is the same every run."""
+    for prompt in PROMPTS:
+        r = client.completions.create(model=model, prompt=prompt, max_tokens=max_tokens, temperature=0, logprobs=0,
+                                      extra_body={"ignore_eos": True})
+        text = r.choices[0].text
+        tokens, offsets = r.choices[0].logprobs.tokens, r.choices[0].logprobs.text_offset
+        for i in range(1, len(tokens) - 1):
+            clean = all(t and "\ufffd" not in t for t in tokens[i:i + 2])
+            if clean and text[offsets[i]:offsets[i + 1]] == tokens[i]:
+                stop = tokens[i][-1] + tokens[i + 1][0]
+                at = offsets[i + 1] - 1
+                if text.find(stop) == at:
+                    return prompt, text, stop, at
+    raise AssertionError("no clean token boundary in any prompt's output: add a prompt")
 
 
 def test_stop_string_across_token_boundary(client, model):
-    text, stop, at = _boundary_stop(client, model, PROMPTS[2], 30)
-    r = client.completions.create(model=model, prompt=PROMPTS[2], max_tokens=30, temperature=0, stop=[stop],
+    prompt, text, stop, at = _boundary_stop(client, model, 30)
+    r = client.completions.create(model=model, prompt=prompt, max_tokens=30, temperature=0, stop=[stop],
                                   extra_body={"ignore_eos": True})
     assert r.choices[0].text == text[:at]
     assert r.choices[0].finish_reason == "stop"
     assert r.choices[0].model_extra["stop_reason"] == stop
-    r = client.completions.create(model=model, prompt=PROMPTS[2], max_tokens=30, temperature=0, stop=[stop],
+    r = client.completions.create(model=model, prompt=prompt, max_tokens=30, temperature=0, stop=[stop],
                                   extra_body={"ignore_eos": True, "include_stop_str_in_output": True})
     assert r.choices[0].text == text[:at + len(stop)]
     streamed = "".join(c.choices[0].text for c in client.completions.create(
-        model=model, prompt=PROMPTS[2], max_tokens=30, temperature=0, stop=stop, stream=True,
+        model=model, prompt=prompt, max_tokens=30, temperature=0, stop=stop, stream=True,
         extra_body={"ignore_eos": True}) if c.choices)
     assert streamed == text[:at]
 
 
 def test_logprobs(client, model):
-    r = client.completions.create(model=model, prompt=PROMPTS[0], max_tokens=4, temperature=0, logprobs=3)
+    r = client.completions.create(model=model, prompt=PROMPTS[0], max_tokens=4, temperature=0, logprobs=3,
+                                  extra_body={"ignore_eos": True})  # the counts below must not depend on EOS
     lp = r.choices[0].logprobs
     assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 4
     assert all(len(top) >= 3 for top in lp.top_logprobs)
     assert all(v <= 0 for v in lp.token_logprobs)
     assert lp.token_logprobs[0] == max(lp.top_logprobs[0].values())  # greedy took the most likely
     chat = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "x"}], max_tokens=3,
-                                          temperature=0, logprobs=True, top_logprobs=2)
+                                          temperature=0, logprobs=True, top_logprobs=2, extra_body={"ignore_eos": True})
     content = chat.choices[0].logprobs.content
     assert len(content) == 3 and all(len(c.top_logprobs) == 2 for c in content)
+
+
+def test_server_logprobs_equal_llm_logprobs(client, model, llm):
+    """The server reports the engine's logprobs unchanged (values checked against HF in
+    test_logprobs.py): greedy and seeded sampled, completions and chat."""
+    tok = llm.get_tokenizer()
+    for kw in (dict(temperature=0), dict(temperature=1.0, seed=11)):
+        exp = llm.generate([PROMPTS[0]], SamplingParams(max_tokens=8, logprobs=5, ignore_eos=True, **kw),
+                           use_tqdm=False)[0].outputs[0]
+        r = client.completions.create(model=model, prompt=PROMPTS[0], max_tokens=8, logprobs=5,
+                                      extra_body={"ignore_eos": True}, **kw)
+        lp = r.choices[0].logprobs
+        assert lp.tokens == [tok.decode([t]) for t in exp.token_ids]
+        assert lp.token_logprobs == pytest.approx([x.logprob for x in exp.logprobs], abs=1e-6)
+        for got, want in zip(lp.top_logprobs, exp.logprobs):
+            expected = {tok.decode([want.token_id]): want.logprob}  # OpenAI's dict: first text wins
+            for tid, v in want.top:
+                expected.setdefault(tok.decode([tid]), v)
+            assert got == pytest.approx(expected, abs=1e-6)
+    messages = [{"role": "user", "content": "x"}]
+    ids = tok.apply_chat_template(messages, tokenize=True, add_generation_prompt=True)
+    ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+    exp = llm.generate([ids], SamplingParams(max_tokens=4, temperature=0, logprobs=3, ignore_eos=True),
+                       use_tqdm=False)[0].outputs[0]
+    chat = client.chat.completions.create(model=model, messages=messages, max_tokens=4, temperature=0, logprobs=True,
+                                          top_logprobs=3, extra_body={"ignore_eos": True})
+    content = chat.choices[0].logprobs.content
+    assert [c.logprob for c in content] == pytest.approx([x.logprob for x in exp.logprobs], abs=1e-6)
+    for c, x in zip(content, exp.logprobs):
+        assert [t.logprob for t in c.top_logprobs] == pytest.approx([v for _, v in x.top], abs=1e-6)
+    assert [[t.token for t in c.top_logprobs] for c in content] == \
+        [[tok.decode([tid]) for tid, _ in x.top] for x in exp.logprobs]
 
 
 def test_tokenize_detokenize(server, llm):
@@ -243,7 +284,8 @@ def test_non_streaming_client_that_leaves_is_aborted(server, model):
                        json={"model": model, "prompt": "hello", "max_tokens": 100, "ignore_eos": True})
         # the abort reaches the command queue once the server sees the disconnect
         end = time.monotonic() + 30
-        while not any(c[0] == "abort" for c in list(ae._commands)) and time.monotonic() < end:
+        while not any(c[0] == "finish" and c[2].name == "FINISHED_ABORTED" for c in list(ae._commands)):
+            assert time.monotonic() < end, "the server never queued an abort for the client that left"
             time.sleep(0.02)
     finally:
         ae.resume()
@@ -264,7 +306,8 @@ def test_cli_flags_and_yaml(tmp_path, tiny_llama):
                                       "--api-key", "k", "--max-num-seqs", "5", "--served-model-name", "tiny"])
     settings = server_settings(args)
     assert settings == {"host": "127.0.0.1", "port": 9100, "api_key": "k", "max_queue_len": 7,
-                        "max_request_bytes": None, "enable_prompt_tokens_details": False}
+                        "max_request_bytes": None, "enable_prompt_tokens_details": False,
+                        "enable_auto_tool_choice": False, "tool_call_parser": None}
     config = engine_config_from_args(args)
     assert config.max_num_seqs == 5 and config.served_model_name == "tiny"
     args = build_parser().parse_args(["serve"])
@@ -273,34 +316,40 @@ def test_cli_flags_and_yaml(tmp_path, tiny_llama):
 
 
 def test_pagedserve_serve_subprocess(tiny_llama):
-    """`pagedserve serve` end to end, as an operator starts it."""
-    import socket
+    """`pagedserve serve` end to end, as an operator starts it. It binds port 0 itself and the
+    test reads the port uvicorn chose from its start-up line (no pick-close-reuse race)."""
+    import queue
+    import re
     import subprocess
     import sys
+    import threading
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     proc = subprocess.Popen([sys.executable, "-m", "pagedserve.cli", "serve", "--model", str(tiny_llama),
-                             "--port", str(port), "--num-kv-blocks", "32", "--max-model-len", "64",
-                             "--served-model-name", "tiny", "--uvicorn-log-level", "warning"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    url = f"http://127.0.0.1:{port}"
+                             "--port", "0", "--num-kv-blocks", "32", "--max-model-len", "64",
+                             "--served-model-name", "tiny", "--uvicorn-log-level", "info"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    lines: queue.Queue = queue.Queue()
+    threading.Thread(target=lambda: [lines.put(line) for line in proc.stderr], daemon=True).start()
     try:
+        seen, port = [], None
         end = time.monotonic() + 120
-        while True:
-            assert proc.poll() is None, proc.stderr.read().decode()
+        while port is None:
+            assert time.monotonic() < end, "no 'Uvicorn running on' line:\n" + "".join(seen)
             try:
-                if httpx.get(url + "/health").status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < end, "server did not come up"
-            time.sleep(0.2)
+                line = lines.get(timeout=1)
+            except queue.Empty:
+                assert proc.poll() is None, "".join(seen)
+                continue
+            seen.append(line)
+            match = re.search(r"Uvicorn running on http://127\.0\.0\.1:(\d+)", line)
+            port = int(match.group(1)) if match else None
+        url = f"http://127.0.0.1:{port}"
+        assert port > 0 and httpx.get(url + "/health", timeout=30).status_code == 200
         c = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
         assert [m.id for m in c.models.list().data] == ["tiny"]
-        r = c.completions.create(model="tiny", prompt="hello", max_tokens=3, temperature=0)
-        assert r.usage.prompt_tokens > 0 and r.choices[0].finish_reason in ("length", "stop")
+        r = c.completions.create(model="tiny", prompt="hello", max_tokens=3, temperature=0,
+                                 extra_body={"ignore_eos": True})
+        assert r.usage.prompt_tokens > 0 and r.usage.completion_tokens == 3 and r.choices[0].finish_reason == "length"
     finally:
         proc.terminate()
         proc.wait(30)

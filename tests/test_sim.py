@@ -263,6 +263,12 @@ def test_simulator_makes_the_engines_decisions(tmp_path, mode):
     assert sim_rec.steps == eng_rec.steps  # same batches, same chunks, same preemptions, same swaps
     assert result.num_preemptions == engine.scheduler.total_preemptions > 0
     assert result.preemptions_by_mode == engine.scheduler.total_preemptions_by_mode
+    swapped_out = sum(step[2] for step in sim_rec.steps)
+    if mode == "swap":  # the swap path really ran: blocks went out and all came back
+        assert result.preemptions_by_mode.get("swap", 0) > 0
+        assert swapped_out == result.num_blocks_swapped_out == result.num_blocks_swapped_in > 0
+    elif mode == "recompute":
+        assert swapped_out == result.num_blocks_swapped_out == 0
     assert result.metrics["completed"] == 30
     assert engine.block_pool.num_free_blocks == 40
     if mode == "auto":
@@ -326,7 +332,7 @@ def test_trace_workload(tmp_path):
         load_trace_workload(bad)
 
 
-def test_gpu_pool_agrees_with_plan():
+def test_gpu_pool_is_the_plans_budget_in_whole_blocks():
     from pagedserve.plan.budget import PlanRequest, compute_plan
     from pagedserve.plan.gpus import get_gpu
     from pagedserve.plan.models import load_model
@@ -336,7 +342,12 @@ def test_gpu_pool_agrees_with_plan():
     plan = compute_plan(PlanRequest(model=load_model("llama-3.1-70b"), device=get_gpu("H100-SXM"),
                                     tensor_parallel_size=4, gpu_memory_utilization=0.9, max_num_seqs=64,
                                     max_num_batched_tokens=8192, max_model_len=cfg.max_model_len))
-    assert dep.num_blocks == plan.pool.num_blocks > 0
+    # By hand: 80 layers x (K, V) x (8 KV heads / TP 4) x 128 x 2 bytes = 80 KiB per token per GPU.
+    per_block = 16 * 80 * 2 * 2 * 128 * 2
+    assert dep.bytes_per_block == per_block
+    # the pool is the plan's KV budget cut into whole blocks (CPU: see test_pool_sizing.py)
+    budget = plan.kv_pool_budget_bytes
+    assert 0 < dep.num_blocks * per_block <= budget < (dep.num_blocks + 1) * per_block
     assert dep.config.max_model_len == 131072
 
 

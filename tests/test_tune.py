@@ -100,7 +100,18 @@ def test_real_sweep_on_a_calibrated_cpu_model(tiny_llama, tmp_path, capsys):
                "--sweep", "max_num_seqs=1,4", "--real", "--json", str(out)])
     assert rc == 0
     data = json.loads(out.read_text())
-    assert len(data["real"]) == len(data["simulated"]) == 2
-    assert all(p["output_throughput"] > 0 and not p["error"] for p in data["real"])
+    real, simulated = data["real"], data["simulated"]
+    assert [p["knobs"] for p in real] == [p["knobs"] for p in simulated] == \
+        [{"max_num_seqs": 1}, {"max_num_seqs": 4}]
+    for p in real:
+        assert not p["error"] and p["failed"] == 0
+        # all 6 requests ran on the real engine and each made exactly its 8 tokens:
+        # output tokens per second = 8 x requests per second over the same measured duration
+        assert p["request_throughput"] > 0
+        assert p["output_throughput"] == pytest.approx(8 * p["request_throughput"])
+        assert 0 < p["p99_ttft_ms"] <= p["p99_e2el_ms"] and p["p99_itl_ms"] > 0
+        assert p["preemptions_per_request"] == 0  # 128 blocks hold every request whole
+        assert p["meets_slo"] and math.isfinite(p["tail"])  # no SLO given: every point qualifies
     printed = capsys.readouterr().out
     assert "real engine:" in printed and "simulated:" in printed
+    assert "real engine's sweet spot: {'max_num_seqs':" in printed

@@ -44,6 +44,23 @@ def window_floor(query_pos: np.ndarray, sliding_window: int | None) -> np.ndarra
     return np.maximum(query_pos - sliding_window + 1, 0)
 
 
+def prefill_chunk(blocks: np.ndarray, start: int, q_len: int, row: int, block_size: int,
+                  sliding_window: int | None, device: torch.device) -> PrefillChunk:
+    """The chunk's SDPA inputs: its context blocks when it sees cached keys, and a mask
+    when that or a window makes plain causal attention over its own K/V wrong."""
+    pos = np.arange(start, start + q_len, dtype=np.int64)
+    ctx_len = start + q_len
+    floor = window_floor(pos, sliding_window)
+    ctx_blocks = mask = None
+    if start > 0:
+        ctx_blocks = torch.from_numpy(np.ascontiguousarray(blocks[: -(-ctx_len // block_size)])).to(device)
+    if start > 0 or floor.max() > 0:
+        key_pos = np.arange(ctx_len, dtype=np.int64)
+        m = (key_pos[None, :] <= pos[:, None]) & (key_pos[None, :] >= floor[:, None])
+        mask = torch.from_numpy(m).to(device)
+    return PrefillChunk(row, q_len, start, ctx_blocks, mask)
+
+
 def build_metadata(decodes: list[tuple[np.ndarray, int]], prefills: list[tuple[np.ndarray, int, int]],
                    block_size: int, sliding_window: int | None, device: torch.device) -> tuple[AttentionMetadata, np.ndarray]:
     """decodes: (block_ids, position) per request; prefills: (block_ids, start_pos, q_len).
@@ -74,17 +91,7 @@ def build_metadata(decodes: list[tuple[np.ndarray, int]], prefills: list[tuple[n
         pos = np.arange(start, start + q_len, dtype=np.int64)
         positions.append(pos)
         slots.append(slots_for(blocks, pos, block_size))
-        ctx_len = start + q_len
-        floor = window_floor(pos, sliding_window)
-        needs_window = bool(floor.max() > 0)
-        ctx_blocks = mask = None
-        if start > 0:
-            ctx_blocks = torch.from_numpy(np.ascontiguousarray(blocks[: -(-ctx_len // block_size)])).to(device)
-        if start > 0 or needs_window:
-            key_pos = np.arange(ctx_len, dtype=np.int64)
-            m = (key_pos[None, :] <= pos[:, None]) & (key_pos[None, :] >= floor[:, None])
-            mask = torch.from_numpy(m).to(device)
-        chunks.append(PrefillChunk(row, q_len, start, ctx_blocks, mask))
+        chunks.append(prefill_chunk(blocks, start, q_len, row, block_size, sliding_window, device))
         row += q_len
     all_pos = np.concatenate(positions) if positions else np.zeros(0, dtype=np.int64)
     slot_mapping = torch.from_numpy(np.concatenate(slots) if slots else np.zeros(0, dtype=np.int64)).to(device)
@@ -118,19 +125,26 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=meta.decode_mask, scale=scale, enable_gqa=gqa)
         out[:d] = o.squeeze(2)
     for c in meta.prefills:
-        rows = slice(c.q_start, c.q_start + c.q_len)
-        if c.ctx_blocks is None:
-            kc, vc = k[rows], v[rows]
-        else:
-            ctx_len = c.start_pos + c.q_len
-            kc = gather_blocks(k_cache, c.ctx_blocks, meta.block_size)[:ctx_len]
-            vc = gather_blocks(v_cache, c.ctx_blocks, meta.block_size)[:ctx_len]
-        qc = q[rows].transpose(0, 1).unsqueeze(0)   # [1, H, L, Dh]
-        kc = kc.transpose(0, 1).unsqueeze(0)        # [1, KV, C, Dh]
-        vc = vc.transpose(0, 1).unsqueeze(0)
-        if c.mask is None:
-            o = F.scaled_dot_product_attention(qc, kc, vc, is_causal=True, scale=scale, enable_gqa=gqa)
-        else:
-            o = F.scaled_dot_product_attention(qc, kc, vc, attn_mask=c.mask, scale=scale, enable_gqa=gqa)
-        out[rows] = o.squeeze(0).transpose(0, 1)
+        out[c.q_start:c.q_start + c.q_len] = attend_prefill_chunk(q, k, v, k_cache, v_cache, c, meta.block_size, scale)
     return out
+
+
+def attend_prefill_chunk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                         v_cache: torch.Tensor, c: PrefillChunk, block_size: int, scale: float) -> torch.Tensor:
+    """Attention output [q_len, H, D] of one chunk (its K/V already written to the cache)."""
+    rows = slice(c.q_start, c.q_start + c.q_len)
+    if c.ctx_blocks is None:
+        kc, vc = k[rows], v[rows]
+    else:
+        ctx_len = c.start_pos + c.q_len
+        kc = gather_blocks(k_cache, c.ctx_blocks, block_size)[:ctx_len]
+        vc = gather_blocks(v_cache, c.ctx_blocks, block_size)[:ctx_len]
+    qc = q[rows].transpose(0, 1).unsqueeze(0)   # [1, H, L, Dh]
+    kc = kc.transpose(0, 1).unsqueeze(0)        # [1, KV, C, Dh]
+    vc = vc.transpose(0, 1).unsqueeze(0)
+    gqa = q.shape[1] != k.shape[1]
+    if c.mask is None:
+        o = F.scaled_dot_product_attention(qc, kc, vc, is_causal=True, scale=scale, enable_gqa=gqa)
+    else:
+        o = F.scaled_dot_product_attention(qc, kc, vc, attn_mask=c.mask, scale=scale, enable_gqa=gqa)
+    return o.squeeze(0).transpose(0, 1)

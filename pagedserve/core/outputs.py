@@ -1,6 +1,7 @@
 """What crosses the engine core's boundaries, as plain torch-free data.
 
-    executor  -> core:      StepResult         (sampled token and logprobs per request that sampled)
+    executor  -> core:      StepResult         (sampled token and logprobs per request that sampled,
+                                                prompt logprobs per prefill chunk that scored any)
     core -> front-end:      EngineCoreOutputs  (per-request deltas of one step + that step's stats)
 
 Deltas only: an output carries the tokens a request gained in this step, never its whole
@@ -28,6 +29,8 @@ class StepResult:
 
     sampled: dict[str, int] = field(default_factory=dict)   # request id -> token, for requests that sampled
     logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)
+    # request id -> logprobs of the prompt tokens this step's chunk predicted, in order
+    prompt_logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
     duration: float = 0.0          # seconds spent in execute()
     forward_time: float = 0.0      # of which in the model forward + sampling
 
@@ -80,6 +83,8 @@ class EngineCoreOutput:
     num_preemptions: int = 0
     first_scheduled_time: float | None = None  # on a request's first output only
     num_cached_tokens: int = 0                 # on a request's first output only
+    # On a request's first output only, when it asked for them: prompt tokens 1.. (token 0 has none).
+    prompt_logprobs: list[TokenLogprobs] | None = None
 
     @property
     def finished(self) -> bool:

@@ -76,6 +76,8 @@ class Request:
         self.status = RequestStatus.WAITING
         self.stop_reason: int | str | None = None
         self.num_preemptions = 0
+        # Prompt logprobs the executor reported, held until the first token goes out with them.
+        self.prompt_logprobs: list | None = [] if sampling_params.prompt_logprobs is not None else None
         self.times = RequestTimes(arrival=time.monotonic() if arrival_time is None else arrival_time)
 
     @property
@@ -94,6 +96,11 @@ class Request:
     def output_token_ids(self) -> list[int]:
         """A copy: O(output length). The step never needs it; tests and reports do."""
         return self.all_token_ids[len(self.prompt_token_ids):]
+
+    @property
+    def skips_prefix_cache(self) -> bool:
+        """A cached prefix has no logits: a request that wants its prompt scored computes it all."""
+        return self.sampling_params.prompt_logprobs is not None
 
     @property
     def is_finished(self) -> bool:

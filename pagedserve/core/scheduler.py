@@ -300,7 +300,8 @@ class Scheduler:
         while (not preempted and not self.swapped and self.waiting and budget > 0
                and len(self.running) < cfg.max_num_seqs):
             req = self.waiting[0]
-            hits, num_hit_tokens = self.kv.get_computed_blocks(req) if req.num_computed_tokens == 0 else ([], 0)
+            looks_up = req.num_computed_tokens == 0 and not req.skips_prefix_cache
+            hits, num_hit_tokens = self.kv.get_computed_blocks(req) if looks_up else ([], 0)
             num_remaining = req.num_tokens - req.num_computed_tokens - num_hit_tokens
             num_new = self._grant(num_remaining, budget)
             if not cfg.enable_chunked_prefill and num_new < num_remaining:
@@ -309,9 +310,10 @@ class Scheduler:
             if new_ids is None:
                 break
             req.num_computed_tokens += num_hit_tokens
-            self.kv.record_prefix_lookup(req.num_tokens, num_hit_tokens)
-            stats.prefix_cache_queries += req.num_tokens
-            stats.prefix_cache_hits += num_hit_tokens
+            if looks_up:
+                self.kv.record_prefix_lookup(req.num_tokens, num_hit_tokens)
+                stats.prefix_cache_queries += req.num_tokens
+                stats.prefix_cache_hits += num_hit_tokens
             if req.num_preemptions == 0:
                 req.num_cached_tokens = num_hit_tokens
             self.waiting.pop(0)
@@ -386,6 +388,9 @@ class Scheduler:
                 continue  # aborted while the step ran
             req.num_computed_tokens += sr.num_new_tokens
             self.kv.cache_blocks(req, req.num_computed_tokens)
+            scored = result.prompt_logprobs.get(sr.request_id)
+            if scored and req.prompt_logprobs is not None:
+                req.prompt_logprobs.extend(scored)
             if not sr.sample:
                 self.total_partial_prefills += 1
                 continue  # a prompt chunk that is not the last: nothing to sample yet
@@ -398,6 +403,7 @@ class Scheduler:
                 req.times.first_token = now
                 output.first_scheduled_time = req.times.first_scheduled
                 output.num_cached_tokens = req.num_cached_tokens
+                output.prompt_logprobs, req.prompt_logprobs = req.prompt_logprobs, None
             req.times.last_token = now
             status, reason = check_token_stop(req, token, self.config.max_model_len)
             if status is not None:

@@ -13,10 +13,11 @@ from pagedserve.sampling import SamplingParams
 
 
 class InputProcessor:
-    def __init__(self, config: EngineConfig, vocab_size: int, tokenizer) -> None:
+    def __init__(self, config: EngineConfig, vocab_size: int, tokenizer, grammar_compiler=None) -> None:
         self.config = config
         self.vocab_size = vocab_size
         self.tokenizer = tokenizer
+        self.grammar_compiler = grammar_compiler  # structured.compiler.GrammarCompiler, None without a tokenizer
 
     def tokenize(self, prompt: str, add_special_tokens: bool = True) -> list[int]:
         if self.tokenizer is None:
@@ -39,3 +40,18 @@ class InputProcessor:
             raise ValueError(f"seed: must fit a signed 64-bit integer, got {params.seed}")
         if params.stop and self.tokenizer is None:
             raise ValueError("stop: stop strings need a tokenizer; use stop_token_ids")
+        if params.prompt_logprobs is not None and params.prompt_logprobs > self.config.max_logprobs:
+            raise ValueError(f"prompt_logprobs: at most {self.config.max_logprobs}, got {params.prompt_logprobs}")
+        if params.logit_bias and any(t >= vocab for t in params.logit_bias):
+            bad = next(t for t in params.logit_bias if t >= vocab)
+            raise ValueError(f"logit_bias: token id {bad} is outside the vocabulary [0, {vocab})")
+        if params.structured_outputs is not None:
+            self.compile_grammar(params)
+
+    def compile_grammar(self, params: SamplingParams) -> None:
+        """Compile (or find cached) the request's grammar now, on the caller's thread, so the
+        engine's step only copies it. An invalid schema is a ValueError naming its field."""
+        spec = params.structured_outputs
+        if self.grammar_compiler is None:
+            raise ValueError(f"{spec.field}: structured outputs need the model's tokenizer, and this model has none")
+        self.grammar_compiler.compile(spec)

@@ -46,10 +46,13 @@ class Engine:
         self.dtype = resolve_dtype(config.dtype, self.model_config.checkpoint_dtype, config.device)
         self.tokenizer = tokenizer if tokenizer is not None else self._load_tokenizer()
         self.eos_token_ids = self._eos_token_ids()
+        self.grammar_compiler = self._grammar_compiler()
         if executor is None:
             from pagedserve.worker.model_runner import ModelRunner
             executor = ModelRunner(self.model_config, self.dtype, config.device, config.block_size,
-                                   self.eos_token_ids, config.seed)
+                                   self.eos_token_ids, config.seed, grammar_compiler=self.grammar_compiler)
+        elif getattr(executor, "grammar_compiler", False) is None:
+            executor.grammar_compiler = self.grammar_compiler
         if config.kv_cache_memory is None and config.num_kv_blocks is None:  # CUDA: measure, then subtract
             config.kv_cache_memory = executor.profile_kv_budget(
                 config.gpu_memory_utilization, config.max_num_batched_tokens, config.max_num_seqs)
@@ -64,7 +67,8 @@ class Engine:
             rope = self.model_config.rope
             prefix_extra_keys = lambda req: rope.prefix_cache_key(req.num_prompt_tokens)  # noqa: E731
         self.engine_core = EngineCore.build(config, executor, self.pool_sizing, prefix_extra_keys=prefix_extra_keys)
-        self.input_processor = InputProcessor(config, self.model_config.vocab_size, self.tokenizer)
+        self.input_processor = InputProcessor(config, self.model_config.vocab_size, self.tokenizer,
+                                              self.grammar_compiler)
         self.output_processor = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
 
@@ -98,6 +102,13 @@ class Engine:
         except Exception as e:  # a checkpoint without tokenizer files can still run token ids
             logger.warning("no tokenizer loaded from %s (%s); only token-id prompts will work", path, e)
             return None
+
+    def _grammar_compiler(self):
+        """Structured outputs compile against the tokenizer's vocabulary: none without one."""
+        if self.tokenizer is None:
+            return None
+        from pagedserve.structured.compiler import GrammarCompiler
+        return GrammarCompiler(self.tokenizer, self.model_config.vocab_size, self.eos_token_ids)
 
     def _eos_token_ids(self) -> frozenset[int]:
         ids: set[int] = set()

@@ -72,6 +72,8 @@ class RequestState:
     prompt_token_ids: list[int]
     kind: OutputKind
     samples: list[SampleState] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
+    prompt_logprobs_sent: bool = False
 
     @property
     def finished(self) -> bool:
@@ -144,6 +146,8 @@ class OutputProcessor:
                 sample.first_scheduled_time = out.first_scheduled_time
                 sample.num_cached_tokens = out.num_cached_tokens
             sample.last_token_time = now
+            if out.prompt_logprobs is not None:
+                sample.parent.prompt_logprobs = [None] + out.prompt_logprobs
             if sample.logprobs is not None and out.new_logprobs:
                 sample.logprobs.extend(out.new_logprobs)
                 sample.cumulative_logprob += sum(lp.logprob for lp in out.new_logprobs)
@@ -196,8 +200,11 @@ class OutputProcessor:
             comps = [self._final(s) for s in state.samples]
         else:
             comps = [c for s in state.samples if (c := self._delta(s)) is not None]
+        prompt_logprobs = None
+        if state.prompt_logprobs is not None and not state.prompt_logprobs_sent:
+            prompt_logprobs, state.prompt_logprobs_sent = state.prompt_logprobs, True
         return RequestOutput(state.request_id, state.prompt, state.prompt_token_ids, comps, finished,
-                             [s.metrics for s in state.samples] if finished else [])
+                             [s.metrics for s in state.samples] if finished else [], prompt_logprobs)
 
     def _final(self, s: SampleState) -> CompletionOutput:
         if s.detok is not None:

@@ -10,8 +10,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagedserve.attention.torch_backend import AttentionMetadata, paged_attention
+from pagedserve.attention import AttentionMetadata, paged_attention
 from pagedserve.model.config import ModelConfig
+from pagedserve.model.layers import Linear
 from pagedserve.model.rope import RotaryEmbedding
 
 
@@ -39,8 +40,8 @@ class Attention(nn.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.q_size = cfg.num_heads * cfg.head_dim
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
-        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias)
-        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=cfg.o_proj_bias)
+        self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias)
+        self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=cfg.o_proj_bias)
         self.scale = self.head_dim ** -0.5
 
     def forward(self, x, cos, sin, k_cache, v_cache, meta: AttentionMetadata):
@@ -58,8 +59,8 @@ class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.inter = cfg.intermediate_size
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+        self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
+        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
 
     def forward(self, x):
         gate, up = self.gate_up_proj(x).split([self.inter, self.inter], dim=-1)
@@ -86,7 +87,7 @@ class LlamaForCausalLM(nn.Module):
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
 
     # -- loading ----------------------------------------------------------------------
     def load_checkpoint(self, tensors) -> None:
@@ -140,5 +141,6 @@ class LlamaForCausalLM(nn.Module):
         return self.norm(h)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight).float()
+        if self.lm_head is None:  # tied: the embedding table is the head, kept plain for the lookup
+            return F.linear(hidden, self.embed_tokens.weight).float()
+        return self.lm_head(hidden).float()

@@ -12,6 +12,7 @@ import torch
 from safetensors import safe_open
 
 from pagedserve.model.config import SUPPORTED_ARCHITECTURES, ModelConfig, read_model_config
+from pagedserve.model.layers import prepare_linear_layers
 from pagedserve.model.llama import LlamaForCausalLM
 
 __all__ = ["SUPPORTED_ARCHITECTURES", "TORCH_DTYPES", "ModelConfig", "iter_checkpoint_tensors", "load_model",
@@ -43,4 +44,5 @@ def load_model(config: ModelConfig, dtype: str, device: str) -> LlamaForCausalLM
     model.load_checkpoint(iter_checkpoint_tensors(config.path))
     model.init_buffers(device)
     model.eval()
+    prepare_linear_layers(model, torch_dtype, torch.device(device))
     return model

@@ -15,6 +15,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from pagedserve.config import resolve_dtype
+
 from .gpus import GiB, GpuSpec
 from .kv_budget import (
     KVPoolSize,
@@ -200,9 +202,17 @@ def compute_plan(req: PlanRequest) -> Plan:
     return plan
 
 
+def _weight_dtype(req: PlanRequest) -> str:
+    """The dtype the engine would compute in. On CPU the engine's own rule decides (a bf16
+    checkpoint under dtype auto computes, and sizes its KV pool, in fp32)."""
+    if req.device_kind == "cpu" and (req.dtype or "auto") in ("auto", "float32", "bfloat16", "float16"):
+        return resolve_dtype(req.dtype or "auto", req.model.checkpoint_dtype, "cpu")
+    return req.dtype or req.model.checkpoint_dtype
+
+
 def _compute(req: PlanRequest, max_num_batched_tokens: int) -> Plan:
     model, shape, tp = req.model, req.model.shape, req.tensor_parallel_size
-    weight_dtype = req.dtype or model.checkpoint_dtype
+    weight_dtype = _weight_dtype(req)
     kv_dtype = _resolve_kv_dtype(req.kv_cache_dtype, weight_dtype)
     total = req.device.memory_bytes
     max_model_len = _default_max_model_len(req)

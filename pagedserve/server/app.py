@@ -31,8 +31,12 @@ from pagedserve.engine.async_llm import AsyncLLM, EngineDead, EngineOverloaded
 from pagedserve.engine.output_processor import OutputKind
 from pagedserve.server.gate import Gate
 from pagedserve.server.protocol import (ChatCompletionRequest, ChatMessage, CompletionRequest, DetokenizeRequest,
-                                        ErrorResponse, TokenizeRequest)
+                                        ErrorResponse, NamedToolChoice, TokenizeRequest)
 from pagedserve.server.request_trace import ArrivalStamp, RequestTrace, request_trace_path
+from pagedserve.structured.params import StructuredOutputsParams
+from pagedserve.structured.tool_parsers import get_tool_parser
+from pagedserve.structured.tools import (NamedCallStream, RequiredCallStream, ToolCall, calls_from_required,
+                                         tool_choice_constraint)
 
 logger = logging.getLogger("pagedserve.server")
 
@@ -71,8 +75,8 @@ def bad_request(e: Exception | str) -> APIError:
     """A ValueError 'field: message' becomes a 400 naming the field."""
     message = str(e)
     head = message.split(":", 1)[0]
-    param = head if head.replace("_", "").isalnum() and head != message else None
-    return APIError(400, message, param)
+    is_field = all(c.isalnum() or c in "_.[]" for c in head) and head != message
+    return APIError(400, message, head if is_field else None)
 
 
 @dataclass
@@ -81,13 +85,49 @@ class _Prompt:
     token_ids: list[int]
 
 
+def _json_or_text(text: str):
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
+
+
+@dataclass
+class _ChatPlan:
+    """How a chat request's text becomes its answer: plain content, or tool calls."""
+
+    prompt: _Prompt
+    params: SamplingParams
+    top_n: int
+    tool_mode: str = "none"           # "none" | "named" | "required" | "auto"
+    tool_name: str | None = None      # named
+    parallel_tool_calls: bool = True
+    echo_prefix: str = ""             # chat echo: the last message's content, when it is the answer's role
+
+    def stream(self, parser_name: str | None):
+        if self.tool_mode == "named":
+            return NamedCallStream(self.tool_name)
+        if self.tool_mode == "required":
+            return RequiredCallStream()
+        if self.tool_mode == "auto":
+            return get_tool_parser(parser_name).stream()
+        return None
+
+
 class OpenAIServer:
     """Request handling, independent of the routes: easier to read and to test."""
 
-    def __init__(self, async_engine: AsyncLLM, enable_prompt_tokens_details: bool = False) -> None:
+    def __init__(self, async_engine: AsyncLLM, enable_prompt_tokens_details: bool = False,
+                 enable_auto_tool_choice: bool = False, tool_call_parser: str | None = None) -> None:
         self.async_engine = async_engine
         self.engine = async_engine.engine
         self.enable_prompt_tokens_details = enable_prompt_tokens_details
+        if enable_auto_tool_choice and tool_call_parser is None:
+            raise ValueError("tool_call_parser: --enable-auto-tool-choice needs --tool-call-parser")
+        if tool_call_parser is not None:
+            get_tool_parser(tool_call_parser)  # refuses an unknown name now, not at the first request
+        self.enable_auto_tool_choice = enable_auto_tool_choice
+        self.tool_call_parser = tool_call_parser
         self.model_name = self.engine.model_name
         self.created = int(time.time())
         # One thread: the tokenizer is not made for concurrent calls, and the loop must not wait on it.
@@ -110,14 +150,72 @@ class OpenAIServer:
         if model is not None and model != self.model_name:
             raise APIError(404, f"The model `{model}` does not exist.", "model")
 
-    def sampling_params(self, body, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    def logit_bias(self, body) -> dict[int, float] | None:
+        """OpenAI's {"token id": bias}: ids in the vocabulary, biases in [-100, 100], <= 300 entries."""
+        if body.logit_bias is None:
+            return None
+        vocab = self.engine.model_config.vocab_size
+        bias = {}
+        for key, value in body.logit_bias.items():
+            if not key.strip().isdigit() or int(key) >= vocab:
+                raise APIError(400, f"logit_bias: {key!r} is not a token id in [0, {vocab})", "logit_bias")
+            bias[int(key)] = value
+        return bias
+
+    def structured_constraint(self, body, tool_constraint: StructuredOutputsParams | None = None
+                              ) -> StructuredOutputsParams | None:
+        """The one text constraint a request asks for, from whichever field it used."""
+        found: list[tuple[str, dict]] = []
+        rf = body.response_format
+        if rf is not None and rf.type == "json_object":
+            found.append(("response_format", {"json_object": True}))
+        elif rf is not None and rf.type == "json_schema":
+            if rf.json_schema is None or rf.json_schema.schema_ is None:
+                raise APIError(400, "response_format.json_schema.schema: required for type json_schema",
+                               "response_format.json_schema.schema")
+            found.append(("response_format.json_schema.schema", {"json": rf.json_schema.schema_}))
+        so = body.structured_outputs
+        if so is not None:
+            spec = {k: v for k, v in {"json": so.json_, "regex": so.regex, "choice": so.choice,
+                                       "grammar": so.grammar, "json_object": so.json_object}.items() if v is not None}
+            found.append(("structured_outputs", spec))
+        for name, kind in (("guided_json", "json"), ("guided_regex", "regex"), ("guided_choice", "choice"),
+                           ("guided_grammar", "grammar")):
+            if getattr(body, name) is not None:
+                found.append((name, {kind: getattr(body, name)}))
+        if tool_constraint is not None and found:
+            raise APIError(400, f"{found[0][0]}: cannot be combined with a tool_choice that calls a tool",
+                           found[0][0].split(".")[0])
+        if len(found) > 1:
+            names = ", ".join(name for name, _ in found)
+            raise APIError(400, f"{found[1][0]}: give one output constraint, got {names}", found[1][0])
+        if tool_constraint is not None:
+            return tool_constraint
+        if not found:
+            return None
+        field, spec = found[0]
+        try:
+            return StructuredOutputsParams(**spec, field=field)
+        except ValueError as e:
+            raise bad_request(e) from None
+
+    def sampling_params(self, body, max_tokens: int | None, logprobs: int | None,
+                        structured: StructuredOutputsParams | None = None,
+                        prompt_logprobs: int | None = None) -> SamplingParams:
         if body.n > self.engine.config.max_num_seqs:
             raise APIError(400, f"n: at most max_num_seqs ({self.engine.config.max_num_seqs}), got {body.n}", "n")
         vocab = self.engine.model_config.vocab_size
         if body.stop_token_ids and any(t >= vocab for t in body.stop_token_ids):
             raise APIError(400, f"stop_token_ids: token ids must be in [0, {vocab})", "stop_token_ids")
-        if body.logit_bias:
-            raise APIError(400, "logit_bias: not supported", "logit_bias")
+        if body.priority != 0 and str(getattr(self.engine.config.scheduling_policy, "value",
+                                                  self.engine.config.scheduling_policy)) != "priority":
+            raise APIError(400, "priority: the server schedules first come, first served; start it with "
+                                "--scheduling-policy priority to use priorities", "priority")
+        if body.prompt_logprobs is not None:
+            if prompt_logprobs is not None and prompt_logprobs != body.prompt_logprobs:
+                raise APIError(400, "prompt_logprobs: echo with logprobs already sets it (to logprobs)",
+                               "prompt_logprobs")
+            prompt_logprobs = body.prompt_logprobs
         try:
             return SamplingParams(
                 n=body.n,
@@ -136,7 +234,10 @@ class OpenAIServer:
                 max_tokens=max_tokens,
                 min_tokens=body.min_tokens,
                 logprobs=logprobs,
+                prompt_logprobs=prompt_logprobs,
                 skip_special_tokens=body.skip_special_tokens,
+                logit_bias=self.logit_bias(body),
+                structured_outputs=structured,
             )
         except ValueError as e:
             raise bad_request(e) from None
@@ -170,7 +271,8 @@ class OpenAIServer:
         return [_Prompt(None, list(x)) for x in prompt]
 
     def chat_prompt(self, messages: list[ChatMessage], add_generation_prompt: bool,
-                    continue_final_message: bool = False, kwargs: dict | None = None) -> _Prompt:
+                    continue_final_message: bool = False, kwargs: dict | None = None,
+                    tools: list[dict] | None = None) -> _Prompt:
         tokenizer = self.engine.tokenizer
         if tokenizer is None or not getattr(tokenizer, "chat_template", None):
             raise APIError(400, "messages: this model has no chat template; use /v1/completions with a prompt",
@@ -185,12 +287,24 @@ class OpenAIServer:
                 content = "".join(part.text or "" for part in m.content)
             else:
                 content = m.content or ""
-            conversation.append({"role": m.role, "content": content})
+            turn = {"role": m.role, "content": content}
+            if m.name is not None:
+                turn["name"] = m.name
+            if m.tool_calls:
+                # As the templates that render calls expect: arguments parsed when they are JSON.
+                turn["tool_calls"] = [{"id": c.id, "type": c.type, "function": {
+                    "name": c.function.name, "arguments": _json_or_text(c.function.arguments)}}
+                    for c in m.tool_calls]
+            if m.tool_call_id is not None:
+                turn["tool_call_id"] = m.tool_call_id
+            conversation.append(turn)
         reserved = {"conversation", "messages", "tokenize", "add_generation_prompt", "continue_final_message",
                     "return_dict", "return_tensors", "chat_template", "tools", "documents", "tokenizer_kwargs",
                     "padding", "truncation", "max_length", "return_assistant_tokens_mask"}
         extra = {k: v for k, v in (kwargs or {}).items() if k not in reserved}
         try:
+            if tools:
+                extra["tools"] = tools
             text = tokenizer.apply_chat_template(conversation, tokenize=False,
                                                  add_generation_prompt=add_generation_prompt,
                                                  continue_final_message=continue_final_message, **extra)
@@ -243,6 +357,8 @@ class OpenAIServer:
         return value if math.isfinite(value) else _LOGPROB_FLOOR
 
     def completion_logprobs(self, logprobs: list, offset: int) -> dict:
+        """OpenAI's completions logprobs object; an entry of None (the first prompt token,
+        which nothing predicts) has null token_logprobs and top_logprobs."""
         tokens, token_lps, tops, offsets = [], [], [], []
         for lp in logprobs:
             text = self._token_text(lp.token_id)
@@ -255,6 +371,20 @@ class OpenAIServer:
             offsets.append(offset)
             offset += len(text)
         return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
+
+    def echo_logprobs(self, prompt: _Prompt, prompt_logprobs: list) -> dict:
+        """The prompt's part of an echo's logprobs: its first token has null logprobs."""
+        first_text = self._token_text(prompt.token_ids[0])
+        rest = self.completion_logprobs(prompt_logprobs[1:], len(first_text))
+        return {"tokens": [first_text] + rest["tokens"], "token_logprobs": [None] + rest["token_logprobs"],
+                "top_logprobs": [None] + rest["top_logprobs"], "text_offset": [0] + rest["text_offset"]}
+
+    @staticmethod
+    def join_logprobs(*parts: dict | None) -> dict | None:
+        parts = [p for p in parts if p is not None]
+        if not parts:
+            return None
+        return {key: [v for p in parts for v in p[key]] for key in parts[0]}
 
     def chat_logprobs(self, logprobs: list, top_n: int) -> dict:
         content = []
@@ -274,9 +404,15 @@ class OpenAIServer:
             raise APIError(400, "best_of: only best_of == n is supported", "best_of")
         if body.suffix:
             raise APIError(400, "suffix: not supported", "suffix")
-        if body.echo and body.logprobs is not None:
-            raise APIError(400, "echo: prompt logprobs are not supported; drop echo or logprobs", "echo")
-        params = self.sampling_params(body, body.max_tokens, body.logprobs)
+        if body.max_tokens == 0 and not body.echo:
+            raise APIError(400, "max_tokens: 0 is only allowed with echo=true (score the prompt, generate nothing)",
+                           "max_tokens")
+        # echo + logprobs: the prompt tokens' logprobs come first (OpenAI's legacy scoring).
+        prompt_logprobs = body.logprobs if body.echo and body.logprobs is not None else None
+        # max_tokens=0 runs one step and drops its token: the engine always samples at the prompt's end.
+        max_tokens = 1 if body.max_tokens == 0 else body.max_tokens
+        params = self.sampling_params(body, max_tokens, body.logprobs, self.structured_constraint(body),
+                                      prompt_logprobs)
         prompts = self.completion_prompts(body.prompt)
         self.validate(prompts, params)
         return prompts, params
@@ -285,6 +421,19 @@ class OpenAIServer:
         if not body.echo:
             return ""
         return prompt.text if prompt.text is not None else self.decode(prompt.token_ids)
+
+    def _completion_choice(self, body, prompt: _Prompt, comp, prompt_logprobs, first: bool, offset: int) -> dict:
+        """One completion choice (or its delta: `offset` = characters already sent)."""
+        prefix = self._echo(body, prompt) if first else ""
+        text, logprobs = comp.text, comp.logprobs
+        if body.max_tokens == 0:  # generated nothing: the one step's token is not part of the answer
+            text, logprobs = "", ([] if logprobs is not None else None)
+        lp = None
+        if logprobs is not None:
+            echoed = self.echo_logprobs(prompt, prompt_logprobs) if first and prompt_logprobs is not None else None
+            lp = self.join_logprobs(echoed, self.completion_logprobs(logprobs, offset + len(prefix)))
+        return {"text": prefix + text, "logprobs": lp, "finish_reason": comp.finish_reason,
+                "stop_reason": comp.stop_reason}
 
     async def completion(self, body: CompletionRequest, prompts: list[_Prompt], params: SamplingParams) -> dict:
         rid = f"cmpl-{uuid.uuid4().hex}"
@@ -296,16 +445,9 @@ class OpenAIServer:
         num_generated = 0
         for i, prompt in enumerate(prompts):
             for comp in final[i].outputs:
-                prefix = self._echo(body, prompt)
-                num_generated += len(comp.token_ids)
-                choices.append({
-                    "index": i * params.n + comp.index,
-                    "text": prefix + comp.text,
-                    "logprobs": (self.completion_logprobs(comp.logprobs, len(prefix))
-                                 if comp.logprobs is not None else None),
-                    "finish_reason": comp.finish_reason,
-                    "stop_reason": comp.stop_reason,
-                })
+                num_generated += 0 if body.max_tokens == 0 else len(comp.token_ids)
+                choice = self._completion_choice(body, prompt, comp, final[i].prompt_logprobs, True, 0)
+                choices.append({"index": i * params.n + comp.index, **choice})
         return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": self.model_name,
                 "choices": choices, "usage": self._usage(prompts, num_generated, final.values())}
 
@@ -319,16 +461,19 @@ class OpenAIServer:
             usage["prompt_tokens_details"] = {"cached_tokens": cached}
         return usage
 
-    async def _sse(self, rid: str, obj: str, include_usage: bool, prompts: list[_Prompt], n: int,
-                   queue: asyncio.Queue, ids: list[str], make_choice) -> AsyncIterator[str]:
+    async def _sse(self, rid: str, obj: str, stream_options, prompts: list[_Prompt], n: int,
+                   queue: asyncio.Queue, ids: list[str], make_choice, count_tokens: bool = True) -> AsyncIterator[str]:
         """The SSE loop both endpoints share: one chunk per step that produced tokens (even when
         their text is empty, as vLLM), a usage chunk on request, then [DONE]; an error ends the
-        stream with an OpenAI error body. Outputs are deltas: `make_choice(index, comp, first)`
-        builds one choice from what a sample gained (`first`: its first chunk)."""
+        stream with an OpenAI error body. Outputs are deltas: `make_choice(index, comp, first,
+        out)` builds one choice from what a sample gained (`first`: its first chunk; `out`: the
+        RequestOutput, whose prompt_logprobs come with the first output)."""
         created = int(time.time())
         started: set[int] = set()
         num_generated = 0
         finals: dict[int, RequestOutput] = {}
+        include_usage = bool(stream_options and stream_options.include_usage)
+        continuous = include_usage and bool(stream_options.continuous_usage_stats)
         trace = self.request_trace
         first_out: dict[int, float] = {}
         last_out: dict[int, float] = {}
@@ -349,10 +494,10 @@ class OpenAIServer:
                 new_tokens = 0
                 for comp in out.outputs:
                     index = i * n + comp.index
-                    choices.append(make_choice(index, comp, index not in started))
+                    choices.append(make_choice(index, comp, index not in started, out))
                     started.add(index)
                     new_tokens += len(comp.token_ids)
-                num_generated += new_tokens
+                num_generated += new_tokens if count_tokens else 0
                 if choices:
                     if trace is not None and new_tokens:
                         now = time.monotonic()
@@ -360,7 +505,7 @@ class OpenAIServer:
                         last_out[i] = now
                         chunks[i] = chunks.get(i, 0) + 1
                         tokens[i] = tokens.get(i, 0) + new_tokens
-                    yield chunk(choices)
+                    yield chunk(choices, self._usage(prompts, num_generated, finals.values()) if continuous else None)
             if include_usage:
                 yield chunk([], self._usage(prompts, num_generated, finals.values()))
             yield "data: [DONE]\n\n"
@@ -376,21 +521,51 @@ class OpenAIServer:
     def completion_stream(self, body: CompletionRequest, rid: str, prompts: list[_Prompt], params: SamplingParams,
                           queue: asyncio.Queue, ids: list[str]) -> AsyncIterator[str]:
         sent_chars: dict[int, int] = {}
+        scored: dict[int, list] = {}  # prompt index -> its prompt logprobs (they come with its first output)
 
-        def make_choice(index, comp, first):
-            text = (self._echo(body, prompts[index // params.n]) if first else "") + comp.text
+        def make_choice(index, comp, first, out):
             offset = sent_chars.get(index, 0)
-            sent_chars[index] = offset + len(text)
-            return {"index": index, "text": text,
-                    "logprobs": (self.completion_logprobs(comp.logprobs, offset + len(text) - len(comp.text))
-                                 if comp.logprobs is not None else None),
-                    "finish_reason": comp.finish_reason, "stop_reason": comp.stop_reason}
+            if out.prompt_logprobs is not None:
+                scored[index // params.n] = out.prompt_logprobs
+            choice = self._completion_choice(body, prompts[index // params.n], comp, scored.get(index // params.n),
+                                             first, offset)
+            sent_chars[index] = offset + len(choice["text"])
+            return {"index": index, **choice}
 
-        include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return self._sse(rid, "text_completion", include_usage, prompts, params.n, queue, ids, make_choice)
+        return self._sse(rid, "text_completion", body.stream_options, prompts, params.n, queue, ids, make_choice,
+                         count_tokens=body.max_tokens != 0)
 
     # -- /v1/chat/completions --------------------------------------------------------
-    def prepare_chat(self, body: ChatCompletionRequest):
+    def tool_plan(self, body: ChatCompletionRequest) -> tuple[str, str | None, list[dict] | None]:
+        """(tool mode, named function, tools for the template) after checking tools and tool_choice."""
+        tools = [t.model_dump(exclude_none=True) for t in body.tools or []]
+        choice = body.tool_choice
+        if choice is None:
+            choice = "auto" if tools else "none"
+        names = [t["function"]["name"] for t in tools]
+        if len(set(names)) != len(names):
+            raise APIError(400, "tools: function names must be unique", "tools")
+        if isinstance(choice, NamedToolChoice):
+            if choice.function.name not in names:
+                raise APIError(400, f"tool_choice: no tool named {choice.function.name!r} in tools", "tool_choice")
+            return "named", choice.function.name, tools
+        if choice in ("required", "auto") and not tools:
+            raise APIError(400, f"tool_choice: {choice!r} needs tools", "tool_choice")
+        if choice == "auto" and not (self.enable_auto_tool_choice and self.tool_call_parser):
+            raise APIError(400, 'tool_choice: "auto" needs the server started with --enable-auto-tool-choice and '
+                                '--tool-call-parser; or send tool_choice "required", "none" or a named function',
+                           "tool_choice")
+        if choice == "auto":
+            for i, t in enumerate(tools):
+                if t["function"].get("strict"):
+                    raise APIError(400, f"tools[{i}].function.strict: arguments are held to the schema only under "
+                                        'tool_choice "required" or a named function, not "auto"',
+                                   f"tools[{i}].function.strict")
+        if choice == "none":
+            return "none", None, None  # as vLLM: the tools are not shown to a model that may not call them
+        return choice, None, tools
+
+    def prepare_chat(self, body: ChatCompletionRequest) -> _ChatPlan:
         self.check_model(body.model)
         top_n = 0
         if body.top_logprobs is not None:
@@ -399,43 +574,97 @@ class OpenAIServer:
             top_n = body.top_logprobs
         logprobs = top_n if body.logprobs else None
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-        params = self.sampling_params(body, max_tokens, logprobs)
+        mode, name, tools = self.tool_plan(body)
+        parallel = body.parallel_tool_calls is not False
+        tool_constraint = None
+        if mode in ("named", "required"):
+            tool_constraint = tool_choice_constraint(tools, {"function": {"name": name}} if name else mode, parallel)
+        params = self.sampling_params(body, max_tokens, logprobs, self.structured_constraint(body, tool_constraint))
         prompt = self.chat_prompt(body.messages, body.add_generation_prompt, body.continue_final_message,
-                                  body.chat_template_kwargs)
+                                  body.chat_template_kwargs, tools)
         self.validate([prompt], params)
-        return prompt, params, top_n
+        echo_prefix = ""
+        if body.echo and body.messages:
+            # vLLM's chat echo: the answer starts with the last message when it has the answer's role.
+            role = "assistant" if body.add_generation_prompt else body.messages[-1].role
+            last = body.messages[-1]
+            if last.role == role and isinstance(last.content, str):
+                echo_prefix = last.content
+        return _ChatPlan(prompt, params, top_n, mode, name, parallel, echo_prefix)
 
-    async def chat(self, body: ChatCompletionRequest, prompt: _Prompt, params: SamplingParams, top_n: int) -> dict:
+    def _chat_message(self, plan: _ChatPlan, comp) -> tuple[dict, str | None]:
+        """(message, finish_reason) of one finished choice."""
+        text = plan.echo_prefix + comp.text
+        finish = comp.finish_reason
+        calls: list[ToolCall] = []
+        content: str | None = text
+        if plan.tool_mode == "named":
+            calls, content = [ToolCall(plan.tool_name, comp.text)], None
+        elif plan.tool_mode == "required":
+            try:
+                calls, content = calls_from_required(comp.text), None
+            except ValueError:  # cut off by max_tokens: not a whole call list; the text is returned as is
+                calls = []
+        elif plan.tool_mode == "auto":
+            content, calls = get_tool_parser(self.tool_call_parser).extract(comp.text)
+            if not plan.parallel_tool_calls:
+                calls = calls[:1]
+        if calls and plan.tool_mode != "named" and finish == "stop":
+            finish = "tool_calls"
+        message = {"role": "assistant", "content": content}
+        if calls:
+            message["tool_calls"] = [c.to_openai() for c in calls]
+        return message, finish
+
+    async def chat(self, body: ChatCompletionRequest, plan: _ChatPlan) -> dict:
         rid = f"chatcmpl-{uuid.uuid4().hex}"
-        queue, ids = self.submit(rid, [prompt], params, body.priority, OutputKind.FINAL_ONLY)
+        queue, ids = self.submit(rid, [plan.prompt], plan.params, body.priority, OutputKind.FINAL_ONLY)
         final = None
         async for _, out in self.results(queue, ids):
             final = out
-        choices = [{
-            "index": comp.index,
-            "message": {"role": "assistant", "content": comp.text},
-            "logprobs": self.chat_logprobs(comp.logprobs, top_n) if comp.logprobs is not None else None,
-            "finish_reason": comp.finish_reason,
-            "stop_reason": comp.stop_reason,
-        } for comp in final.outputs]
+        choices = []
+        for comp in final.outputs:
+            message, finish = self._chat_message(plan, comp)
+            choices.append({
+                "index": comp.index, "message": message,
+                "logprobs": self.chat_logprobs(comp.logprobs, plan.top_n) if comp.logprobs is not None else None,
+                "finish_reason": finish, "stop_reason": comp.stop_reason,
+            })
         num_generated = sum(len(c.token_ids) for c in final.outputs)
         return {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": self.model_name,
-                "choices": choices, "usage": self._usage([prompt], num_generated, [final])}
+                "choices": choices, "usage": self._usage([plan.prompt], num_generated, [final])}
 
-    def chat_stream(self, body: ChatCompletionRequest, rid: str, prompt: _Prompt, params: SamplingParams,
-                    top_n: int, queue: asyncio.Queue, ids: list[str]) -> AsyncIterator[str]:
-        def make_choice(index, comp, first):
+    def chat_stream(self, body: ChatCompletionRequest, rid: str, plan: _ChatPlan, queue: asyncio.Queue,
+                    ids: list[str]) -> AsyncIterator[str]:
+        streams: dict[int, object] = {}
+
+        def make_choice(index, comp, first, out):
+            stream = streams.get(index)
+            if stream is None and plan.tool_mode != "none":
+                stream = streams[index] = plan.stream(self.tool_call_parser)
+            text = (plan.echo_prefix if first and plan.tool_mode == "none" else "") + comp.text
+            content, calls = (text, []) if stream is None else stream.feed(comp.text)
+            finish = comp.finish_reason
+            if finish is not None and stream is not None:
+                rest, more = stream.finish()
+                content, calls = content + rest, calls + more
+                if stream.called and plan.tool_mode != "named" and finish == "stop":
+                    finish = "tool_calls"
+            if calls and plan.tool_mode == "auto" and not plan.parallel_tool_calls:
+                calls = [c for c in calls if c["index"] == 0]
             # The role comes with the first generated token, as vLLM sends it: a client timing
             # its first chunk then measures the real time to first token.
-            delta = {"role": "assistant", "content": comp.text} if first else {"content": comp.text}
-            if not first and not comp.token_ids and not comp.text:
-                delta = {}
+            delta: dict = {"role": "assistant"} if first else {}
+            if content or (first and not calls) or (comp.token_ids and stream is None):
+                delta["content"] = content
+            if calls:
+                delta["tool_calls"] = calls
             return {"index": index, "delta": delta,
-                    "logprobs": self.chat_logprobs(comp.logprobs, top_n) if comp.logprobs is not None else None,
-                    "finish_reason": comp.finish_reason, "stop_reason": comp.stop_reason}
+                    "logprobs": self.chat_logprobs(comp.logprobs, plan.top_n) if comp.logprobs is not None else None,
+                    "finish_reason": finish, "stop_reason": comp.stop_reason}
 
-        include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return self._sse(rid, "chat.completion.chunk", include_usage, [prompt], params.n, queue, ids, make_choice)
+        return self._sse(rid, "chat.completion.chunk", body.stream_options, [plan.prompt], plan.params.n, queue, ids,
+                         make_choice)
 
 
 async def _wait_for_disconnect(request: Request) -> None:
@@ -482,10 +711,11 @@ class _EngineStream(StreamingResponse):
 
 
 def build_app(async_engine: AsyncLLM, api_key: str | None = None, manage_engine: bool = True,
-              max_request_bytes: int | None = None, enable_prompt_tokens_details: bool = False) -> FastAPI:
+              max_request_bytes: int | None = None, enable_prompt_tokens_details: bool = False,
+              enable_auto_tool_choice: bool = False, tool_call_parser: str | None = None) -> FastAPI:
     """The FastAPI app. With manage_engine the engine thread starts and stops with the app.
     `max_request_bytes`: None = default_max_request_bytes(max_model_len); 0 = no limit."""
-    server = OpenAIServer(async_engine, enable_prompt_tokens_details)
+    server = OpenAIServer(async_engine, enable_prompt_tokens_details, enable_auto_tool_choice, tool_call_parser)
     metrics = async_engine.metrics
     if max_request_bytes is None:
         max_request_bytes = default_max_request_bytes(async_engine.engine.config.max_model_len)
@@ -584,13 +814,13 @@ def build_app(async_engine: AsyncLLM, api_key: str | None = None, manage_engine:
 
     @app.post("/v1/chat/completions", responses=_ERROR_RESPONSES)
     async def chat_completions(body: ChatCompletionRequest, request: Request):
-        prompt, params, top_n = await server.off_loop(server.prepare_chat, body)
+        plan = await server.off_loop(server.prepare_chat, body)
         if body.stream:
             rid = f"chatcmpl-{uuid.uuid4().hex}"
             server.trace_arrival(rid, request)
-            queue, ids = server.submit(rid, [prompt], params, body.priority, OutputKind.DELTA)
-            return _EngineStream(server.chat_stream(body, rid, prompt, params, top_n, queue, ids), async_engine, ids)
-        return await _unless_disconnected(request, server.chat(body, prompt, params, top_n))
+            queue, ids = server.submit(rid, [plan.prompt], plan.params, body.priority, OutputKind.DELTA)
+            return _EngineStream(server.chat_stream(body, rid, plan, queue, ids), async_engine, ids)
+        return await _unless_disconnected(request, server.chat(body, plan))
 
     @app.post("/tokenize", responses=_ERROR_RESPONSES)
     async def tokenize(body: TokenizeRequest):

@@ -6,10 +6,13 @@ import os
 
 import yaml
 
+from pagedserve.structured.tool_parsers import TOOL_PARSERS
+
 logger = logging.getLogger("pagedserve.server")
 
 _SERVER_DEFAULTS = {"host": "127.0.0.1", "port": 8000, "api_key": None, "max_queue_len": None,
-                    "max_request_bytes": None, "enable_prompt_tokens_details": False}
+                    "max_request_bytes": None, "enable_prompt_tokens_details": False,
+                    "enable_auto_tool_choice": False, "tool_call_parser": None}
 
 
 def register(sub) -> None:
@@ -31,6 +34,12 @@ def register(sub) -> None:
                              "max_model_len, at least 1 MiB; 0 = no limit)")
     server.add_argument("--enable-prompt-tokens-details", action="store_true", default=None,
                         help="report usage.prompt_tokens_details.cached_tokens (prompt tokens the prefix cache served)")
+    server.add_argument("--enable-auto-tool-choice", action="store_true", default=None,
+                        help='allow tool_choice "auto" (the default when tools are sent): the model writes calls '
+                             "in its own format and --tool-call-parser reads them")
+    server.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_PARSERS),
+                        help="how to read a model's tool calls under tool_choice auto: hermes (<tool_call> tags: "
+                             "Hermes, Qwen) or llama3_json (Llama 3.x JSON calls)")
     server.add_argument("--log-interval", type=float, default=10.0,
                         help="seconds between stats log lines (0 = off)")
     server.add_argument("--uvicorn-log-level", default="info")
@@ -60,6 +69,11 @@ def server_settings(args) -> dict:
         raise ValueError(f"port: must be an integer in [0, 65535], got {port!r}")
     if queue is not None and (not isinstance(queue, int) or queue < 0):
         raise ValueError(f"max_queue_len: must be an integer >= 0, got {queue!r}")
+    parser = settings["tool_call_parser"]
+    if parser is not None and parser not in TOOL_PARSERS:
+        raise ValueError(f"tool_call_parser: unknown parser {parser!r}; choose from {sorted(TOOL_PARSERS)}")
+    if settings["enable_auto_tool_choice"] and parser is None:
+        raise ValueError("enable_auto_tool_choice: needs --tool-call-parser (hermes or llama3_json)")
     return settings
 
 
@@ -74,7 +88,9 @@ def run(args) -> int:
     app, async_engine = build_server(config, api_key=settings["api_key"],
                                      max_queue_len=settings["max_queue_len"], log_interval=args.log_interval,
                                      max_request_bytes=settings["max_request_bytes"],
-                                     enable_prompt_tokens_details=bool(settings["enable_prompt_tokens_details"]))
+                                     enable_prompt_tokens_details=bool(settings["enable_prompt_tokens_details"]),
+                                     enable_auto_tool_choice=bool(settings["enable_auto_tool_choice"]),
+                                     tool_call_parser=settings["tool_call_parser"])
     logger.info("serving %s on http://%s:%d", async_engine.engine.model_name, settings["host"], settings["port"])
     uvicorn.run(app, host=settings["host"], port=settings["port"], log_level=args.uvicorn_log_level)
     return 0

@@ -15,7 +15,8 @@ from pagedserve.engine.async_llm import AsyncLLM
 
 def build_server(config: EngineConfig, api_key: str | None = None, max_queue_len: int | None = None,
                  log_interval: float = 10.0, max_request_bytes: int | None = None,
-                 enable_prompt_tokens_details: bool = False):
+                 enable_prompt_tokens_details: bool = False, enable_auto_tool_choice: bool = False,
+                 tool_call_parser: str | None = None):
     """(app, async_engine) for a fresh Engine; the engine thread starts with the app."""
     from pagedserve.engine.llm_engine import Engine
 
@@ -24,7 +25,8 @@ def build_server(config: EngineConfig, api_key: str | None = None, max_queue_len
                             max_num_batched_tokens=engine.config.max_num_batched_tokens)
     async_engine = AsyncLLM(engine, metrics, max_queue_len=max_queue_len)
     return build_app(async_engine, api_key=api_key, max_request_bytes=max_request_bytes,
-                     enable_prompt_tokens_details=enable_prompt_tokens_details), async_engine
+                     enable_prompt_tokens_details=enable_prompt_tokens_details,
+                     enable_auto_tool_choice=enable_auto_tool_choice, tool_call_parser=tool_call_parser), async_engine
 
 
 class ServerThread:

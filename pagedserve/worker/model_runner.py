@@ -4,6 +4,14 @@ It owns the model, the device KV pool ([layers, 2, num_blocks * block_size, kv_h
 head_dim]), the sampler, and what it has been told about each request (CachedRequestState):
 the scheduler sends a request's prompt and parameters once, then per-step diffs (new
 tokens, new blocks). It never calls back into the scheduler.
+
+Two per-request extras ride on that state:
+- structured outputs: a grammar matcher, synced to the output tokens fed so far before
+  each sample (so a recompute that re-feeds them leaves it where it was) and advanced by
+  each sampled token;
+- prompt logprobs: each prefill chunk's prompt rows are scored as the chunk runs (row p
+  predicts prompt token p + 1); a counter keeps tokens already scored from being scored
+  again when a preempted request recomputes its prompt.
 """
 from __future__ import annotations
 
@@ -15,14 +23,18 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from pagedserve.attention.torch_backend import build_metadata
-from pagedserve.core.outputs import StepResult
+from pagedserve.attention import build_metadata
+from pagedserve.core.outputs import StepResult, TokenLogprobs
 from pagedserve.core.scheduler import NewRequestData, ScheduledRequest, SchedulerOutput
 from pagedserve.sampling import SamplingParams
 from pagedserve.model.loader import TORCH_DTYPES, ModelConfig, load_model
+from pagedserve.structured.compiler import GrammarCompiler, GrammarMatcher
 from pagedserve.worker.sampler import Sampler
 
 logger = logging.getLogger("pagedserve.worker")
+
+# Prompt rows scored per logits matmul: bounds the [rows, vocab] float32 scratch.
+PROMPT_LOGPROBS_ROWS_PER_PASS = 512
 
 
 def keep_freed_memory_in_process() -> None:
@@ -63,13 +75,23 @@ class CachedRequestState:
     sampling_params: SamplingParams
     token_ids: list[int]        # every token whose position the runner has seen: prompt, then fed outputs
     block_ids: list[int]
+    grammar: GrammarMatcher | None = None  # structured outputs: consumed = the outputs fed so far
+    num_prompt_logprobs_done: int = 1      # prompt tokens [1, this) are scored (token 0 has none)
+    context_len: int = 0                   # tokens fed up to the end of this step
 
     @classmethod
-    def new(cls, data: NewRequestData) -> "CachedRequestState":
-        return cls(data.request_id, data.prompt_token_ids, data.sampling_params, list(data.prompt_token_ids), [])
+    def new(cls, data: NewRequestData, grammar_compiler: GrammarCompiler | None = None) -> "CachedRequestState":
+        state = cls(data.request_id, data.prompt_token_ids, data.sampling_params, list(data.prompt_token_ids), [])
+        spec = data.sampling_params.structured_outputs
+        if spec is not None:
+            if grammar_compiler is None:
+                raise ValueError("structured_outputs: this executor has no grammar compiler")
+            state.grammar = grammar_compiler.new_matcher(spec)
+        return state
 
     def apply(self, sr: ScheduledRequest) -> None:
         self.token_ids[sr.start_pos:sr.context_len] = sr.token_ids
+        self.context_len = sr.context_len
         if sr.resumed:
             self.block_ids = list(sr.new_block_ids)
         elif sr.new_block_ids:
@@ -82,9 +104,23 @@ class CachedRequestState:
         return self.token_ids[len(self.prompt_token_ids):]
 
 
+@dataclass
+class StepInputs:
+    """One step's model inputs, rows in the attention backend's order (decodes first)."""
+
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    meta: object                    # the attention backend's metadata
+    prompt_lens: torch.Tensor | None
+    states: list[CachedRequestState]      # per scheduled request, in row order
+    scheduled: list[ScheduledRequest]     # the same order
+    last_rows: torch.Tensor               # row of each sampling request's last token
+    sampling: list[CachedRequestState]    # the requests that sample this step, in that order
+
+
 class ModelRunner:
     def __init__(self, model_config: ModelConfig, dtype: str, device: str, block_size: int,
-                 eos_token_ids: frozenset[int], seed: int) -> None:
+                 eos_token_ids: frozenset[int], seed: int, grammar_compiler: GrammarCompiler | None = None) -> None:
         self.model_config = model_config
         self.device = torch.device(device)
         self.dtype = TORCH_DTYPES[dtype]
@@ -97,6 +133,7 @@ class ModelRunner:
         self.num_blocks = 0
         self.kv_cache = self.host_cache = None
         self.requests: dict[str, CachedRequestState] = {}
+        self.grammar_compiler = grammar_compiler
 
     def initialize_cache(self, num_blocks: int, num_host_blocks: int = 0) -> None:
         """The device pool, and swap space in the same layout in host memory (pinned on
@@ -192,7 +229,7 @@ class ModelRunner:
             self.requests.pop(rid, None)
         self.sampler.forget(out.finished_ids)
         for data in out.new_requests:
-            self.requests[data.request_id] = CachedRequestState.new(data)
+            self.requests[data.request_id] = CachedRequestState.new(data, self.grammar_compiler)
         states = []
         for sr in out.scheduled:
             state = self.requests[sr.request_id]
@@ -210,49 +247,114 @@ class ModelRunner:
         if out.blocks_to_swap_in:
             self.copy_blocks(out.blocks_to_swap_in, self.host_cache, self.kv_cache)
         result = StepResult()
-        if not out.scheduled:
-            result.duration = time.perf_counter() - t0
-            return result
-        # Decodes (one new token) first, then prefill chunks: see attention.torch_backend.
-        order = sorted(range(len(states)), key=lambda i: out.scheduled[i].num_new_tokens != 1)
-        decodes = [i for i in order if out.scheduled[i].num_new_tokens == 1]
-        prefills = [i for i in order if out.scheduled[i].num_new_tokens != 1]
+        if out.scheduled:
+            inputs = self._prepare_inputs(out, states)
+            t1 = time.perf_counter()
+            hidden = self.model(inputs.input_ids, inputs.positions, self.kv_cache, inputs.meta, inputs.prompt_lens)
+            self._score_prompts(hidden, inputs.states, inputs.scheduled, result)
+            self._sample(hidden, inputs, result)
+            result.forward_time = time.perf_counter() - t1
+        result.duration = time.perf_counter() - t0
+        return result
+
+    def _prepare_inputs(self, out: SchedulerOutput, states: list[CachedRequestState]) -> StepInputs:
+        """The step's tensors in the attention backend's layout: decodes (one new token) first,
+        then prefill chunks."""
         sched = out.scheduled
+        decodes = [i for i, sr in enumerate(sched) if sr.num_new_tokens == 1]
+        prefills = [i for i, sr in enumerate(sched) if sr.num_new_tokens != 1]
+        order = decodes + prefills
         meta, positions = build_metadata(
             [(np.asarray(states[i].block_ids, dtype=np.int64), sched[i].start_pos) for i in decodes],
             [(np.asarray(states[i].block_ids, dtype=np.int64), sched[i].start_pos, sched[i].num_new_tokens)
              for i in prefills],
             self.block_size, self.model_config.sliding_window, self.device)
-        token_ids = np.fromiter((t for i in order for t in sched[i].token_ids), dtype=np.int64)
-        input_ids = torch.from_numpy(token_ids).to(self.device)
-        pos = torch.from_numpy(positions).to(self.device)
+        if prefills:
+            token_ids = np.fromiter((t for i in order for t in sched[i].token_ids), dtype=np.int64)
+        else:  # decode-only: one token each
+            token_ids = np.fromiter((sched[i].token_ids[0] for i in order), dtype=np.int64, count=len(order))
         prompt_lens = None
         if self.model.rotary.needs_prompt_lens:  # dynamic NTK RoPE: see model/rope.py
             per_token = np.repeat([len(states[i].prompt_token_ids) for i in order],
                                   [sched[i].num_new_tokens for i in order])
             prompt_lens = torch.from_numpy(per_token.astype(np.int64)).to(self.device)
-
         # Only requests that reach their last token this step produce a token.
-        last_rows, sampling = [], []
+        ends = np.cumsum([sched[i].num_new_tokens for i in order]) - 1
+        sample_rows = [k for k, i in enumerate(order) if sched[i].sample]
+        return StepInputs(
+            input_ids=torch.from_numpy(token_ids).to(self.device),
+            positions=torch.from_numpy(positions).to(self.device),
+            meta=meta, prompt_lens=prompt_lens,
+            states=[states[i] for i in order], scheduled=[sched[i] for i in order],
+            last_rows=torch.from_numpy(ends[sample_rows]).to(self.device),
+            sampling=[states[order[k]] for k in sample_rows])
+
+    def _sample(self, hidden: torch.Tensor, inputs: StepInputs, result: StepResult) -> None:
+        """Logits for the rows that end their request's tokens, then one token each."""
+        sampling = inputs.sampling
+        if not sampling:
+            return
+        logits = self.model.compute_logits(hidden[inputs.last_rows])
+        sync_grammars(sampling)
+        tokens, logprobs = self.sampler(logits, sampling)
+        for state, tok, lp in zip(sampling, tokens, logprobs):
+            result.sampled[state.request_id] = tok
+            if state.grammar is not None:
+                state.grammar.accept(tok)
+            if lp is not None:
+                result.logprobs[state.request_id] = lp
+
+    def _score_prompts(self, hidden: torch.Tensor, states: list[CachedRequestState],
+                       sched: list[ScheduledRequest], result: StepResult) -> None:
+        """Prompt logprobs of the prompt tokens this step's chunks predict (rows in batch order)."""
         row = 0
-        for i in order:
-            row += sched[i].num_new_tokens
-            if sched[i].sample:
-                last_rows.append(row - 1)
-                sampling.append(states[i])
-        t1 = time.perf_counter()
-        hidden = self.model(input_ids, pos, self.kv_cache, meta, prompt_lens)
-        if sampling:
-            logits = self.model.compute_logits(hidden[torch.tensor(last_rows, device=self.device)])
-            tokens, logprobs = self.sampler(logits, sampling)
-            for state, tok, lp in zip(sampling, tokens, logprobs):
-                result.sampled[state.request_id] = tok
-                if lp is not None:
-                    result.logprobs[state.request_id] = lp
-        t2 = time.perf_counter()
-        result.forward_time = t2 - t1
-        result.duration = t2 - t0
-        return result
+        for state, sr in zip(states, sched):
+            k = state.sampling_params.prompt_logprobs
+            if k is not None:
+                first, last = prompt_tokens_scored(sr.start_pos, sr.context_len, len(state.prompt_token_ids),
+                                                   state.num_prompt_logprobs_done)
+                if first < last:
+                    # Token j is predicted by the row of position j - 1.
+                    rows = hidden[row + first - 1 - sr.start_pos: row + last - 1 - sr.start_pos]
+                    targets = state.prompt_token_ids[first:last]
+                    result.prompt_logprobs[state.request_id] = self._token_logprobs(rows, targets, k)
+                    state.num_prompt_logprobs_done = last
+            row += sr.num_new_tokens
+
+    def _token_logprobs(self, hidden_rows: torch.Tensor, targets: list[int], k: int) -> list[TokenLogprobs]:
+        """For each row: the target token's logprob and rank, and the top k (fp32 log_softmax)."""
+        out: list[TokenLogprobs] = []
+        for lo in range(0, len(targets), PROMPT_LOGPROBS_ROWS_PER_PASS):
+            chunk_targets = targets[lo:lo + PROMPT_LOGPROBS_ROWS_PER_PASS]
+            logits = self.model.compute_logits(hidden_rows[lo:lo + len(chunk_targets)]).float()
+            lps = torch.log_softmax(logits, dim=-1)
+            target_ids = torch.tensor(chunk_targets, device=lps.device)
+            target_lps = lps.gather(1, target_ids[:, None])
+            ranks = (lps > target_lps).sum(dim=1) + 1
+            top_vals, top_ids = lps.topk(k, dim=-1) if k > 0 else (None, None)
+            target_list, rank_list = target_lps[:, 0].tolist(), ranks.tolist()
+            top_v = top_vals.tolist() if k > 0 else None
+            top_i = top_ids.tolist() if k > 0 else None
+            for j, token in enumerate(chunk_targets):
+                top = list(zip(top_i[j], top_v[j])) if k > 0 else []
+                out.append(TokenLogprobs(token, target_list[j], rank_list[j], top))
+        return out
 
     def shutdown(self) -> None:
         self.requests.clear()
+
+
+def prompt_tokens_scored(start_pos: int, context_len: int, num_prompt_tokens: int, num_done: int) -> tuple[int, int]:
+    """[first, last): the prompt tokens a chunk computing positions [start_pos, context_len)
+    predicts and that are not scored yet. Row p predicts token p + 1, so tokens
+    start_pos + 1 .. context_len (the first token of the next chunk included: it is known)."""
+    first = max(start_pos + 1, num_done)
+    last = min(context_len + 1, num_prompt_tokens)
+    return first, max(first, last)
+
+
+def sync_grammars(states: list[CachedRequestState]) -> None:
+    """Before a sample: each matcher has consumed exactly the outputs fed so far."""
+    for state in states:
+        if state.grammar is not None:
+            state.grammar.sync(state.token_ids, len(state.prompt_token_ids), state.context_len)

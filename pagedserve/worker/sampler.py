@@ -1,5 +1,11 @@
-"""Token sampling, one row per request, in vLLM's order: penalties, min_tokens masking,
-(raw) logprobs, then greedy or temperature → top-k → top-p → min-p → draw.
+"""Token sampling, one row per request: the grammar mask (structured outputs), logit_bias,
+penalties, min_tokens masking, (raw) logprobs, then greedy or temperature → top-k → top-p →
+min-p → draw.
+
+The grammar mask is batched: every constrained row of the step gets its allowed-token
+bitmask (ceil(vocab / 32) int32 words, bit i = token i) from its matcher, the rows are
+unpacked together and applied in one masked_fill. A constrained row can only draw a token
+its grammar allows, unless min_tokens banned every allowed token (then the grammar wins).
 
 Each row is processed independently of the others, and a seeded request draws from its
 own generator, so the same seed gives the same text whatever else shares the batch.
@@ -8,6 +14,7 @@ from __future__ import annotations
 
 from typing import Protocol
 
+import numpy as np
 import torch
 
 from pagedserve.core.outputs import TokenLogprobs
@@ -24,6 +31,37 @@ class SamplingRow(Protocol):
     @property
     def output_token_ids(self) -> list[int]: ...
 
+    # Optional: `grammar`, a structured.compiler.GrammarMatcher already synced to the outputs.
+
+
+def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """[rows, words] int32 bitmask -> [rows, vocab_size] bool, True = allowed."""
+    shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
+    bits = (bitmask.unsqueeze(-1) >> shifts) & 1
+    return bits.view(bitmask.shape[0], -1)[:, :vocab_size].bool()
+
+
+def apply_logit_bias(logits: torch.Tensor, reqs) -> None:
+    """Add each request's logit_bias to its row, in place (one index_put for the batch)."""
+    rows, tokens, values = [], [], []
+    for row, req in enumerate(reqs):
+        bias = req.sampling_params.logit_bias
+        if bias:
+            rows.extend([row] * len(bias))
+            tokens.extend(bias.keys())
+            values.extend(bias.values())
+    if rows:
+        index = (torch.tensor(rows, device=logits.device), torch.tensor(tokens, device=logits.device))
+        logits.index_put_(index, torch.tensor(values, dtype=logits.dtype, device=logits.device), accumulate=True)
+
+
+def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
+    """Index of each row's maximum (the first, on ties, as torch.argmax). On CPU through numpy,
+    whose vectorised argmax is ~7x torch's here (256 x 32000 fp32: 3.9 vs 27 ms on one core)."""
+    if logits.device.type == "cpu" and logits.dtype == torch.float32:
+        return torch.from_numpy(np.argmax(logits.contiguous().numpy(), axis=1))
+    return logits.argmax(dim=-1)
+
 
 class Sampler:
     def __init__(self, eos_token_ids: frozenset[int], seed: int, device: torch.device) -> None:
@@ -32,6 +70,7 @@ class Sampler:
         self.default_generator = torch.Generator(device=device)
         self.default_generator.manual_seed(seed)
         self.generators: dict[str, torch.Generator] = {}
+        self._bitmask = np.zeros((0, 0), dtype=np.int32)  # reused across steps
 
     def forget(self, request_ids) -> None:
         for rid in request_ids:
@@ -64,9 +103,44 @@ class Sampler:
                 if banned:
                     logits[row, sorted(banned)] = float("-inf")
 
+    def grammar_bitmask(self, reqs: list[SamplingRow], vocab_size: int) -> tuple[list[int], np.ndarray | None]:
+        """(constrained rows, their bitmasks [len(rows), words]) from each row's matcher."""
+        rows = [i for i, r in enumerate(reqs) if getattr(r, "grammar", None) is not None]
+        if not rows:
+            return rows, None
+        words = (vocab_size + 31) // 32
+        if self._bitmask.shape[0] < len(rows) or self._bitmask.shape[1] != words:
+            self._bitmask = np.zeros((max(len(rows), 8), words), dtype=np.int32)
+        bitmask = self._bitmask[:len(rows)]
+        for k, row in enumerate(rows):
+            reqs[row].grammar.fill_bitmask(bitmask[k])
+        return rows, bitmask
+
+    def _apply_grammar(self, logits: torch.Tensor, reqs: list[SamplingRow]) -> tuple[list[int], torch.Tensor | None]:
+        rows, bitmask = self.grammar_bitmask(reqs, logits.shape[1])
+        if not rows:
+            return rows, None
+        allowed = unpack_bitmask(torch.from_numpy(bitmask).to(logits.device), logits.shape[1])
+        index = torch.tensor(rows, device=logits.device)
+        masked = logits[index].masked_fill_(~allowed, float("-inf"))
+        logits[index] = masked
+        return rows, masked
+
     def __call__(self, logits: torch.Tensor, reqs: list[SamplingRow]) -> tuple[list[int], list[TokenLogprobs | None]]:
-        logits = logits.to(torch.float32, copy=True)  # penalties edit in place; keep the caller's intact
+        if all(r.sampling_params.plain_greedy and getattr(r, "grammar", None) is None for r in reqs):
+            # The common serving case: no copy, no per-row work, one vectorised argmax.
+            return argmax_rows(logits.float()).tolist(), [None] * len(reqs)
+        logits = logits.to(torch.float32, copy=True)  # everything below edits in place; keep the caller's intact
+        grammar_rows, grammar_logits = self._apply_grammar(logits, reqs)
+        apply_logit_bias(logits, reqs)
         self._apply_penalties(logits, reqs)
+        if grammar_rows:
+            # min_tokens may have banned the only tokens the grammar allows (EOS at the end of
+            # a finished JSON value): the grammar wins, so the text stays valid.
+            index = torch.tensor(grammar_rows, device=logits.device)
+            dead = torch.isneginf(logits[index]).all(dim=1)
+            if bool(dead.any()):
+                logits[index[dead]] = grammar_logits[dead]
         want_logprobs = any(r.sampling_params.logprobs is not None for r in reqs)
         raw_logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None
 
@@ -75,7 +149,7 @@ class Sampler:
         random_rows = [i for i, r in enumerate(reqs) if not r.sampling_params.greedy]
         if greedy_rows:
             idx = torch.tensor(greedy_rows, device=logits.device)
-            tokens[idx] = logits[idx].argmax(dim=-1)
+            tokens[idx] = argmax_rows(logits[idx]).to(tokens.device)
         for row in random_rows:
             tokens[row] = self._sample_row(logits[row], reqs[row])
 

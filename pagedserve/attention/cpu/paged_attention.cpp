@@ -1,0 +1,584 @@
+// Paged attention for CPU tensors, reading K/V where they lie in the block pool.
+//
+// Plain C++17 with a C ABI (no torch headers): pagedserve/attention/cpu_kernel.py compiles it
+// at first use with the system compiler (-O3 -march=native -fopenmp) and calls it through
+// ctypes with raw data pointers. Under torch the OpenMP runtime it links is torch's own
+// libgomp (same SONAME, already loaded), so its threads are torch's threads.
+//
+// Layout (one layer): key `offset` of block `block_id`, kv head `g` starts at element
+// block_id * block_stride + g * head_stride + offset * token_stride of k_cache (v_cache alike),
+// its head_dim elements contiguous; pagedserve's pool [num_slots, kv_heads, head_dim] has
+// token_stride = kv_heads * head_dim, head_stride = head_dim, block_stride = block_size *
+// token_stride. q and out are [tokens, num_heads, head_dim] with heads contiguous and a row
+// stride per token. Query heads h use kv head h / (num_heads / num_kv_heads).
+//
+// Work: a "sequence" of the plan is q_len query rows (a decode is 1 row, a prefill chunk many)
+// whose last row sees ctx_len keys. Row j sits at position ctx_len - q_len + j and attends to
+// keys in [max(0, pos - window + 1), pos] (window 0 = unlimited). One work item is one kv head
+// of a tile of rows of one sequence over a range of key blocks: every query head of the GQA group
+// shares each K/V row it loads. Softmax is online (running max m, sum l, accumulator acc), all
+// in fp32 whatever the storage type. When there are too few items for the threads (one long
+// decode), a sequence's key blocks are split into partitions whose (m, l, acc) are merged after.
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <type_traits>
+#include <vector>
+
+#include <omp.h>
+
+namespace {
+
+constexpr int kAbiVersion = 3;
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+enum DType : int { kFloat32 = 0, kBFloat16 = 1, kFloat16 = 2 };
+
+struct bf16 {
+    uint16_t bits;
+};
+
+inline float to_float(float x) { return x; }
+inline float to_float(bf16 x) {
+    uint32_t u = static_cast<uint32_t>(x.bits) << 16;
+    float f;
+    std::memcpy(&f, &u, sizeof f);
+    return f;
+}
+inline void store(float* dst, float x) { *dst = x; }
+inline void store(bf16* dst, float x) {
+    uint32_t u;
+    std::memcpy(&u, &x, sizeof u);
+    if ((u & 0x7fffffffu) > 0x7f800000u) {  // NaN stays NaN (rounding could carry it to inf)
+        dst->bits = static_cast<uint16_t>((u >> 16) | 0x40u);
+        return;
+    }
+    u += 0x7fffu + ((u >> 16) & 1u);  // round to nearest, ties to even, as torch does
+    dst->bits = static_cast<uint16_t>(u >> 16);
+}
+#ifdef __FLT16_MAX__
+using f16 = _Float16;
+inline float to_float(f16 x) { return static_cast<float>(x); }
+inline void store(f16* dst, float x) { *dst = static_cast<f16>(x); }
+#endif
+
+// exp for x <= 0 (softmax after subtracting the running max), written so loops over it
+// vectorise: 2^n * e^r with |r| <= ln2/2 and a degree-7 Taylor polynomial (relative error
+// below 1e-8, under fp32 rounding). Inputs below -87 are clamped: e^-87 is ~1e-38, which
+// counts for nothing next to the row maximum's weight of 1.
+inline float fast_exp(float x) {
+    x = std::max(x, -87.0f);
+    x = std::min(x, 88.0f);
+    const float n = std::floor(x * 1.44269504088896341f + 0.5f);
+    const float r = x - n * 0.693145751953125f - n * 1.428606765330187e-06f;
+    float p = 1.0f / 5040.0f;
+    p = p * r + 1.0f / 720.0f;
+    p = p * r + 1.0f / 120.0f;
+    p = p * r + 1.0f / 24.0f;
+    p = p * r + 1.0f / 6.0f;
+    p = p * r + 0.5f;
+    p = p * r + 1.0f;
+    p = p * r + 1.0f;
+    const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+    float two_n;
+    std::memcpy(&two_n, &bits, sizeof two_n);
+    return p * two_n;
+}
+
+}  // namespace
+
+extern "C" {
+
+// What the Python side fills once per step (ctypes.Structure of the same layout).
+struct PsAttentionPlan {
+    int64_t num_seqs;
+    const int32_t* q_start;      // [num_seqs] first row of the sequence in q / out
+    const int32_t* q_len;        // [num_seqs] query rows
+    const int32_t* ctx_len;      // [num_seqs] keys the last row sees (cached + new)
+    const int32_t* block_table;  // [num_seqs, table_stride] block ids
+    int64_t table_stride;
+    int64_t block_size;
+    int64_t sliding_window;      // 0 = none
+};
+
+}  // extern "C"
+
+namespace {
+
+struct Shape {
+    int64_t num_heads, num_kv_heads, head_dim, group;
+    int64_t q_row_stride, out_row_stride;
+    int64_t block_stride, head_stride, token_stride;  // cache element strides
+    float scale;
+};
+
+struct Item {
+    int32_t seq, row0, nrows, kv_head;
+    int32_t key_lo, key_hi;  // key positions this item covers
+    int64_t partial;         // index of its partial result, -1 = writes out directly
+    int64_t cost;
+};
+
+constexpr int kMaxTileVectors = 64;      // query vectors (rows x group heads) per item
+constexpr int64_t kMinPartitionKeys = 256;
+constexpr int64_t kMinParallelWork = 16384;  // (query head, key) pairs: ~20 us of work
+
+inline int64_t row_pos(const PsAttentionPlan& p, int s, int j) { return p.ctx_len[s] - p.q_len[s] + j; }
+inline int64_t row_floor(const PsAttentionPlan& p, int64_t pos) {
+    return p.sliding_window > 0 ? std::max<int64_t>(0, pos - p.sliding_window + 1) : 0;
+}
+
+// Thread-local scratch: the query vectors, accumulators and one tile of scores.
+template <typename T>
+struct Scratch {
+    std::vector<T> buf;
+    T* get(size_t n) {
+        if (buf.size() < n) buf.resize(n);
+        return buf.data();
+    }
+};
+thread_local Scratch<float> tls_floats;
+thread_local Scratch<int64_t> tls_ints;
+
+// 16 fp32 lanes in GCC/Clang's portable vector extension: one zmm register with AVX-512, two
+// ymm with AVX2, four xmm with SSE or NEON; the compiler picks for the CPU it targets.
+typedef float v16 __attribute__((vector_size(64)));
+constexpr int kLanes = 16;
+inline v16 load16(const float* p) {
+    v16 x;
+    std::memcpy(&x, p, sizeof x);
+    return x;
+}
+inline void store16(float* p, v16 x) { std::memcpy(p, &x, sizeof x); }
+#if defined(__clang__) || __GNUC__ >= 12
+#define PS_SHUFFLE(a, b, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
+#else  // GCC before 12 (Ubuntu 22.04's 11) has only the mask-vector form
+typedef int32_t v16i __attribute__((vector_size(64)));
+#define PS_SHUFFLE(a, b, ...) __builtin_shuffle(a, b, v16i{__VA_ARGS__})
+#endif
+
+// Lane t of the result = the sum of the 16 lanes of in[kSlot[t]]: sixteen horizontal sums for
+// the price of about three vector operations each (a transpose folded into the adds), instead
+// of a reduction tree per dot product.
+constexpr int kSlot[kLanes] = {0, 8, 4, 12, 2, 10, 6, 14, 1, 9, 5, 13, 3, 11, 7, 15};
+inline v16 sum_lanes_16(const v16* in) {
+    v16 c[8], d[4], e[2];
+    for (int i = 0; i < 8; ++i)
+        c[i] = PS_SHUFFLE(in[2 * i], in[2 * i + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+               PS_SHUFFLE(in[2 * i], in[2 * i + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+    for (int i = 0; i < 4; ++i)
+        d[i] = PS_SHUFFLE(c[2 * i], c[2 * i + 1], 0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27) +
+               PS_SHUFFLE(c[2 * i], c[2 * i + 1], 4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31);
+    for (int i = 0; i < 2; ++i)
+        e[i] = PS_SHUFFLE(d[2 * i], d[2 * i + 1], 0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29) +
+               PS_SHUFFLE(d[2 * i], d[2 * i + 1], 2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31);
+    return PS_SHUFFLE(e[0], e[1], 0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30) +
+           PS_SHUFFLE(e[0], e[1], 1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31);
+}
+
+// Rows [0, n) of a tile of K or V as fp32 rows of `padded` floats (zeros past head_dim):
+// read in place when the cache already is fp32 and rows are whole vectors, else converted.
+template <typename KT>
+const float* tile_rows(const KT* first, int64_t token_stride, int64_t n, int64_t dh, int64_t padded,
+                       float* scratch, int64_t& stride_out) {
+    if constexpr (std::is_same_v<KT, float>) {
+        if (dh == padded) {
+            stride_out = token_stride;
+            return first;
+        }
+    }
+    for (int64_t t = 0; t < n; ++t) {
+        const KT* src = first + t * token_stride;
+        float* dst = scratch + t * padded;
+#pragma omp simd
+        for (int64_t d = 0; d < dh; ++d) dst[d] = to_float(src[d]);
+        for (int64_t d = dh; d < padded; ++d) dst[d] = 0.0f;
+    }
+    stride_out = padded;
+    return scratch;
+}
+
+// The scores, softmax update and P.V of one tile of n <= 16 keys (starting at key position
+// `tile`) for the R = nrows * G query vectors of one kv head. kt / vt: the tile's K and V rows
+// as fp32, ks / vs floats apart. NCT = head_dim / 16 when fixed at compile time, 0 = any.
+template <int NCT>
+void attend_tile(int64_t R, int64_t G, int64_t nc, int64_t dp, const int64_t* row_lo, const int64_t* row_hi,
+                 int64_t tile, int64_t n, const float* kt, int64_t ks, const float* vt, int64_t vs, const float* qf,
+                 float* acc, float* m, float* l, float* sc, float* part) {
+    for (int64_t t = n; t < kLanes; ++t) store16(part + kSlot[t] * kLanes, v16{});
+
+    // Scores, row by row: the row's q chunks stay in registers across the tile's keys.
+    for (int64_t r = 0; r < R; ++r) {
+        const float* qr = qf + r * dp;
+        if constexpr (NCT > 0) {
+            v16 qv[NCT];
+            for (int c = 0; c < NCT; ++c) qv[c] = load16(qr + c * kLanes);
+            for (int64_t t = 0; t < n; ++t) {
+                const float* kr = kt + t * ks;
+                v16 p = qv[0] * load16(kr);
+                for (int c = 1; c < NCT; ++c) p += qv[c] * load16(kr + c * kLanes);
+                store16(part + kSlot[t] * kLanes, p);
+            }
+        } else {
+            for (int64_t t = 0; t < n; ++t) {
+                const float* kr = kt + t * ks;
+                v16 p = load16(qr) * load16(kr);
+                for (int64_t c = 1; c < nc; ++c) p += load16(qr + c * kLanes) * load16(kr + c * kLanes);
+                store16(part + kSlot[t] * kLanes, p);
+            }
+        }
+        v16 parts[kLanes];
+        for (int t = 0; t < kLanes; ++t) parts[t] = load16(part + t * kLanes);
+        store16(sc + r * kLanes, sum_lanes_16(parts));
+    }
+
+    // Mask, then the online softmax update of each row.
+    for (int64_t r = 0; r < R; ++r) {
+        const int64_t j = r / G;
+        const int64_t lo = row_lo[j] - tile, hi = std::min<int64_t>(row_hi[j] - tile, n);
+        float* sr = sc + r * kLanes;
+        float tile_max = kNegInf;
+#pragma omp simd reduction(max : tile_max)
+        for (int64_t t = 0; t < kLanes; ++t) {
+            sr[t] = (t >= lo && t < hi) ? sr[t] : kNegInf;
+            tile_max = std::max(tile_max, sr[t]);
+        }
+        if (tile_max == kNegInf) {
+            std::fill(sr, sr + kLanes, 0.0f);
+            continue;
+        }
+        const float m_new = std::max(m[r], tile_max);
+        float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+        for (int64_t t = 0; t < kLanes; ++t) {
+            const float p = sr[t] == kNegInf ? 0.0f : fast_exp(sr[t] - m_new);
+            sr[t] = p;
+            sum += p;
+        }
+        if (m_new != m[r]) {
+            const float alpha = fast_exp(m[r] - m_new);
+            float* ar = acc + r * dp;
+#pragma omp simd
+            for (int64_t d = 0; d < dp; ++d) ar[d] *= alpha;
+            l[r] *= alpha;
+            m[r] = m_new;
+        }
+        l[r] += sum;
+    }
+
+    // acc += P V, row by row: the row's accumulator stays in registers across the tile's keys.
+    for (int64_t r = 0; r < R; ++r) {
+        const float* pr = sc + r * kLanes;
+        float* ar = acc + r * dp;
+        if constexpr (NCT > 0) {
+            v16 av[NCT];
+            for (int c = 0; c < NCT; ++c) av[c] = load16(ar + c * kLanes);
+            for (int64_t t = 0; t < n; ++t) {
+                const float* vr = vt + t * vs;
+                for (int c = 0; c < NCT; ++c) av[c] += pr[t] * load16(vr + c * kLanes);
+            }
+            for (int c = 0; c < NCT; ++c) store16(ar + c * kLanes, av[c]);
+        } else {
+            for (int64_t t = 0; t < n; ++t) {
+                const float* vr = vt + t * vs;
+                for (int64_t c = 0; c < nc; ++c)
+                    store16(ar + c * kLanes, load16(ar + c * kLanes) + pr[t] * load16(vr + c * kLanes));
+            }
+        }
+    }
+}
+
+// One item: rows [row0, row0 + nrows) of sequence `seq`, every query head of kv head `kv_head`,
+// over keys [key_lo, key_hi). (Measured: one item per kv head, prefetching the next block, beat
+// one item for all kv heads reading whole token rows, with or without the prefetch.)
+template <typename QT, typename KT, int NCT>
+void attend_item(const PsAttentionPlan& plan, const Shape& sh, const Item& it, const QT* q, const KT* k_cache,
+                 const KT* v_cache, QT* out, float* partial_buf) {
+    const int64_t dh = sh.head_dim;
+    const int64_t nc = NCT > 0 ? NCT : (dh + kLanes - 1) / kLanes;
+    const int64_t dp = nc * kLanes;  // head_dim padded to whole vectors
+    const int64_t G = sh.group;
+    const int64_t bs = plan.block_size;
+    const int64_t R = static_cast<int64_t>(it.nrows) * G;  // query vectors
+    float* qf = tls_floats.get(static_cast<size_t>(R * (2 * dp + 2 + kLanes) + kLanes * kLanes + 2 * kLanes * dp));
+    float* acc = qf + R * dp;            // [R, dp]
+    float* m = acc + R * dp;             // [R] running max
+    float* l = m + R;                    // [R] running sum
+    float* sc = l + R;                   // [R, 16] scores, then probabilities, of the current tile
+    float* part = sc + R * kLanes;       // [16, 16] per-key partial dot products of one row
+    float* kf = part + kLanes * kLanes;  // [16, dp] converted K rows of the tile
+    float* vf = kf + kLanes * dp;        // [16, dp] converted V rows
+    int64_t* row_lo = tls_ints.get(static_cast<size_t>(it.nrows) * 2);  // first key each row sees
+    int64_t* row_hi = row_lo + it.nrows;                                   // one past its last
+
+    const int s = it.seq;
+    for (int32_t j = 0; j < it.nrows; ++j) {
+        const int64_t pos = row_pos(plan, s, it.row0 + j);
+        row_lo[j] = row_floor(plan, pos);
+        row_hi[j] = pos + 1;
+        const QT* qrow = q + (plan.q_start[s] + it.row0 + j) * sh.q_row_stride + it.kv_head * G * dh;
+        for (int64_t h = 0; h < G; ++h) {
+            float* dst = qf + (j * G + h) * dp;
+            const QT* src = qrow + h * dh;
+#pragma omp simd
+            for (int64_t d = 0; d < dh; ++d) dst[d] = to_float(src[d]) * sh.scale;
+            for (int64_t d = dh; d < dp; ++d) dst[d] = 0.0f;
+        }
+    }
+    std::fill(acc, acc + R * dp, 0.0f);
+    std::fill(m, m + R, kNegInf);
+    std::fill(l, l + R, 0.0f);
+
+    const int32_t* table = plan.block_table + s * plan.table_stride;
+    const int64_t head = it.kv_head * sh.head_stride;
+    const int64_t row_bytes = dh * static_cast<int64_t>(sizeof(KT));
+    for (int64_t b = it.key_lo / bs; b * bs < it.key_hi; ++b) {
+        // The next block lies elsewhere in the pool (no hardware prefetcher can guess it):
+        // ask for its rows now, while this block is computed.
+        if ((b + 1) * bs < it.key_hi) {
+            const int64_t next = static_cast<int64_t>(table[b + 1]) * sh.block_stride + head;
+            for (int64_t t = 0; t < bs; ++t) {
+                const char* kn = reinterpret_cast<const char*>(k_cache + next + t * sh.token_stride);
+                const char* vn = reinterpret_cast<const char*>(v_cache + next + t * sh.token_stride);
+                for (int64_t byte = 0; byte < row_bytes; byte += 64) {
+                    __builtin_prefetch(kn + byte);
+                    __builtin_prefetch(vn + byte);
+                }
+            }
+        }
+        const int64_t block_end = std::min<int64_t>(it.key_hi, b * bs + bs);
+        for (int64_t tile = std::max<int64_t>(it.key_lo, b * bs); tile < block_end; tile += kLanes) {
+            const int64_t n = std::min<int64_t>(kLanes, block_end - tile);
+            const int64_t first =
+                static_cast<int64_t>(table[b]) * sh.block_stride + (tile - b * bs) * sh.token_stride + head;
+            int64_t ks, vs;
+            const float* kt = tile_rows(k_cache + first, sh.token_stride, n, dh, dp, kf, ks);
+            const float* vt = tile_rows(v_cache + first, sh.token_stride, n, dh, dp, vf, vs);
+            attend_tile<NCT>(R, G, nc, dp, row_lo, row_hi, tile, n, kt, ks, vt, vs, qf, acc, m, l, sc, part);
+        }
+    }
+
+    if (partial_buf != nullptr) {  // layout per item: m[R], l[R], acc[R, dh]
+        std::memcpy(partial_buf, m, R * sizeof(float));
+        std::memcpy(partial_buf + R, l, R * sizeof(float));
+        for (int64_t r = 0; r < R; ++r) std::memcpy(partial_buf + 2 * R + r * dh, acc + r * dp, dh * sizeof(float));
+        return;
+    }
+    for (int64_t r = 0; r < R; ++r) {
+        const int64_t j = r / G, h = r % G;
+        QT* orow = out + (plan.q_start[s] + it.row0 + j) * sh.out_row_stride + (it.kv_head * G + h) * dh;
+        const float inv = l[r] > 0.0f ? 1.0f / l[r] : 0.0f;
+        const float* ar = acc + r * dp;
+        for (int64_t d = 0; d < dh; ++d) store(orow + d, ar[d] * inv);
+    }
+}
+
+// Merge the partitions [first, first + count) of one (sequence, tile, kv head).
+template <typename QT>
+void merge_partials(const PsAttentionPlan& plan, const Shape& sh, const Item* items, int64_t count,
+                    const float* partials, int64_t partial_stride, QT* out) {
+    const Item& it = items[0];
+    const int64_t dh = sh.head_dim, G = sh.group, R = static_cast<int64_t>(it.nrows) * G;
+    std::vector<float> acc(dh);
+    for (int64_t r = 0; r < R; ++r) {
+        float m_max = kNegInf;
+        for (int64_t i = 0; i < count; ++i) m_max = std::max(m_max, partials[items[i].partial * partial_stride + r]);
+        std::fill(acc.begin(), acc.end(), 0.0f);
+        float l_sum = 0.0f;
+        for (int64_t i = 0; i < count; ++i) {
+            const float* part = partials + items[i].partial * partial_stride;
+            if (part[R + r] == 0.0f) continue;  // this partition saw no key of this row
+            const float w = fast_exp(part[r] - m_max);
+            l_sum += part[R + r] * w;
+            const float* pa = part + 2 * R + r * dh;
+            for (int64_t d = 0; d < dh; ++d) acc[d] += pa[d] * w;
+        }
+        const int64_t j = r / G, h = r % G;
+        QT* orow = out + (plan.q_start[it.seq] + it.row0 + j) * sh.out_row_stride + (it.kv_head * G + h) * dh;
+        const float inv = l_sum > 0.0f ? 1.0f / l_sum : 0.0f;
+        for (int64_t d = 0; d < dh; ++d) store(orow + d, acc[d] * inv);
+    }
+}
+
+// Cut the plan into items; split key ranges only when there are too few items for the threads.
+int64_t make_items(const PsAttentionPlan& plan, const Shape& sh, int num_threads, std::vector<Item>& items) {
+    const int64_t tile_rows = std::max<int64_t>(1, kMaxTileVectors / sh.group);
+    int64_t base_items = 0, longest = 0;
+    for (int64_t s = 0; s < plan.num_seqs; ++s) {
+        base_items += (plan.q_len[s] + tile_rows - 1) / tile_rows * sh.num_kv_heads;
+        longest = std::max<int64_t>(longest, plan.ctx_len[s]);
+    }
+    int64_t partition_keys = longest;  // no split
+    const int64_t wanted = 4 * static_cast<int64_t>(num_threads);
+    if (num_threads > 1 && base_items < wanted) {
+        const int64_t splits = (wanted + base_items - 1) / base_items;
+        partition_keys = std::max(kMinPartitionKeys, (longest + splits - 1) / splits);
+        partition_keys = (partition_keys + plan.block_size - 1) / plan.block_size * plan.block_size;
+    }
+    int64_t num_partials = 0;
+    items.clear();
+    for (int64_t s = 0; s < plan.num_seqs; ++s) {
+        for (int64_t row0 = 0; row0 < plan.q_len[s]; row0 += tile_rows) {
+            const int32_t nrows = static_cast<int32_t>(std::min<int64_t>(tile_rows, plan.q_len[s] - row0));
+            const int64_t lo = row_floor(plan, row_pos(plan, s, row0));
+            const int64_t hi = row_pos(plan, s, row0 + nrows - 1) + 1;
+            const int64_t first_part = lo / partition_keys, last_part = (hi - 1) / partition_keys;
+            const bool split = last_part > first_part;
+            for (int32_t g = 0; g < sh.num_kv_heads; ++g) {
+                for (int64_t part = first_part; part <= last_part; ++part) {
+                    Item it;
+                    it.seq = static_cast<int32_t>(s);
+                    it.row0 = static_cast<int32_t>(row0);
+                    it.nrows = nrows;
+                    it.kv_head = g;
+                    it.key_lo = static_cast<int32_t>(std::max(lo, part * partition_keys));
+                    it.key_hi = static_cast<int32_t>(std::min(hi, (part + 1) * partition_keys));
+                    it.partial = split ? num_partials++ : -1;
+                    it.cost = static_cast<int64_t>(it.key_hi - it.key_lo) * nrows;
+                    items.push_back(it);
+                }
+            }
+        }
+    }
+    return num_partials;
+}
+
+template <typename QT, typename KT, int NCT>
+void run_attention(const PsAttentionPlan& plan, const Shape& sh, const void* q, const void* k_cache,
+                   const void* v_cache, void* out, int num_threads) {
+    // A small step (one short decode) is done before a thread team could even be woken.
+    int64_t work = 0;
+    for (int64_t s = 0; s < plan.num_seqs; ++s) work += static_cast<int64_t>(plan.ctx_len[s]) * plan.q_len[s];
+    if (work * sh.num_heads < kMinParallelWork) num_threads = 1;
+    std::vector<Item> items;
+    const int64_t num_partials = make_items(plan, sh, num_threads, items);
+    const int64_t tile_vectors = std::max<int64_t>(1, kMaxTileVectors / sh.group) * sh.group;
+    const int64_t partial_stride = tile_vectors * (sh.head_dim + 2);
+    std::vector<float> partials(static_cast<size_t>(num_partials * partial_stride));
+    // Longest first, so the last items to start are short ones (the ordering a greedy
+    // scheduler needs to balance uneven contexts); partitions of one group stay adjacent.
+    std::vector<int64_t> order(items.size());
+    for (size_t i = 0; i < order.size(); ++i) order[i] = static_cast<int64_t>(i);
+    if (num_threads > 1)
+        std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return items[a].cost > items[b].cost; });
+    const int64_t n = static_cast<int64_t>(items.size());
+    const QT* qp = static_cast<const QT*>(q);
+    const KT* kp = static_cast<const KT*>(k_cache);
+    const KT* vp = static_cast<const KT*>(v_cache);
+    QT* op = static_cast<QT*>(out);
+#pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads) if (num_threads > 1 && n > 1)
+    for (int64_t i = 0; i < n; ++i) {
+        const Item& it = items[order[i]];
+        attend_item<QT, KT, NCT>(plan, sh, it, qp, kp, vp, op,
+                                it.partial >= 0 ? partials.data() + it.partial * partial_stride : nullptr);
+    }
+    if (num_partials == 0) return;
+    // Items of one (sequence, tile, kv head) are adjacent in `items`: merge each such run.
+    std::vector<int64_t> runs;
+    for (int64_t i = 0; i < n; ++i) {
+        if (items[i].partial < 0) continue;
+        const bool starts = i == 0 || items[i - 1].partial < 0 || items[i - 1].seq != items[i].seq ||
+                            items[i - 1].row0 != items[i].row0 || items[i - 1].kv_head != items[i].kv_head;
+        if (starts) runs.push_back(i);
+    }
+    const int64_t num_runs = static_cast<int64_t>(runs.size());
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (num_threads > 1 && num_runs > 1)
+    for (int64_t r = 0; r < num_runs; ++r) {
+        int64_t end = runs[r] + 1;
+        while (end < n && items[end].partial >= 0 && items[end].seq == items[runs[r]].seq &&
+               items[end].row0 == items[runs[r]].row0 && items[end].kv_head == items[runs[r]].kv_head)
+            ++end;
+        merge_partials<QT>(plan, sh, items.data() + runs[r], end - runs[r], partials.data(), partial_stride, op);
+    }
+}
+
+template <typename QT, typename KT>
+int dispatch_head_dim(const PsAttentionPlan& plan, const Shape& sh, const void* q, const void* k_cache,
+                      const void* v_cache, void* out, int num_threads) {
+    switch (sh.head_dim) {
+        case 64: run_attention<QT, KT, 4>(plan, sh, q, k_cache, v_cache, out, num_threads); break;
+        case 128: run_attention<QT, KT, 8>(plan, sh, q, k_cache, v_cache, out, num_threads); break;
+        default: run_attention<QT, KT, 0>(plan, sh, q, k_cache, v_cache, out, num_threads); break;
+    }
+    return 0;
+}
+
+}  // namespace
+
+extern "C" {
+
+int ps_abi_version() { return kAbiVersion; }
+
+int ps_dtype_supported(int dtype) {
+#ifdef __FLT16_MAX__
+    return dtype == kFloat32 || dtype == kBFloat16 || dtype == kFloat16;
+#else
+    return dtype == kFloat32 || dtype == kBFloat16;
+#endif
+}
+
+// out[rows of the plan] = softmax(q k^T * scale) v over each sequence's blocks.
+// q, out and the caches share one dtype. Returns 0, or -1 for a bad shape, -2 for an
+// unsupported or mixed dtype.
+int ps_paged_attention(const PsAttentionPlan* plan, const void* q, int64_t q_row_stride, int q_dtype,
+                       const void* k_cache, const void* v_cache, int64_t block_stride, int64_t head_stride,
+                       int64_t token_stride, int kv_dtype, void* out, int64_t out_row_stride, int64_t num_heads,
+                       int64_t num_kv_heads, int64_t head_dim, float scale, int num_threads) {
+    if (num_kv_heads <= 0 || num_heads % num_kv_heads != 0 || head_dim <= 0 || plan->block_size <= 0) return -1;
+    if (plan->num_seqs == 0) return 0;
+    Shape sh{num_heads, num_kv_heads, head_dim, num_heads / num_kv_heads, q_row_stride, out_row_stride,
+             block_stride, head_stride, token_stride, scale};
+    num_threads = std::max(1, num_threads);
+    // q, out and the cache share one dtype (the model's): one instantiation per dtype keeps
+    // the first-use compile short.
+    if (q_dtype != kv_dtype) return -2;
+    switch (kv_dtype) {
+        case kFloat32: return dispatch_head_dim<float, float>(*plan, sh, q, k_cache, v_cache, out, num_threads);
+        case kBFloat16: return dispatch_head_dim<bf16, bf16>(*plan, sh, q, k_cache, v_cache, out, num_threads);
+#ifdef __FLT16_MAX__
+        case kFloat16: return dispatch_head_dim<f16, f16>(*plan, sh, q, k_cache, v_cache, out, num_threads);
+#endif
+        default: return -2;
+    }
+}
+
+// k_cache[slot_mapping[t]] = k[t] (and v alike) for t < num_tokens: token rows of row_bytes,
+// slot_stride_bytes apart in the cache; sources may have a row stride (v is a view into the
+// fused qkv output). A negative slot skips the token (padding). Slots are not bounds-checked
+// here: cpu_backend checks each step's slots and block tables against the pool first.
+void ps_write_kv(const void* k, int64_t k_row_stride_bytes, const void* v, int64_t v_row_stride_bytes,
+                 void* k_cache, void* v_cache, int64_t slot_stride_bytes, const int64_t* slot_mapping,
+                 int64_t num_tokens, int64_t row_bytes, int num_threads) {
+    const char* ks = static_cast<const char*>(k);
+    const char* vs = static_cast<const char*>(v);
+    char* kd = static_cast<char*>(k_cache);
+    char* vd = static_cast<char*>(v_cache);
+    // Threads only pay for themselves on prefill-sized writes.
+    const bool parallel = num_threads > 1 && num_tokens * row_bytes >= (1 << 20);
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (parallel)
+    for (int64_t t = 0; t < num_tokens; ++t) {
+        const int64_t slot = slot_mapping[t];
+        if (slot < 0) continue;
+        std::memcpy(kd + slot * slot_stride_bytes, ks + t * k_row_stride_bytes, row_bytes);
+        std::memcpy(vd + slot * slot_stride_bytes, vs + t * v_row_stride_bytes, row_bytes);
+    }
+}
+
+// One layer of a step in one call: write the step's K/V at their slots, then attend the plan's
+// rows. The cache's token rows must be whole (head_stride == head_dim); strides are in elements.
+int ps_attention_layer(const PsAttentionPlan* plan, const int64_t* slot_mapping, int64_t num_tokens,
+                       const void* k, int64_t k_row_stride, const void* v, int64_t v_row_stride, const void* q,
+                       int64_t q_row_stride, void* out, int64_t out_row_stride, void* k_cache, void* v_cache,
+                       int64_t block_stride, int64_t head_stride, int64_t token_stride, int dtype, int64_t num_heads,
+                       int64_t num_kv_heads, int64_t head_dim, float scale, int num_threads) {
+    if (head_stride != head_dim || !ps_dtype_supported(dtype)) return head_stride != head_dim ? -1 : -2;
+    const int64_t size = dtype == kFloat32 ? 4 : 2;
+    ps_write_kv(k, k_row_stride * size, v, v_row_stride * size, k_cache, v_cache, token_stride * size, slot_mapping,
+                num_tokens, num_kv_heads * head_dim * size, num_threads);
+    return ps_paged_attention(plan, q, q_row_stride, dtype, k_cache, v_cache, block_stride, head_stride, token_stride,
+                              dtype, out, out_row_stride, num_heads, num_kv_heads, head_dim, scale, num_threads);
+}
+
+}  // extern "C"

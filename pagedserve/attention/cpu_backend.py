@@ -1,0 +1,183 @@
+"""Paged attention on CPU tensors through the compiled kernel (pagedserve/attention/cpu).
+
+Same contract as torch_backend: a step's tokens are laid out decodes first, then prefill
+chunks; `paged_attention` writes each token's K/V at its slot, then attends. The difference is
+where K/V are read: the kernel walks each sequence's block table in the pool itself, so no
+layer gathers blocks into a padded buffer and no step builds a mask.
+
+Who attends what (measured: `benchmarks/attention_kernel.py --prefill`): decodes and short
+prefill chunks go to the kernel as one plan. Longer chunks go to torch's SDPA, whose GEMM-based
+tiles beat the kernel's there: a fresh chunk (no cached key, no window) causally over its own
+K/V, with no gather; a chunk that sees cached keys (a prefix hit, a later piece of a chunked
+prefill) or a window through the reference path (its own blocks gathered, a mask). The plan is
+built once per step and shared by every layer.
+"""
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from pagedserve.attention.cpu import DTYPE_CODES, AttentionPlan, load_kernel
+from pagedserve.attention.torch_backend import PrefillChunk, attend_prefill_chunk, prefill_chunk, slots_for
+
+# Chunks the kernel attends; longer ones go to SDPA (crossovers measured on a 2-core AVX-512
+# Xeon, 16 heads / 4 kv heads x 64: fresh ~48 tokens, after 512 cached ones ~8).
+KERNEL_MAX_FRESH_CHUNK = 47
+KERNEL_MAX_CACHED_CHUNK = 8
+
+
+@dataclass
+class KernelMetadata:
+    slot_mapping: torch.Tensor          # [T] int64: where each new token's K/V is written
+    num_decodes: int
+    plan: AttentionPlan                 # rows the kernel attends (num_seqs 0 = none this step)
+    sdpa_chunks: list[PrefillChunk]     # chunks SDPA attends (torch_backend.attend_prefill_chunk)
+    block_size: int
+    # The arrays behind plan's pointers: they must live as long as the plan.
+    plan_arrays: tuple[np.ndarray, ...] = field(default=(), repr=False)
+    plan_ref: object = field(default=None, repr=False)  # ctypes.byref(plan), made once per step
+    checked_slots: int = field(default=-1, repr=False)  # pool size the slots and tables were checked against
+
+    def __post_init__(self) -> None:
+        self.plan_ref = ctypes.byref(self.plan)
+
+    def check_bounds(self, num_slots: int) -> None:
+        """The kernel writes and reads raw memory: a slot or block id outside the pool must be
+        an error here, not a stray write. Checked once per step (every layer's pool is alike)."""
+        if self.checked_slots == num_slots:
+            return
+        slots = self.slot_mapping.numpy()
+        if len(slots) and (slots.max() >= num_slots or slots.min() < 0):
+            raise ValueError(f"slot_mapping holds slot {int(slots.max() if slots.max() >= num_slots else slots.min())} "
+                             f"outside the pool of {num_slots} slots")
+        if self.plan_arrays:
+            table = self.plan_arrays[3]
+            num_blocks = num_slots // self.block_size
+            if table.max() >= num_blocks or table.min() < 0:
+                bad = int(table.max() if table.max() >= num_blocks else table.min())
+                raise ValueError(f"block table holds block {bad} outside the pool of {num_blocks} blocks")
+        self.checked_slots = num_slots
+
+
+def make_plan(q_start: np.ndarray, q_len: np.ndarray, ctx_len: np.ndarray, tables: list[np.ndarray],
+              block_size: int, sliding_window: int | None) -> tuple[AttentionPlan, tuple[np.ndarray, ...]]:
+    """tables[i] holds at least ceil(ctx_len[i] / block_size) block ids of sequence i."""
+    width = max(1, max(-(-int(c) // block_size) for c in ctx_len))
+    table = np.zeros((len(tables), width), dtype=np.int32)
+    for row, (blocks, ctx) in enumerate(zip(tables, ctx_len)):
+        n = -(-int(ctx) // block_size)
+        if len(blocks) < n:
+            raise ValueError(f"block table {row} has {len(blocks)} blocks for {int(ctx)} tokens of {block_size}")
+        table[row, :n] = blocks[:n]
+    arrays = tuple(np.ascontiguousarray(a, dtype=np.int32) for a in (q_start, q_len, ctx_len)) + (table,)
+    plan = AttentionPlan(len(tables), *(a.ctypes.data for a in arrays), width, block_size, sliding_window or 0)
+    return plan, arrays
+
+
+def build_metadata(decodes: list[tuple[np.ndarray, int]], prefills: list[tuple[np.ndarray, int, int]],
+                   block_size: int, sliding_window: int | None,
+                   device: torch.device) -> tuple[KernelMetadata, np.ndarray]:
+    """decodes: (block_ids, position) per request; prefills: (block_ids, start_pos, q_len).
+
+    Returns the metadata and the positions of all tokens in layout order.
+    """
+    positions: list[np.ndarray] = []
+    slots: list[np.ndarray] = []
+    q_start: list[int] = []
+    q_len: list[int] = []
+    ctx_len: list[int] = []
+    tables: list[np.ndarray] = []
+    for row, (blocks, pos) in enumerate(decodes):
+        q_start.append(row)
+        q_len.append(1)
+        ctx_len.append(pos + 1)
+        tables.append(blocks)
+    if decodes:
+        pos = np.array([p for _, p in decodes], dtype=np.int64)
+        positions.append(pos)
+        slots.append(np.array([b[p // block_size] for b, p in decodes], dtype=np.int64) * block_size + pos % block_size)
+    sdpa_chunks: list[PrefillChunk] = []
+    row = len(decodes)
+    for blocks, start, n in prefills:
+        pos = np.arange(start, start + n, dtype=np.int64)
+        positions.append(pos)
+        slots.append(slots_for(blocks, pos, block_size))
+        fresh = start == 0 and not (sliding_window and n > sliding_window)
+        if n > (KERNEL_MAX_FRESH_CHUNK if fresh else KERNEL_MAX_CACHED_CHUNK):
+            sdpa_chunks.append(prefill_chunk(blocks, start, n, row, block_size, sliding_window, device))
+        else:
+            q_start.append(row)
+            q_len.append(n)
+            ctx_len.append(start + n)
+            tables.append(blocks)
+        row += n
+    plan, arrays = AttentionPlan(0, 0, 0, 0, 0, 0, block_size, 0), ()
+    if tables:
+        plan, arrays = make_plan(np.array(q_start), np.array(q_len), np.array(ctx_len), tables, block_size,
+                                 sliding_window)
+    all_pos = np.concatenate(positions) if positions else np.zeros(0, dtype=np.int64)
+    slot_mapping = torch.from_numpy(np.concatenate(slots) if slots else np.zeros(0, dtype=np.int64))
+    return KernelMetadata(slot_mapping, len(decodes), plan, sdpa_chunks, block_size, arrays), all_pos
+
+
+TORCH_DTYPE_CODES = {getattr(torch, name): code for name, code in DTYPE_CODES.items()}
+
+
+def _token_rows(x: torch.Tensor) -> torch.Tensor:
+    """x [T, heads, head_dim] with each token's heads contiguous (a row stride is fine)."""
+    stride = x.stride()
+    if stride[2] != 1 or stride[1] != x.shape[2]:
+        return x.contiguous()
+    return x
+
+
+def _check(rc: int, q: torch.Tensor, k_cache: torch.Tensor) -> None:
+    if rc != 0:
+        why = {-1: "bad shape", -2: f"{k_cache.dtype} not supported by this build of the kernel"}.get(rc, f"error {rc}")
+        raise RuntimeError(f"CPU attention kernel: {why} (q {tuple(q.shape)} {q.dtype}, cache {tuple(k_cache.shape)} "
+                           f"{k_cache.dtype}); PAGEDSERVE_ATTENTION_BACKEND=torch avoids the kernel")
+
+
+def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """k_cache[slot_mapping[t]] = k[t], v alike: one row copy per token, no dispatch per element.
+    (paged_attention does this and the attention in one call; this is for measuring the write.)"""
+    k, v = _token_rows(k.to(k_cache.dtype)), _token_rows(v.to(v_cache.dtype))
+    size = k.element_size()
+    load_kernel().ps_write_kv(k.data_ptr(), k.stride(0) * size, v.data_ptr(), v.stride(0) * size,
+                              k_cache.data_ptr(), v_cache.data_ptr(), k_cache.stride(0) * size,
+                              slot_mapping.data_ptr(), k.shape[0], k.shape[1] * k.shape[2] * size,
+                              torch.get_num_threads())
+
+
+def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                    k_cache: torch.Tensor, v_cache: torch.Tensor, meta: KernelMetadata,
+                    scale: float) -> torch.Tensor:
+    """q: [T, H, D]; k, v: [T, KV, D]; k_cache/v_cache: [num_slots, KV, D] (one layer, contiguous).
+
+    Writes k/v into the cache at meta.slot_mapping, returns attention output [T, H, D]. The
+    write and the kernel's rows are one foreign call per layer (the call itself costs microseconds).
+    """
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        raise ValueError("cpu attention backend: k_cache and v_cache must be contiguous [num_slots, KV, D]")
+    meta.check_bounds(k_cache.shape[0])
+    compute_dtype = q.dtype
+    cache_dtype = k_cache.dtype
+    if q.dtype != cache_dtype or k.dtype != cache_dtype:  # the kernel reads all in the cache's dtype
+        q, k, v = q.to(cache_dtype), k.to(cache_dtype), v.to(cache_dtype)
+    q, k, v = _token_rows(q), _token_rows(k), _token_rows(v)
+    num_tokens, num_heads, head_dim = q.shape
+    out = torch.empty((num_tokens, num_heads, head_dim), dtype=cache_dtype)
+    token_stride = k_cache.stride(0)
+    rc = load_kernel().ps_attention_layer(
+        meta.plan_ref, meta.slot_mapping.data_ptr(), num_tokens, k.data_ptr(), k.stride(0), v.data_ptr(),
+        v.stride(0), q.data_ptr(), q.stride(0), out.data_ptr(), num_heads * head_dim, k_cache.data_ptr(),
+        v_cache.data_ptr(), meta.block_size * token_stride, head_dim, token_stride, TORCH_DTYPE_CODES[cache_dtype],
+        num_heads, k.shape[1], head_dim, scale, torch.get_num_threads())
+    _check(rc, q, k_cache)
+    for c in meta.sdpa_chunks:
+        out[c.q_start:c.q_start + c.q_len] = attend_prefill_chunk(q, k, v, k_cache, v_cache, c, meta.block_size, scale)
+    return out if compute_dtype == cache_dtype else out.to(compute_dtype)
