@@ -287,8 +287,13 @@ def advise(obs: Observations, thresholds: Thresholds) -> Report:
     flags = {"max_num_seqs": k.max_num_seqs, "max_num_batched_tokens": k.max_num_batched_tokens,
              "enable_chunked_prefill": k.enable_chunked_prefill, "gpu_memory_utilization": k.kv_pool,
              "replicas": "replicas"}
-    pool_up = (f"raise {k.kv_pool} within margin (≤ {t.gpu_memory_utilization_margin})" if k.kv_pool_has_margin
-               else f"raise {k.kv_pool} (if the {'host' if k.device == 'cpu' else 'device'} has the memory)")
+    gpu_pool, cpu_pool = knob_names(obs.naming, "gpu").kv_pool, knob_names(obs.naming, "cpu").kv_pool
+    gpu_up = f"raise {gpu_pool} within margin (≤ {t.gpu_memory_utilization_margin})"
+    cpu_up = f"raise {cpu_pool} (if the host has the memory)"
+    pool_up = {"gpu": gpu_up, "cpu": cpu_up}.get(k.device, f"{gpu_up} on a GPU, or {cpu_up.removeprefix('raise ')} "
+                                                            f"on a CPU")
+    if k.server == "other":
+        pool_up = f"raise {k.kv_pool}"
     queue_cap = (f"meanwhile cap the queue ({k.queue_cap}) to fail fast" if k.queue_cap else
                  "meanwhile cap the queue in front of the server (gateway or load balancer: it has no queue "
                  "limit of its own) to fail fast")
