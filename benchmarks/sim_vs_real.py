@@ -14,12 +14,15 @@
      random    random lengths at ~80% busy (the rate is the one the simulator says gives 80%)
      prefix    requests sharing 4 long prefixes, prefix caching on
      swap      a burst into a 64-block pool, swap preemption
-   and `pagedserve simulate` on the same flags (median of SIM_DRAWS draws of its step-time
-   scatter). The table: each metric's median real run, the real runs' range, the
+   and `pagedserve simulate` on the same flags. The table: each metric's median real run, the real runs' range, the
    simulation, its error vs the median, and whether it lies inside the real runs' range.
-3. Diagnostics per real run: the load average, how the run's steps compared with the
-   model's wall-clock prediction (its machine load vs calibration's), and the model's
-   per-step error on it by step kind (held out).
+3. This machine's speed drifts by up to 3x over minutes (other agents' jobs come and go).
+   So each real run starts with a 15-second probe on its fresh server (a short calibration-
+   style load, not the workload): the probe's steps against the model say how fast the
+   machine is right now, and a second prediction scales the cost model by that factor.
+   Both predictions use nothing from the run itself. As a diagnostic, the run's own steps
+   give the model's error at the run's own speed (what is left is the model's, not the
+   machine's), with the per-step error by step kind on that held-out trace.
 
     OMP_NUM_THREADS=1 python benchmarks/sim_vs_real.py [--repeats 3] [--out results/sim_vs_real.json]
 
@@ -55,8 +58,9 @@ CALIBRATION = [
      ["--dataset", "calibration", "--random-input-len", "160", "--random-output-len", "120",
       "--num-prompts", "48", "--request-rate", "10", "--seed", "102"]),
 ]
-SIM_DRAWS = 5
 BUSY_TARGET = 0.8
+PROBE = ["--dataset", "calibration", "--random-input-len", "120", "--random-output-len", "32",
+         "--num-prompts", "20", "--request-rate", "4", "--seed", "300"]
 
 
 @dataclass
@@ -109,29 +113,23 @@ def sim_args(model: Path, cost: Path, w: Workload):
                                       *w.engine, *w.flags])
 
 
-def simulate_workload(model: Path, cost: Path, w: Workload, draws: int = SIM_DRAWS, params=None) -> dict:
-    """The workload through `pagedserve simulate`'s own path (its parser, config and workload
-    builder); the median of `draws` draws of the step-time scatter."""
+def simulate_workload(model: Path, cost: Path, w: Workload, params=None) -> dict:
+    """The workload through `pagedserve simulate`'s own path (its parser, config and workload builder)."""
     from pagedserve.engine_args import engine_config_from_args
     from pagedserve.sim.cli import build_workload
     from pagedserve.sim.simulator import build_deployment, simulate
 
     args = sim_args(model, cost, w)
-    runs = []
-    for k in range(draws):
-        dep = build_deployment(engine_config_from_args(args), args.model, cost_params=params or args.cost_model)
-        workload = build_workload(args, dep.vocab_size, dep.config.max_model_len)
-        res = simulate(dep, workload, seed=k)
-        view = res.server_view()
-        m = res.metrics
-        runs.append({"output_throughput": m["output_throughput"], "mean_ttft_ms": m["mean_ttft_ms"],
-                     "p99_ttft_ms": m["p99_ttft_ms"], "p99_itl_ms": m["p99_itl_ms"], "mean_itl_ms": m["mean_itl_ms"],
-                     "num_preemptions": float(res.num_preemptions),
-                     "swapped_blocks": float(res.num_blocks_swapped_out + res.num_blocks_swapped_in),
-                     "prefix_hit_rate": view.get("prefix_cache_hit_rate", 0.0),
-                     "busy_fraction": res.busy_time / m["duration"] if m["duration"] else 0.0,
-                     "failed": m["failed"]})
-    return {k: statistics.median(r[k] for r in runs) for k in runs[0]} | {"draws": runs}
+    dep = build_deployment(engine_config_from_args(args), args.model, cost_params=params or args.cost_model)
+    res = simulate(dep, build_workload(args, dep.vocab_size, dep.config.max_model_len))
+    view = res.server_view()
+    m = res.metrics
+    return {"output_throughput": m["output_throughput"], "mean_ttft_ms": m["mean_ttft_ms"],
+            "p99_ttft_ms": m["p99_ttft_ms"], "p99_itl_ms": m["p99_itl_ms"], "mean_itl_ms": m["mean_itl_ms"],
+            "num_preemptions": float(res.num_preemptions),
+            "swapped_blocks": float(res.num_blocks_swapped_out + res.num_blocks_swapped_in),
+            "prefix_hit_rate": view.get("prefix_cache_hit_rate", 0.0),
+            "busy_fraction": res.busy_time / m["duration"] if m["duration"] else 0.0, "failed": m["failed"]}
 
 
 def rate_for_busy(model: Path, cost: Path, target: float = BUSY_TARGET) -> float:
@@ -139,7 +137,7 @@ def rate_for_busy(model: Path, cost: Path, target: float = BUSY_TARGET) -> float
     lo, hi = 0.05, 5.0
     for _ in range(12):
         mid = math.sqrt(lo * hi)
-        busy = simulate_workload(model, cost, workloads(mid)[0], draws=1)["busy_fraction"]
+        busy = simulate_workload(model, cost, workloads(mid)[0])["busy_fraction"]
         lo, hi = (mid, hi) if busy < target else (lo, mid)
     return math.sqrt(lo * hi)
 
@@ -190,17 +188,30 @@ def held_out_step_errors(cost: Path, model: Path, trace: Path) -> dict:
 
 
 def scaled_cost(cost: Path, factor: float):
-    """The calibrated constants with every step time x factor (a run's own machine load)."""
+    """The calibrated constants with every time x factor (the machine `factor` x slower),
+    the serving overhead's included (it runs on the same contended CPU)."""
     from dataclasses import replace
 
-    from pagedserve.sim.cost_model import load_params
+    from pagedserve.sim.cost_model import ServingOverhead, load_params
 
     p = load_params(cost)
+    sv = ServingOverhead.from_dict(p.serving)
+    sv = replace(sv, admit_s=sv.admit_s * factor, admit_per_prompt_token_s=sv.admit_per_prompt_token_s * factor,
+                 deliver_s=sv.deliver_s * factor, deliver_per_output_s=sv.deliver_per_output_s * factor)
     return replace(p, step_overhead_s=p.step_overhead_s * factor, per_request_overhead_s=p.per_request_overhead_s * factor,
                    per_prefill_overhead_s=p.per_prefill_overhead_s * factor,
                    per_output_overhead_s=p.per_output_overhead_s * factor,
                    gemm_mfu=p.gemm_mfu / factor, gemm_mbu=p.gemm_mbu / factor, attn_mfu=p.attn_mfu / factor,
-                   attn_mbu=p.attn_mbu / factor, host_bandwidth=p.host_bandwidth / factor)
+                   attn_mbu=p.attn_mbu / factor, host_bandwidth=p.host_bandwidth / factor, serving=sv.to_dict())
+
+
+def split_trace(trace: Path, num_probe_lines: int) -> tuple[Path, Path]:
+    """The server's one step trace -> the probe's steps and the workload's."""
+    lines = trace.read_text().splitlines(keepends=True)
+    probe, rest = trace.with_name(trace.stem + ".probe.jsonl"), trace.with_name(trace.stem + ".workload.jsonl")
+    probe.write_text("".join(lines[:num_probe_lines]))
+    rest.write_text("".join(lines[num_probe_lines:]))
+    return probe, rest
 
 
 def error(sim: float, real: float) -> float | None:
@@ -219,49 +230,49 @@ def fmt_err(e: float | None) -> str:
     return f"{e:+.1%}"
 
 
-def table(rows: list[tuple[Workload, dict, dict, dict | None]]) -> str:
-    lines = ["| workload | metric | real (median of runs) | real runs (min–max) | simulated | error vs median | "
-             "inside real range | sim at each run's own load (median error) |",
-             "|---|---|---:|---:|---:|---:|---|---:|"]
-    for w, real, sim, corrected in rows:
+def table(rows) -> str:
+    lines = ["| workload | metric | real: median of runs | real: min–max | simulated | error | simulated at "
+             "the probe's speed | error | model error at each run's own speed (median) |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for w, real, sim, probe_sim, own_err in rows:
         for key, label, fmt in METRICS:
             values = [r[key] for r in w.runs if not math.isnan(r[key])]
-            if not values:
-                continue
-            if key == "prefix_hit_rate" and max(values) == 0 and sim[key] == 0:
-                continue
-            if key == "swapped_blocks" and max(values) == 0 and sim[key] == 0:
+            if not values or (key in ("prefix_hit_rate", "swapped_blocks") and max(values) == 0 and sim[key] == 0):
                 continue
             lo, hi = min(values), max(values)
-            inside = "yes" if lo <= sim[key] <= hi else "no"
-            corr = fmt_err(corrected[key]) if corrected is not None and key in corrected else ""
+            probe = (f"{fmt.format(probe_sim[key])} | {fmt_err(error(probe_sim[key], real[key]))}"
+                     if probe_sim is not None else " | ")
+            own = fmt_err(own_err[key]) if own_err is not None and key in own_err else ""
             lines.append(f"| {w.name} | {label} | {fmt.format(real[key])} | {fmt.format(lo)}–{fmt.format(hi)} | "
-                         f"{fmt.format(sim[key])} | {fmt_err(error(sim[key], real[key]))} | {inside} | {corr} |")
+                         f"{fmt.format(sim[key])} | {fmt_err(error(sim[key], real[key]))} | {probe} | {own} |")
     return "\n".join(lines)
 
 
-def compare(model: Path, cost: Path, chosen: list[Workload], with_load_correction: bool) -> list[tuple]:
+def compare(model: Path, cost: Path, chosen: list[Workload], at_run_speed: bool) -> list[tuple]:
+    """Per workload: (workload, real medians, simulated, simulated at the probe's speed (median
+    over runs), the model's median error at each run's own speed)."""
     rows = []
     for w in chosen:
         real = {key: statistics.median([r[key] for r in w.runs]) for key, _, _ in METRICS}
         sim = simulate_workload(model, cost, w)
-        corrected = None
-        if with_load_correction:
-            # Diagnostic: the simulator given each run's own measured step-time level.
-            errs: dict[str, list[float]] = {key: [] for key in GOAL_KEYS}
+        probe_sim = own_err = None
+        if at_run_speed:
+            probe_runs, errs = [], {key: [] for key in GOAL_KEYS}
             for r in w.runs:
-                c = simulate_workload(model, cost, w, draws=3, params=scaled_cost(cost, r["wall_over_model"]))
+                probe_runs.append(simulate_workload(model, cost, w, params=scaled_cost(cost, r["probe_over_model"])))
+                own = simulate_workload(model, cost, w, params=scaled_cost(cost, r["wall_over_model"]))
                 for key in GOAL_KEYS:
-                    e = error(c[key], r[key])
+                    e = error(own[key], r[key])
                     if e is not None:
                         errs[key].append(e)
-            corrected = {k: statistics.median(v) for k, v in errs.items() if v}
-        rows.append((w, real, sim, corrected))
+            probe_sim = {key: statistics.median(p[key] for p in probe_runs) for key, _, _ in METRICS}
+            own_err = {k: statistics.median(v) for k, v in errs.items() if v}
+        rows.append((w, real, sim, probe_sim, own_err))
     return rows
 
 
-def goals_met(rows) -> tuple[int, int]:
-    goals = [error(sim[k], real[k]) for w, real, sim, _ in rows for k in GOAL_KEYS]
+def goals_met(rows, which: int = 2) -> tuple[int, int]:
+    goals = [error(row[which][k], row[1][k]) for row in rows if row[which] is not None for k in GOAL_KEYS]
     return sum(1 for e in goals if e is not None and abs(e) <= 0.10), len(goals)
 
 
@@ -302,7 +313,10 @@ def main() -> int:
             trace = stem.with_suffix(".jsonl")
             load0 = load_average()
             with pagedserve_server(model, w.engine, stem.with_suffix(".serve.log"), trace) as server:
+                run_bench(server.url, PROBE, stem.with_suffix(".probe.bench.json"), stem.with_suffix(".probe.log"))
+                num_probe = len(trace.read_text().splitlines())
                 result = run_bench(server.url, w.flags, stem.with_suffix(".bench.json"), stem.with_suffix(".bench.log"))
+            probe_trace, trace = split_trace(trace, num_probe)
             m = real_metrics(result)
             held = held_out_step_errors(first_cost, model, trace)
             m["wall_over_model"] = held["wall_over_model"]
@@ -319,22 +333,29 @@ def main() -> int:
     pooled_cost = work / "cost_pooled.json"
     calib_text = fit_cost(model, all_traces, all_benches, pooled_cost)
     print(calib_text, flush=True)
-    for w in chosen:  # each run's level relative to the pooled model (for the load-corrected column)
+    for w in chosen:  # each run's speed against the pooled model: its probe's, and its own
         for r, d in zip(w.runs, diagnostics[w.name]):
-            held = held_out_step_errors(pooled_cost, model, work / f"run{d['round']}_{chosen.index(w)}.jsonl")
-            r["wall_over_model"] = held["wall_over_model"]
-            d["wall_over_pooled_model"] = held["wall_over_model"]
-            d["step_errors_by_kind_pooled"] = held["by_kind"]
-    rows = compare(model, pooled_cost, chosen, with_load_correction=True)
-    rows_first = compare(model, first_cost, chosen, with_load_correction=False)
+            stem = work / f"run{d['round']}_{chosen.index(w)}"
+            held = held_out_step_errors(pooled_cost, model, stem.with_suffix(".workload.jsonl"))
+            probe = held_out_step_errors(pooled_cost, model, stem.with_suffix(".probe.jsonl"))
+            r["wall_over_model"], r["probe_over_model"] = held["wall_over_model"], probe["wall_over_model"]
+            d.update(wall_over_pooled_model=held["wall_over_model"], probe_over_pooled_model=probe["wall_over_model"],
+                     step_errors_by_kind_pooled=held["by_kind"], step_errors_pooled=held["all"])
+            print(f"[{d['round']}] {w.name}: probe x{probe['wall_over_model']:.2f}, run x{held['wall_over_model']:.2f} "
+                  f"of the pooled model; held-out per-step error by kind (total time): "
+                  + ", ".join(f"{k} {v['total_time_error']:+.1%}" for k, v in held["by_kind"].items()), flush=True)
+    rows = compare(model, pooled_cost, chosen, at_run_speed=True)
+    rows_first = compare(model, first_cost, chosen, at_run_speed=False)
 
     print("\nCost model calibrated on all rounds' calibration runs:\n")
     print(table(rows))
     met, total = goals_met(rows)
-    print(f"\n{met} of {total} goal metrics within 10% of the median real run")
+    met_probe, _ = goals_met(rows, which=3)
+    print(f"\n{met} of {total} goal metrics within 10% of the median real run; at the probe's speed {met_probe} of "
+          f"{total}")
     met1, total1 = goals_met(rows_first)
     print(f"(calibrated once, on round 0 only: {met1} of {total1})")
-    for w, real, sim, _ in rows_first:
+    for w, real, sim, *_ in rows_first:
         print(f"  {w.name}: " + ", ".join(f"{label} {fmt_err(error(sim[k], real[k]))}"
                                           for k, label, fmt in METRICS if k in GOAL_KEYS))
     print(f"total runtime {time.time() - t_start:.0f} s; load average now {load_average()}")
@@ -342,12 +363,13 @@ def main() -> int:
         "size": args.size, "calibration": calib_text, "calibration_runs": calib_notes,
         "rate_for_busy": rate,
         "workloads": [{"name": w.name, "engine": w.engine, "flags": w.flags, "real_runs": w.runs,
-                       "real_median": real, "sim": {k: v for k, v in sim.items() if k != "draws"},
-                       "sim_draws": sim["draws"], "sim_at_run_load_median_error": corrected,
-                       "sim_first_calibration": {k: v for k, v in first[2].items() if k != "draws"},
+                       "real_median": real, "sim": sim,
+                       "sim_at_probe_speed": probe_sim, "model_error_at_run_speed": own_err,
+                       "sim_first_calibration": first[2],
                        "diagnostics": diagnostics[w.name]}
-                      for (w, real, sim, corrected), first in zip(rows, rows_first)],
-        "goals_met": met, "goals_total": total, "goals_met_first_calibration": met1}, indent=2, default=str))
+                      for (w, real, sim, probe_sim, own_err), first in zip(rows, rows_first)],
+        "goals_met": met, "goals_met_at_probe_speed": met_probe, "goals_total": total,
+        "goals_met_first_calibration": met1}, indent=2, default=str))
     print(f"wrote {args.out}")
     return 0
 
