@@ -21,8 +21,6 @@ import argparse
 import json
 import os
 import random
-import re
-import shutil
 import subprocess
 import sys
 import time

@@ -9,7 +9,6 @@ tokenization, detokenization, stop strings and metrics, and sends only plain dat
 """
 from __future__ import annotations
 
-import time
 
 import httpx
 import pytest

@@ -112,39 +112,6 @@ class LiveSeries:
         return point
 
     def _latency(self, outs: EngineCoreOutputs, acc: _Accumulator) -> None:
-        """Per output: 64 running requests make this the hub's per-step cost, so it stays lean."""
-        now = outs.timestamp
-        last = self._last_token
-        ttft, itl = acc.ttft, acc.itl
-        for out in outs.outputs:
-            rid = out.request_id
-            num_new = len(out.new_token_ids)
-            if num_new:
-                if out.arrival_time is not None:  # the request's first output
-                    ttft.append(now - out.arrival_time)
-                else:
-                    previous = last.get(rid)
-                    if previous is not None:
-                        gap = (now - previous) / num_new
-                        if num_new == 1:
-                            itl.append(gap)
-                        else:
-                            itl.extend([gap] * num_new)
-                last[rid] = now
-            if out.finish_reason is not None:
-                last.pop(rid, None)
-
-    def close_point(self) -> dict | None:
-        """Close the point in the making now (a run's end), if it has seen anything."""
-        acc, outs = self._acc, self._last_outs
-        if acc is None or outs is None:
-            return None
-        point = self._close(acc, outs)
-        self._acc = _Accumulator(start=outs.timestamp)
-        self._last_outs = None
-        return point
-
-    def _latency(self, outs: EngineCoreOutputs, acc: _Accumulator) -> None:
         now = outs.timestamp
         last = self._last_token
         for out in outs.outputs:
