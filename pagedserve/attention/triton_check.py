@@ -9,7 +9,6 @@ compiler or driver that builds them wrong is then a fallback with a reason, not 
 """
 from __future__ import annotations
 
-import os
 
 import numpy as np
 import torch
