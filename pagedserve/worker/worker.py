@@ -193,3 +193,28 @@ def run_worker_process(spec: WorkerSpec, rank: int, tp: int, master_port: int, c
     # load took seconds per rank for nothing.
     logging.shutdown()
     os._exit(0)
+
+
+class RankCalls:
+    """The Executor protocol's set-up calls for executors whose ranks answer `_call(method,
+    *args) -> [one value per rank]`: the pool fits the tightest rank, profiling takes the
+    slowest; each rank's KV bytes are kept for the start-up log and the tests."""
+
+    rank_kv_bytes: list[int]
+
+    def _call(self, method: str, *args) -> list:
+        raise NotImplementedError
+
+    def profile_kv_budget(self, gpu_memory_utilization: float, max_num_batched_tokens: int,
+                          max_num_seqs: int) -> int:
+        return min(self._call("profile_kv_budget", gpu_memory_utilization, max_num_batched_tokens, max_num_seqs))
+
+    def initialize_cache(self, num_blocks: int, num_host_blocks: int) -> None:
+        self._call("initialize_cache", num_blocks, num_host_blocks)
+        self.rank_kv_bytes = self._call("kv_cache_bytes")
+
+    def measure_host_bandwidth(self) -> float:
+        return min(self._call("measure_host_bandwidth"))
+
+    def profile_prefill(self, num_tokens: int) -> float:
+        return max(self._call("profile_prefill", num_tokens))
