@@ -112,3 +112,10 @@ def test_mla_pool_is_the_latent_and_equals_plans(deepseek_case):
     assert plan.kv_bytes_per_token == cfg.num_layers * (32 + 8) * 4   # fp32 latent + rope key
     assert pool.numel() * pool.element_size() == plan.pool.num_bytes
     assert llm.engine.pool_sizing == plan.pool
+
+
+def test_tensor_parallel_is_refused_by_name_for_moe_and_mla(deepseek_case):
+    """Only Llama-family models are sharded over TP workers; the others say so before any worker starts."""
+    path, *_ = deepseek_case
+    with pytest.raises(ValueError, match="tensor_parallel_size: 2, but DeepseekV3ForCausalLM runs on one rank"):
+        LLM(str(path), max_model_len=256, tensor_parallel_size=2)

@@ -334,13 +334,14 @@ class ModelConfig:
     def name(self) -> str:
         return self.hf_config.get("_name_or_path") or self.path.name
 
-    def kv_cache_shape(self, num_slots: int) -> tuple[int, int, int, int, int]:
-        """The KV pool's shape: [layers, K and V, slots, kv heads, head_dim]; for MLA
-        [layers, 1, slots, 1, kv_lora_rank + qk_rope_head_dim] (latent and rope key in one
-        entry, shared by all heads). The block copy and swap paths read only this layout."""
+    def kv_cache_shape(self, num_slots: int, num_kv_heads: int | None = None) -> tuple[int, int, int, int, int]:
+        """The KV pool's shape: [layers, K and V, slots, kv heads, head_dim] (`num_kv_heads`:
+        one tensor-parallel rank's, default all); for MLA [layers, 1, slots, 1,
+        kv_lora_rank + qk_rope_head_dim] (latent and rope key in one entry, shared by all
+        heads). The block copy and swap paths read only this layout."""
         if self.mla is not None:
             return (self.num_layers, 1, num_slots, 1, self.mla.cache_width)
-        return (self.num_layers, 2, num_slots, self.num_kv_heads, self.head_dim)
+        return (self.num_layers, 2, num_slots, num_kv_heads or self.num_kv_heads, self.head_dim)
 
     @property
     def max_model_len(self) -> int:
@@ -705,3 +706,57 @@ def _number(value: Any, key: str) -> float:
         raise _refuse(f"rope {key}={value!r} must be a number" if value is not None
                       else f"rope parameters lack {key}")
     return float(value)
+
+
+@dataclass(frozen=True)
+class TPShard:
+    """What one tensor-parallel rank holds of the model (Megatron-style).
+
+    Query heads are split evenly. KV heads are split when tp <= num_kv_heads; past that each
+    rank holds the one KV head its query heads read (heads replicated tp / num_kv_heads
+    times, as `pagedserve plan` counts). The MLP's intermediate dimension is split evenly;
+    the vocabulary is split into ceil(vocab / tp) rows per rank, the last rank's padded.
+    Rank r's query heads [q_head_start, +num_heads) read exactly its KV heads
+    [kv_head_start, +num_kv_heads): the GQA grouping survives the split.
+    """
+
+    tp: int
+    rank: int
+    num_heads: int
+    q_head_start: int
+    num_kv_heads: int
+    kv_head_start: int
+    intermediate_size: int
+    intermediate_start: int
+    vocab_per_rank: int
+    vocab_start: int
+    vocab_end: int          # exclusive, never past the real vocabulary
+
+    @classmethod
+    def of(cls, cfg: ModelConfig, tp: int = 1, rank: int = 0) -> "TPShard":
+        check_tensor_parallel(cfg.num_heads, cfg.num_kv_heads, cfg.intermediate_size, tp)
+        heads = cfg.num_heads // tp
+        if tp <= cfg.num_kv_heads:
+            kv_heads, kv_start = cfg.num_kv_heads // tp, rank * (cfg.num_kv_heads // tp)
+        else:
+            kv_heads, kv_start = 1, rank // (tp // cfg.num_kv_heads)
+        inter = cfg.intermediate_size // tp
+        vocab = -(-cfg.vocab_size // tp)
+        start = rank * vocab
+        return cls(tp, rank, heads, rank * heads, kv_heads, kv_start, inter, rank * inter, vocab, start,
+                   min(start + vocab, cfg.vocab_size))
+
+
+def check_tensor_parallel(num_heads: int, num_kv_heads: int, intermediate_size: int, tp: int) -> None:
+    """Refuse, with the numbers, a tensor_parallel_size the model cannot be split by."""
+    if tp == 1:
+        return
+    if num_heads % tp:
+        raise ValueError(f"tensor_parallel_size: {tp} does not divide the model's {num_heads} attention heads; "
+                         f"use a divisor of {num_heads}")
+    if num_kv_heads % tp and tp % num_kv_heads:
+        raise ValueError(f"tensor_parallel_size: {tp} neither divides the model's {num_kv_heads} KV heads nor is "
+                         f"a multiple of them (each rank needs whole KV heads)")
+    if intermediate_size % tp:
+        raise ValueError(f"tensor_parallel_size: {tp} does not divide the model's intermediate_size "
+                         f"{intermediate_size}")

@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from pagedserve.model.config import SUPPORTED_ARCHITECTURES, ModelConfig, read_model_config
+from pagedserve.model.config import SUPPORTED_ARCHITECTURES, ModelConfig, TPShard, read_model_config
 from pagedserve.model.layers import prepare_linear_layers
 from pagedserve.model.llama import LlamaForCausalLM
 
@@ -47,12 +47,18 @@ def model_class(config: ModelConfig):
     return LlamaForCausalLM
 
 
-def load_model(config: ModelConfig, dtype: str, device: str, **model_kwargs) -> LlamaForCausalLM:
+def load_model(config: ModelConfig, dtype: str, device: str, shard: TPShard | None = None,
+               **model_kwargs) -> LlamaForCausalLM:
     """Build the architecture's model on `device` in `dtype` and load its weights.
-    model_kwargs: what the model class takes beyond the config (an MoE model's expert shard)."""
+    `shard`: the tensor-parallel rank's share (default: the whole model; Llama-family only).
+    model_kwargs: what an MoE model class takes beyond the config (an expert shard)."""
     torch_dtype = TORCH_DTYPES[dtype]
+    cls = model_class(config)
+    if cls is not LlamaForCausalLM and shard is not None and shard.tp > 1:
+        raise ValueError(f"tensor_parallel_size: {shard.tp} ranks, but {config.architecture} runs on one rank "
+                         "(tensor and expert parallelism are implemented for Llama-family models only)")
     with torch.device("meta"):
-        model = model_class(config)(config, **model_kwargs)
+        model = cls(config, shard) if cls is LlamaForCausalLM else cls(config, **model_kwargs)
     model = model.to_empty(device=device).to(torch_dtype)
     model.load_checkpoint(iter_checkpoint_tensors(config.path))
     model.init_buffers(device)

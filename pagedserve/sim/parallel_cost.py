@@ -171,7 +171,7 @@ class ParallelCostModel:
         return (1.0 - touched) * stage.routed_bytes
 
     def _stage_time(self, stage: _Stage, new: Sequence[int], ctx: Sequence[int]) -> ParallelStepTime:
-        f = step_features(stage.model, new, ctx, 0, self.block_size, self.params.attention_layout)
+        f = step_features(stage.model, new, ctx, 0, self.block_size)
         f.linear_bytes -= self._expert_bytes_not_read(stage, f.num_tokens)
         t = self.inner.breakdown(f)
         return ParallelStepTime(linear=t.linear, attention=t.attention, allreduce=self._allreduce(stage, f.num_tokens),
@@ -186,11 +186,12 @@ class ParallelCostModel:
 
     # -- the step ---------------------------------------------------------------------------
     def breakdown(self, new_tokens: Sequence[int], context_lens: Sequence[int],
-                  num_swap_blocks: int = 0) -> ParallelStepTime:
+                  num_swap_blocks: int = 0, num_outputs: int | None = None) -> ParallelStepTime:
         if not new_tokens and not num_swap_blocks:
             return ParallelStepTime()
+        # the step's own overheads (once, not per stage) and its swaps
         base = self.inner.breakdown(step_features(self._swap_model, new_tokens, context_lens, num_swap_blocks,
-                                                  self.block_size, self.params.attention_layout))
+                                                  self.block_size, num_outputs))
         out = ParallelStepTime(overhead=base.overhead, swap=base.swap)
         if not new_tokens:
             return out
@@ -211,14 +212,16 @@ class ParallelCostModel:
         out.pipeline = max(0.0, trip - work)
         return out
 
-    def predict(self, new_tokens: Sequence[int], context_lens: Sequence[int], num_swap_blocks: int = 0) -> float:
-        return self.breakdown(new_tokens, context_lens, num_swap_blocks).total
+    def predict(self, new_tokens: Sequence[int], context_lens: Sequence[int], num_swap_blocks: int = 0,
+                num_outputs: int | None = None) -> float:
+        return self.breakdown(new_tokens, context_lens, num_swap_blocks, num_outputs).total
 
     def step_time(self, out) -> float:
         sched = out.scheduled
         new = [len(r.token_ids) for r in sched]
         ctx = [r.start_pos + n for r, n in zip(sched, new)]
-        return self.predict(new, ctx, len(out.blocks_to_swap_out) + len(out.blocks_to_swap_in))
+        return self.predict(new, ctx, len(out.blocks_to_swap_out) + len(out.blocks_to_swap_in),
+                            sum(1 for r in sched if r.sample))
 
 
 def _micro_batches(new: list[int], ctx: list[int], pp: int) -> list[tuple[list[int], list[int]]]:

@@ -75,8 +75,12 @@ def run(args) -> int:
         deployment_layout(args, name)  # a bad layout is refused before anything runs
     if layouts and args.real:
         raise ValueError("layouts: --real runs the one-rank CPU engine; compare layouts on the simulator only")
+
+    def layout_of(name: str | None) -> dict:
+        return deployment_layout(args, name, tp=base.tensor_parallel_size)
+
     base_dep = build_deployment(copy.deepcopy(base), args.model, gpu=gpu, cost_params=args.cost_model,
-                                **deployment_layout(args, layouts[0] if layouts else None))
+                                **layout_of(layouts[0] if layouts else None))
     workload = build_workload(args, base_dep.vocab_size)
     mean_len = sum(w.prompt_len + w.output_len for w in workload) / len(workload)
     if base.max_model_len is None:
@@ -85,7 +89,7 @@ def run(args) -> int:
         base.max_model_len = min(-(-longest // base.block_size) * base.block_size,
                                  base_dep.config.max_model_len)
         base_dep = build_deployment(copy.deepcopy(base), args.model, gpu=gpu, cost_params=args.cost_model,
-                                    **deployment_layout(args, layouts[0] if layouts else None))
+                                    **layout_of(layouts[0] if layouts else None))
     bound = int(base_dep.num_blocks / blocks_per_request(math.ceil(mean_len), base_dep.config.block_size))
     if layouts:  # each layout at the base knobs, or crossed with an explicit sweep
         grid = {"layout": layouts, **(tuner.parse_sweep(args.sweep) if args.sweep else {})}
@@ -105,7 +109,7 @@ def run(args) -> int:
 
     def sim_point(config, knobs):
         dep = build_deployment(config, args.model, gpu=gpu, cost_params=args.cost_model,
-                               **deployment_layout(args, knobs.get("layout")))
+                               **layout_of(knobs.get("layout")))
         result = simulate(dep, workload, max_concurrency=args.max_concurrency, goodput_slos=goodput,
                           seed=args.seed or 0)
         busy = result.busy_time / result.metrics["duration"] if result.metrics["duration"] else math.nan
@@ -139,13 +143,14 @@ def run(args) -> int:
 
 def _serve_flags(base, knobs: dict, args) -> str:
     """The knobs the operator fixed on this command line, then the ones tuning chose."""
-    from pagedserve.engine_args import _FLAGS
+    from pagedserve.engine_args import _FLAGS, _dest
     from pagedserve.tune.tuner import knob_flags
 
-    skip = {"model", "config", "device", "step_trace_path", "served_model_name", "tokenizer"}
+    skip = {"model", "config", "device", "step_trace_path", "served_model_name", "tokenizer",
+            "distributed_executor_backend"}
     fixed = {}
     for flag, _ in _FLAGS:
-        name = flag[2:].replace("-", "_")
+        name = _dest(flag)
         if name not in skip and getattr(args, name, None) is not None:
             fixed[name] = getattr(base, name)
     fixed.setdefault("max_model_len", base.max_model_len)
@@ -159,8 +164,6 @@ def _serve_flags(base, knobs: dict, args) -> str:
         if layout.expert_parallel:
             fixed["enable_expert_parallel"] = True
     else:
-        if args.tp > 1:
-            fixed["tensor_parallel_size"] = args.tp
         if getattr(args, "pp", 1) > 1:
             fixed["pipeline_parallel_size"] = args.pp
         if getattr(args, "enable_expert_parallel", False):
