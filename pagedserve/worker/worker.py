@@ -124,7 +124,8 @@ class Worker:
         eos = frozenset(self.spec.eos_token_ids)
         grammar_compiler = None
         if self.rank == 0:  # only rank 0 samples, so only it needs structured outputs' masks
-            from pagedserve.engine.llm_engine import load_tokenizer, make_grammar_compiler
+            from pagedserve.structured.compiler import make_grammar_compiler
+            from pagedserve.tokenizer import load_tokenizer
             grammar_compiler = make_grammar_compiler(load_tokenizer(config), model_config.vocab_size, eos)
         self.runner = ModelRunner(model_config, self.spec.dtype, device, config.block_size, eos, config.seed,
                                   grammar_compiler=grammar_compiler, shard=shard)
