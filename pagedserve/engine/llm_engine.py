@@ -17,7 +17,7 @@ import logging
 from pathlib import Path
 from typing import Sequence
 
-from pagedserve.config import EngineConfig, resolve_dtype
+from pagedserve.config import EngineConfig, resolve_dtype, resolve_kv_cache_dtype
 from pagedserve.core.engine_core import EngineCore, size_pool
 from pagedserve.core.request import RequestStatus
 from pagedserve.engine.input_processor import InputProcessor
@@ -44,20 +44,23 @@ class Engine:
         self.model_config = read_model_config(config.model)
         config.resolve(self.model_config.max_model_len)
         self.dtype = resolve_dtype(config.dtype, self.model_config.checkpoint_dtype, config.device)
+        self.kv_cache_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, self.dtype)
         self.tokenizer = tokenizer if tokenizer is not None else self._load_tokenizer()
         self.eos_token_ids = self._eos_token_ids()
         self.grammar_compiler = self._grammar_compiler()
         if executor is None:
             from pagedserve.worker.model_runner import ModelRunner
             executor = ModelRunner(self.model_config, self.dtype, config.device, config.block_size,
-                                   self.eos_token_ids, config.seed, grammar_compiler=self.grammar_compiler)
+                                   self.eos_token_ids, config.seed, grammar_compiler=self.grammar_compiler,
+                                   kv_cache_dtype=self.kv_cache_dtype)
         elif getattr(executor, "grammar_compiler", False) is None:
             executor.grammar_compiler = self.grammar_compiler
         if config.kv_cache_memory is None and config.num_kv_blocks is None:  # CUDA: measure, then subtract
             config.kv_cache_memory = executor.profile_kv_budget(
                 config.gpu_memory_utilization, config.max_num_batched_tokens, config.max_num_seqs)
         self.pool_sizing = size_pool(config, ModelShape.from_hf_config(self.model_config.hf_config), self.dtype)
-        for line in kv_cache_log_lines(self.pool_sizing, config.max_model_len, device=config.device.upper()):
+        for line in kv_cache_log_lines(self.pool_sizing, config.max_model_len, device=config.device.upper(),
+                                       kv_dtype=self.kv_cache_dtype):
             logger.info(line)
         logger.info("KV cache pool: %.3f GiB, %d bytes per token", self.pool_sizing.num_bytes / 2**30,
                     self.pool_sizing.bytes_per_token)

@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from pagedserve.config import resolve_dtype
+from pagedserve.config import KV_CACHE_DTYPES, resolve_dtype, resolve_kv_cache_dtype
 
 from .gpus import GiB, GpuSpec
 from .kv_budget import (
@@ -25,7 +25,7 @@ from .kv_budget import (
     kv_heads_per_rank,
     kv_replication,
     max_concurrency,
-    size_kv_pool,
+    size_kv_pool_for_dtype,
 )
 from .models import ModelInfo, param_count, weight_bytes
 
@@ -160,10 +160,10 @@ class Plan:
 
 
 def _resolve_kv_dtype(kv_cache_dtype: str, weight_dtype: str) -> str:
-    if kv_cache_dtype == "auto":
-        return activation_dtype(weight_dtype)
-    dtype_bytes(kv_cache_dtype)  # validates
-    return kv_cache_dtype
+    """What the pool stores, as the engine resolves it (auto = the activation dtype)."""
+    if kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise ValueError(f"--kv-cache-dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {kv_cache_dtype!r}")
+    return resolve_kv_cache_dtype(kv_cache_dtype, activation_dtype(weight_dtype))
 
 
 def _validate(req: PlanRequest) -> None:
@@ -234,8 +234,7 @@ def _compute(req: PlanRequest, max_num_batched_tokens: int) -> Plan:
     else:
         pool_budget = usable - weights - activation - sampler - overhead
         pool_note = f"total x {req.gpu_memory_utilization:g} minus the rows above"
-    pool = size_kv_pool(shape, max(pool_budget, 0), kv_dtype_bytes=dtype_bytes(kv_dtype),
-                        block_size=req.block_size, tp=tp)
+    pool = size_kv_pool_for_dtype(shape, max(pool_budget, 0), kv_dtype, block_size=req.block_size, tp=tp)
 
     parts = [
         MemoryPart("model weights", weights, f"{param_count(shape) / 1e9:.2f}B params, {weight_dtype}, / TP {tp}"),

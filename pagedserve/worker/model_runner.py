@@ -1,7 +1,8 @@
 """ModelRunner: the real executor (core.executor.Executor). execute(SchedulerOutput) -> StepResult.
 
 It owns the model, the device KV pool ([layers, 2, num_blocks * block_size, kv_heads,
-head_dim]), the sampler, and what it has been told about each request (CachedRequestState):
+head_dim]; with a quantized kv_cache_dtype an attention.kv_quant.QuantizedKVCache holding that
+tensor in one byte per value, and per-token scales for int8), the sampler, and what it has been told about each request (CachedRequestState):
 the scheduler sends a request's prompt and parameters once, then per-step diffs (new
 tokens, new blocks). It never calls back into the scheduler.
 
@@ -24,6 +25,7 @@ import numpy as np
 import torch
 
 from pagedserve.attention import build_metadata
+from pagedserve.attention.kv_quant import QuantizedKVCache, kv_format
 from pagedserve.core.outputs import StepResult, TokenLogprobs
 from pagedserve.core.scheduler import NewRequestData, ScheduledRequest, SchedulerOutput
 from pagedserve.sampling import SamplingParams
@@ -62,7 +64,7 @@ def allocate_zeroed(shape: tuple, dtype: torch.dtype, device: torch.device) -> t
     if device.type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
     itemsize = torch.empty((), dtype=dtype).element_size()
-    raw = np.zeros(shape, dtype={2: np.int16, 4: np.int32, 8: np.int64}[itemsize])
+    raw = np.zeros(shape, dtype={1: np.int8, 2: np.int16, 4: np.int32, 8: np.int64}[itemsize])
     return torch.from_numpy(raw).view(dtype)
 
 
@@ -120,10 +122,12 @@ class StepInputs:
 
 class ModelRunner:
     def __init__(self, model_config: ModelConfig, dtype: str, device: str, block_size: int,
-                 eos_token_ids: frozenset[int], seed: int, grammar_compiler: GrammarCompiler | None = None) -> None:
+                 eos_token_ids: frozenset[int], seed: int, grammar_compiler: GrammarCompiler | None = None,
+                 kv_cache_dtype: str | None = None) -> None:
         self.model_config = model_config
         self.device = torch.device(device)
         self.dtype = TORCH_DTYPES[dtype]
+        self.kv_format = kv_format(kv_cache_dtype)  # None: the pool is in the compute dtype
         self.block_size = block_size
         if self.device.type == "cpu":
             keep_freed_memory_in_process()
@@ -141,11 +145,16 @@ class ModelRunner:
         cfg = self.model_config
         self.num_blocks = num_blocks
         shape = (cfg.num_layers, 2, num_blocks * self.block_size, cfg.num_kv_heads, cfg.head_dim)
-        self.kv_cache = allocate_zeroed(shape, self.dtype, self.device)
+        self.kv_cache = self._allocate_pool(shape, self.device)
         host_shape = shape[:2] + (num_host_blocks * self.block_size,) + shape[3:]
-        self.host_cache = allocate_zeroed(host_shape, self.dtype, torch.device("cpu")) if num_host_blocks else None
+        self.host_cache = self._allocate_pool(host_shape, torch.device("cpu")) if num_host_blocks else None
         if self.host_cache is not None and self.device.type == "cuda":
             self.host_cache = self.host_cache.pin_memory()
+
+    def _allocate_pool(self, shape: tuple, device: torch.device) -> torch.Tensor | QuantizedKVCache:
+        if self.kv_format is None:
+            return allocate_zeroed(shape, self.dtype, device)
+        return QuantizedKVCache.allocate(shape, self.kv_format, device, allocate_zeroed)
 
     @torch.inference_mode()
     def profile_kv_budget(self, gpu_memory_utilization: float, max_num_batched_tokens: int,
@@ -179,18 +188,24 @@ class ModelRunner:
         return budget
 
     def _blocks(self, cache: torch.Tensor) -> torch.Tensor:
-        """View a pool as [layers, 2, blocks, block_size, kv_heads, head_dim]."""
-        l, two, slots, kv, hd = cache.shape
-        return cache.view(l, two, slots // self.block_size, self.block_size, kv, hd)
+        """View a pool tensor [layers, 2, slots, ...] as [layers, 2, blocks, block_size, ...]."""
+        l, two, slots, *rest = cache.shape
+        return cache.view(l, two, slots // self.block_size, self.block_size, *rest)
 
-    def copy_blocks(self, pairs: list[tuple[int, int]], src: torch.Tensor, dst: torch.Tensor) -> None:
-        """Copy whole blocks (all layers, K and V) src[a] -> dst[b] for each (a, b)."""
+    @staticmethod
+    def _pool_tensors(cache: torch.Tensor | QuantizedKVCache) -> list[torch.Tensor]:
+        """The tensors a block spans: the pool, or a quantized pool's values and scales."""
+        return cache.tensors() if isinstance(cache, QuantizedKVCache) else [cache]
+
+    def copy_blocks(self, pairs: list[tuple[int, int]], src, dst) -> None:
+        """Copy whole blocks (all layers, K and V, scales with values) src[a] -> dst[b] for each (a, b)."""
         if not pairs:
             return
         src_ids = torch.tensor([a for a, _ in pairs], device=src.device)
         dst_ids = torch.tensor([b for _, b in pairs], device=dst.device)
-        moved = self._blocks(src).index_select(2, src_ids).to(dst.device, non_blocking=True)
-        self._blocks(dst).index_copy_(2, dst_ids, moved)
+        for s, d in zip(self._pool_tensors(src), self._pool_tensors(dst)):
+            moved = self._blocks(s).index_select(2, src_ids).to(d.device, non_blocking=True)
+            self._blocks(d).index_copy_(2, dst_ids, moved)
 
     def measure_host_bandwidth(self, max_blocks: int = 64) -> float:
         """Bytes/s of a device -> host block copy, timed once at start-up."""
@@ -205,7 +220,8 @@ class ModelRunner:
         self.copy_blocks(pairs, self.kv_cache, self.host_cache)
         if self.device.type == "cuda":
             torch.cuda.synchronize()
-        bytes_per_block = self.kv_cache[:, :, : self.block_size].numel() * self.kv_cache.element_size()
+        bytes_per_block = sum(t[:, :, : self.block_size].numel() * t.element_size()
+                              for t in self._pool_tensors(self.kv_cache))
         return n * bytes_per_block / max(time.perf_counter() - t0, 1e-9)
 
     @torch.inference_mode()
