@@ -16,6 +16,8 @@ DTYPE_BYTES = {
 }
 
 
+# KV cache dtypes that store one byte per value and read it back through a scale.
+QUANTIZED_KV_DTYPES = ("fp8", "fp8_e4m3", "fp8_e5m2", "int8")
 # Bytes a quantized KV cache keeps beside each (token, KV head) of K and of V: int8 stores one
 # fp32 scale per token and head; fp8 uses one scale per layer for K and one for V (no per-token bytes).
 KV_SCALE_BYTES = {"int8": 4}

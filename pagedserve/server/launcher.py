@@ -23,6 +23,8 @@ def build_server(config: EngineConfig, api_key: str | None = None, max_queue_len
     engine = Engine(config)
     metrics = EngineMetrics(engine.model_name, engine.config.max_model_len, log_interval=log_interval,
                             max_num_batched_tokens=engine.config.max_num_batched_tokens)
+    metrics.set_cache_config(engine.kv_cache_dtype, engine.config.block_size, engine.pool_sizing.num_blocks,
+                             engine.pool_sizing.bytes_per_token)
     async_engine = AsyncLLM(engine, metrics, max_queue_len=max_queue_len)
     return build_app(async_engine, api_key=api_key, max_request_bytes=max_request_bytes,
                      enable_prompt_tokens_details=enable_prompt_tokens_details,

@@ -77,7 +77,15 @@ def run(args) -> int:
         base_dep = build_deployment(copy.deepcopy(base), args.model, gpu=gpu, tp=args.tp,
                                     cost_params=args.cost_model)
     bound = int(base_dep.num_blocks / blocks_per_request(math.ceil(mean_len), base_dep.config.block_size))
-    grid = tuner.parse_sweep(args.sweep) if args.sweep else _default_grid(base_dep, bound)
+    grid = tuner.parse_sweep(args.sweep) if args.sweep else None
+    if grid and len(grid.get("kv_cache_dtype", ())) > 1:
+        # A smaller KV dtype holds more sequences: prune max_num_seqs by the roomiest pool swept.
+        for kv_dtype in grid["kv_cache_dtype"]:
+            config = copy.deepcopy(base)
+            config.kv_cache_dtype = kv_dtype
+            dep = build_deployment(config, args.model, gpu=gpu, tp=args.tp, cost_params=args.cost_model)
+            bound = max(bound, int(dep.num_blocks / blocks_per_request(math.ceil(mean_len), dep.config.block_size)))
+    grid = grid or _default_grid(base_dep, bound)
     points, pruned = tuner.expand_grid(grid, max_num_seqs_bound=bound, max_model_len=base.max_model_len)
     goodput = parse_goodput(args.goodput)
     print(f"pagedserve tune: {base_dep.model_name} on {base_dep.device} x{base_dep.tp}; {len(workload)} requests, "
