@@ -15,8 +15,8 @@
 // Quantized caches (kv_cache_dtype fp8_e4m3 / fp8_e5m2 / int8, see attention/kv_quant.py): one
 // byte per value; a value reads as decode(byte) x scale, where the scale is one float per layer
 // for K and one for V (fp8), or one float per (slot, kv head) from a scales array laid out
-// [num_slots, kv_heads] (int8). fp8 bytes decode through a 256-entry table built by bit
-// arithmetic at load, so no compiler's float8 type is needed. q and out are then fp32.
+// [num_slots, kv_heads] (int8). fp8 bytes decode by bit arithmetic (decode_fp8), so no
+// compiler's float8 type is needed. q and out are then fp32.
 //
 // Work: a "sequence" of the plan is q_len query rows (a decode is 1 row, a prefill chunk many)
 // whose last row sees ctx_len keys. Row j sits at position ctx_len - q_len + j and attends to
@@ -78,38 +78,39 @@ struct fp8_e5m2 {
     uint8_t bits;
 };
 
-// The float an 8-bit float's bits encode: 1 sign bit, `exp_bits` exponent bits with `bias`, the
+// The float an 8-bit float's bits encode: 1 sign bit, `kExpBits` exponent bits with `kBias`, the
 // rest mantissa. E4M3 (OCP "fn": no infinities) spends only S.1111.111 on NaN, so its exponent
 // 15 holds normal numbers up to 448; E5M2 is IEEE-like (exponent 31: infinity / NaN).
-float decode_fp8(uint32_t bits, int exp_bits, int bias, bool ieee_special) {
-    const int man_bits = 7 - exp_bits;
-    const uint32_t exp_mask = (1u << exp_bits) - 1, man_mask = (1u << man_bits) - 1;
-    const uint32_t e = (bits >> man_bits) & exp_mask, m = bits & man_mask;
-    const float sign = (bits & 0x80u) ? -1.0f : 1.0f;
-    if (ieee_special && e == exp_mask)
-        return m ? std::numeric_limits<float>::quiet_NaN() : sign * std::numeric_limits<float>::infinity();
-    if (!ieee_special && e == exp_mask && m == man_mask) return std::numeric_limits<float>::quiet_NaN();
-    if (e == 0) return sign * std::ldexp(static_cast<float>(m), 1 - bias - man_bits);  // subnormal
-    return sign * std::ldexp(static_cast<float>(m | (1u << man_bits)), static_cast<int>(e) - bias - man_bits);
-}
-
-struct Fp8Tables {
-    float e4m3[256], e5m2[256];
-    Fp8Tables() {
-        for (uint32_t b = 0; b < 256; ++b) {
-            e4m3[b] = decode_fp8(b, 4, 7, false);
-            e5m2[b] = decode_fp8(b, 5, 15, true);
-        }
+// Integer arithmetic, an int-to-float conversion and a multiply by a power of two built from
+// the exponent bits (always a normal float: the smallest is 2^-16), with selects for sign and
+// specials, so a tile's decode loop vectorises; a 256-entry table read per byte does not (it
+// made fp8 attention 3.7x slower than int8's plain conversion).
+template <int kExpBits, int kBias, bool kIeeeSpecial>
+inline float decode_fp8(uint32_t bits) {
+    constexpr int kManBits = 7 - kExpBits;
+    constexpr uint32_t kExpMask = (1u << kExpBits) - 1, kManMask = (1u << kManBits) - 1;
+    const uint32_t e = (bits >> kManBits) & kExpMask, m = bits & kManMask;
+    const uint32_t significand = e != 0 ? (m | (1u << kManBits)) : m;  // subnormals: no implicit 1
+    const int32_t exponent = static_cast<int32_t>(e != 0 ? e : 1u) - kBias - kManBits;
+    const uint32_t pow2_bits = static_cast<uint32_t>(exponent + 127) << 23;
+    float pow2;
+    std::memcpy(&pow2, &pow2_bits, sizeof pow2);
+    float magnitude = static_cast<float>(significand) * pow2;
+    if constexpr (kIeeeSpecial) {
+        const float special = m != 0 ? std::numeric_limits<float>::quiet_NaN() : std::numeric_limits<float>::infinity();
+        magnitude = e == kExpMask ? special : magnitude;
+    } else {
+        magnitude = (e == kExpMask && m == kManMask) ? std::numeric_limits<float>::quiet_NaN() : magnitude;
     }
-};
-const Fp8Tables kFp8;
+    return (bits & 0x80u) != 0 ? -magnitude : magnitude;
+}
 
 template <typename KT>
 constexpr bool is_quantized() {
     return std::is_same_v<KT, fp8_e4m3> || std::is_same_v<KT, fp8_e5m2> || std::is_same_v<KT, int8_t>;
 }
-inline float decode(fp8_e4m3 x) { return kFp8.e4m3[x.bits]; }
-inline float decode(fp8_e5m2 x) { return kFp8.e5m2[x.bits]; }
+inline float decode(fp8_e4m3 x) { return decode_fp8<4, 7, false>(x.bits); }
+inline float decode(fp8_e5m2 x) { return decode_fp8<5, 15, true>(x.bits); }
 inline float decode(int8_t x) { return static_cast<float>(x); }
 
 // The scale of each row of a quantized tile: per_token[t * stride] if given (int8), else `value`.
