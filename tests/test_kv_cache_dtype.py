@@ -498,3 +498,35 @@ def test_startup_log_and_metrics_name_the_dtype_and_bytes(tiny_llama, caplog, kv
     info = families["pagedserve:cache_config_info"].samples
     assert [s.labels["cache_dtype"] for s in info] == [shown] and info[0].value == 1
     assert families["pagedserve:kv_cache_bytes_per_token"].samples[0].value == bytes_per_token
+
+
+# -- accuracy on the built-in model ---------------------------------------------------------------
+def test_agreement_counts_tokens_up_to_the_first_divergence():
+    from pagedserve.bench.default_model_eval import agreement
+
+    assert agreement([[1, 2, 3, 4], [5, 6]], [[1, 2, 9, 4], [5, 6]]) == 4 / 6  # 2 + 2 of 6; the 4 after 9 not counted
+    assert agreement([[1, 2]], [[1, 2]]) == 1.0
+
+
+# Relative perplexity increase allowed over the unquantized cache: the aim for e4m3 (1%);
+# e5m2 has one mantissa bit less; int8 keeps 8 bits with a scale per token and head. Measured
+# on these windows (2026-11-30): +0.2%, +0.5%, -0.04%; a read off by 2x gives +60% or more.
+PERPLEXITY_BOUNDS = {"fp8": 0.01, "fp8_e5m2": 0.02, "int8": 0.005}
+
+
+def test_held_out_perplexity_of_the_built_in_model_with_quantized_kv():
+    from pagedserve.bench.default_model_eval import held_out_windows, teacher_forced_perplexity
+    from pagedserve.default_model_path import DEFAULT_MODEL_DIR
+
+    perplexity, windows = {}, None
+    for kv_cache_dtype in ("auto", *PERPLEXITY_BOUNDS):
+        # 64-token chunks: all but each window's first chunk read their keys back from the cache
+        llm = LLM(str(DEFAULT_MODEL_DIR), dtype="float32", kv_cache_dtype=kv_cache_dtype, num_kv_blocks=80,
+                  max_model_len=272, max_num_batched_tokens=64)
+        windows = windows or held_out_windows(llm.get_tokenizer(), 4, 256)
+        result = teacher_forced_perplexity(llm, windows)
+        assert result.num_tokens == 4 * 255
+        perplexity[kv_cache_dtype] = result.value
+    assert 10 < perplexity["auto"] < 100  # the trained model, not noise (training measured ~41)
+    for kv_cache_dtype, bound in PERPLEXITY_BOUNDS.items():
+        assert abs(perplexity[kv_cache_dtype] / perplexity["auto"] - 1) <= bound, (kv_cache_dtype, perplexity)

@@ -1,0 +1,167 @@
+"""KV cache dtypes side by side (`--kv-cache-dtype auto | fp8 | fp8_e5m2 | int8`), one run:
+
+    python benchmarks/kv_cache_dtype.py                    # capacity, accuracy, throughput
+    python benchmarks/kv_cache_dtype.py --parts capacity accuracy
+
+- capacity: the engine's own start-up lines (KV cache size, maximum concurrency, bytes per
+  token) at one `--kv-cache-memory`, for a float32 and a bfloat16 model;
+- accuracy, on the built-in default model: held-out perplexity by teacher forcing (prompt
+  logprobs over windows of the held-out standard-library files, prefilled in chunks so that
+  later chunks read the KV the engine wrote) and greedy agreement with the unquantized cache
+  (share of identical tokens up to each sequence's first divergence);
+- throughput: the same offline workload at the same KV memory, where the unquantized pool
+  preempts and the 8-bit pools do not (output tok/s, preemptions, P99 ITL), and again with a
+  roomy pool for every dtype, which isolates what dequantization costs.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import re
+
+from common import print_side_by_side, run_in_process, summarize, write_result
+from pagedserve import LLM, SamplingParams
+from pagedserve.bench.default_model_eval import agreement, greedy_tokens, held_out_windows, teacher_forced_perplexity
+from pagedserve.bench.workloads import make_workload
+from pagedserve.cpu_isa import cpu_features
+from pagedserve.default_model_path import DEFAULT_MODEL_DIR
+
+KV_DTYPES = ("auto", "fp8", "fp8_e5m2", "int8")
+
+
+class LogLines(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+
+
+def startup_lines(**engine_args) -> list[str]:
+    """The engine's start-up log (only the engine is built; nothing runs)."""
+    from pagedserve.config import EngineConfig
+    from pagedserve.engine import Engine
+
+    handler = LogLines()
+    logger = logging.getLogger("pagedserve.engine")
+    logger.addHandler(handler)
+    old_level = logger.level
+    logger.setLevel(logging.INFO)
+    try:
+        Engine(EngineConfig(**engine_args))
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(old_level)
+    return handler.lines
+
+
+def capacity(kv_cache_memory: str, max_model_len: int) -> dict:
+    # bfloat16 on a CPU without hardware bf16 computes in float32 (config.resolve_dtype): skip it there
+    model_dtypes = ["float32"] + (["bfloat16"] if cpu_features().fast_bf16 else [])
+    table = {}
+    for model_dtype in model_dtypes:
+        for kv in KV_DTYPES:
+            lines = startup_lines(model=str(DEFAULT_MODEL_DIR), dtype=model_dtype, kv_cache_dtype=kv,
+                                  kv_cache_memory=kv_cache_memory, max_model_len=max_model_len)
+            text = "\n".join(lines)
+            tokens = int(re.search(r"KV cache size: ([\d,]+) tokens", text).group(1).replace(",", ""))
+            conc = float(re.search(r"Maximum concurrency for [\d,]+ tokens per request: ([\d.]+)x", text).group(1))
+            dtype_line = re.search(r"KV cache dtype: (\S+), ([\d,]+) bytes per token", text)
+            table[(model_dtype, kv)] = dict(tokens=tokens, concurrency=conc, stored=dtype_line.group(1),
+                                            bytes_per_token=int(dtype_line.group(2).replace(",", "")))
+    print(f"\n## Capacity: built-in model, --kv-cache-memory {kv_cache_memory}, max_model_len {max_model_len}")
+    print("| model dtype | --kv-cache-dtype | stored as | bytes/token | pool tokens | max concurrency | vs auto |")
+    print("|---|---|---|---:|---:|---:|---:|")
+    for (model_dtype, kv), row in table.items():
+        base = table[(model_dtype, "auto")]
+        print(f"| {model_dtype} | {kv} | {row['stored']} | {row['bytes_per_token']:,} | {row['tokens']:,} | "
+              f"{row['concurrency']:.2f}x | {row['tokens'] / base['tokens']:.2f}x |")
+    return {f"{m}/{k}": v for (m, k), v in table.items()}
+
+
+def accuracy(num_windows: int, window_len: int, num_prompts: int, prompt_len: int, max_tokens: int,
+             chunk: int) -> dict:
+    results, reference = {}, None
+    for kv in KV_DTYPES:
+        # `chunk`-token chunks: each window's later chunks read their keys back from the cache
+        llm = LLM(str(DEFAULT_MODEL_DIR), dtype="float32", kv_cache_dtype=kv, kv_cache_memory="256MiB",
+                  enable_prefix_caching=False, max_num_batched_tokens=chunk)
+        tokenizer = llm.get_tokenizer()
+        windows = held_out_windows(tokenizer, num_windows, window_len)
+        ppl = teacher_forced_perplexity(llm, windows)
+        prompts = [w[:prompt_len] for w in held_out_windows(tokenizer, num_prompts, window_len * 2)]
+        tokens = greedy_tokens(llm, prompts, max_tokens)
+        reference = reference or tokens
+        results[kv] = dict(perplexity=ppl.value, scored_tokens=ppl.num_tokens, agreement=agreement(reference, tokens),
+                           identical_sequences=sum(a == b for a, b in zip(reference, tokens)))
+        del llm
+    base = results["auto"]["perplexity"]
+    print(f"\n## Accuracy: built-in model (float32 compute), {num_windows} held-out windows x {window_len} tokens "
+          f"({results['auto']['scored_tokens']:,} scored, prefilled in {chunk}-token chunks); "
+          f"greedy {num_prompts} prompts x {max_tokens} tokens")
+    print("| --kv-cache-dtype | perplexity | vs auto | greedy agreement | identical sequences |")
+    print("|---|---:|---:|---:|---:|")
+    for kv, r in results.items():
+        print(f"| {kv} | {r['perplexity']:.4f} | {100 * (r['perplexity'] / base - 1):+.2f}% | "
+              f"{100 * r['agreement']:.1f}% | {r['identical_sequences']}/{num_prompts} |")
+    return results
+
+
+def throughput(kv_cache_memory: str, num_prompts: int, input_len: int, output_len: int, max_num_seqs: int) -> dict:
+    import json
+    vocab = json.loads((DEFAULT_MODEL_DIR / "config.json").read_text())["vocab_size"]
+    work = make_workload("random", num_prompts, input_len=input_len, output_len=output_len, range_ratio=0.5,
+                         vocab_size=vocab, seed=0)
+    keys = ["output_throughput", "p99_itl_ms", "median_itl_ms", "preemptions", "pool_tokens"]
+    tables = {}
+    for label, memory in (("pressure", kv_cache_memory), ("roomy", "512MiB")):
+        columns = {}
+        for kv in ("auto", "fp8", "int8"):
+            llm = LLM(str(DEFAULT_MODEL_DIR), dtype="float32", kv_cache_dtype=kv, kv_cache_memory=memory,
+                      max_model_len=1024, max_num_seqs=max_num_seqs, enable_prefix_caching=False)
+            run = run_in_process(llm.engine, work,
+                                 lambda w: SamplingParams(max_tokens=w.output_len, temperature=0, ignore_eos=True))
+            columns[kv] = summarize(run)
+            columns[kv]["pool_tokens"] = llm.engine.pool_sizing.num_tokens
+            del llm
+        tables[label] = columns
+        print(f"\n## Throughput ({label}: --kv-cache-memory {memory}): built-in model float32, {num_prompts} requests "
+              f"at once, prompts ~{input_len}, outputs ~{output_len}, max_num_seqs {max_num_seqs}")
+        print_side_by_side("", columns, keys, ratio_of=("fp8", "auto"))
+    return tables
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--parts", nargs="+", default=["capacity", "accuracy", "throughput"],
+                    choices=["capacity", "accuracy", "throughput"])
+    ap.add_argument("--kv-cache-memory", default="64MiB", help="capacity table's pool budget")
+    ap.add_argument("--max-model-len", type=int, default=1024)
+    ap.add_argument("--windows", type=int, default=16, help="held-out windows for perplexity")
+    ap.add_argument("--window-len", type=int, default=256)
+    ap.add_argument("--chunk", type=int, default=64, help="max_num_batched_tokens for the perplexity runs")
+    ap.add_argument("--prompts", type=int, default=32)
+    ap.add_argument("--prompt-len", type=int, default=64)
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--pressure-memory", default="12MiB",
+                    help="throughput table's pool budget: the float32 pool preempts, fp8's does not")
+    ap.add_argument("--num-requests", type=int, default=32)
+    ap.add_argument("--input-len", type=int, default=128)
+    ap.add_argument("--output-len", type=int, default=192)
+    ap.add_argument("--max-num-seqs", type=int, default=32)
+    args = ap.parse_args()
+    out = {"args": vars(args)}
+    if "capacity" in args.parts:
+        out["capacity"] = capacity(args.kv_cache_memory, args.max_model_len)
+    if "accuracy" in args.parts:
+        out["accuracy"] = accuracy(args.windows, args.window_len, args.prompts, args.prompt_len, args.max_tokens,
+                                   args.chunk)
+    if "throughput" in args.parts:
+        out["throughput"] = throughput(args.pressure_memory, args.num_requests, args.input_len, args.output_len,
+                                       args.max_num_seqs)
+    print(f"\nwrote {write_result('kv_cache_dtype', out)}")
+
+
+if __name__ == "__main__":
+    main()
