@@ -21,7 +21,8 @@ import re
 
 from common import print_side_by_side, run_in_process, summarize, write_result
 from pagedserve import LLM, SamplingParams
-from pagedserve.bench.default_model_eval import agreement, greedy_tokens, held_out_windows, teacher_forced_perplexity
+from pagedserve.bench.default_model_eval import (BOS_ID, EOS_ID, agreement, greedy_tokens, held_out_files,
+                                                 held_out_windows, stdlib_source_files, teacher_forced_perplexity)
 from pagedserve.bench.workloads import make_workload
 from pagedserve.cpu_isa import cpu_features
 from pagedserve.default_model_path import DEFAULT_MODEL_DIR
@@ -80,21 +81,68 @@ def capacity(kv_cache_memory: str, max_model_len: int) -> dict:
     return {f"{m}/{k}": v for (m, k), v in table.items()}
 
 
+def training_split_windows(tokenizer, num_windows: int, window_len: int) -> list[list[int]]:
+    """Windows from the training split's first files (not the held-out text): calibration data."""
+    held_out = set(held_out_files())
+    stream: list[int] = []
+    for path in stdlib_source_files():
+        if path in held_out:
+            continue
+        stream += [BOS_ID, *tokenizer.encode(path.read_text(encoding="utf-8", errors="replace"),
+                                             add_special_tokens=False, verbose=False), EOS_ID]
+        if len(stream) >= num_windows * window_len:
+            break
+    return [stream[i * window_len:(i + 1) * window_len] for i in range(num_windows)]
+
+
+def calibrated_fp8_scales(windows: list[list[int]], chunk: int) -> tuple[list[float], list[float]]:
+    """Per-layer K and V scales amax / 448 (E4M3's largest), amax over an unquantized run on
+    `windows`: what a calibrated checkpoint would carry instead of vLLM's default scale 1."""
+    import pagedserve.model.llama as llama_module
+
+    original = llama_module.paged_attention
+    layer_of: dict[int, int] = {}
+    amax: dict[int, list[float]] = {}
+
+    def recording(q, k, v, k_cache, v_cache, meta, scale):
+        layer = layer_of.setdefault(k_cache.data_ptr(), len(layer_of))  # layers run in order
+        seen = amax.setdefault(layer, [0.0, 0.0])
+        seen[0], seen[1] = max(seen[0], k.abs().max().item()), max(seen[1], v.abs().max().item())
+        return original(q, k, v, k_cache, v_cache, meta, scale)
+
+    llama_module.paged_attention = recording
+    try:
+        llm = LLM(str(DEFAULT_MODEL_DIR), dtype="float32", kv_cache_memory="64MiB", max_num_batched_tokens=chunk,
+                  enable_prefix_caching=False)
+        llm.generate(windows, SamplingParams(max_tokens=1), use_tqdm=False)
+    finally:
+        llama_module.paged_attention = original
+    e4m3_max = 448.0
+    return ([amax[i][0] / e4m3_max for i in range(len(amax))], [amax[i][1] / e4m3_max for i in range(len(amax))])
+
+
 def accuracy(num_windows: int, window_len: int, num_prompts: int, prompt_len: int, max_tokens: int,
              chunk: int) -> dict:
     results, reference = {}, None
-    for kv in KV_DTYPES:
+    rows = [(kv, kv) for kv in KV_DTYPES] + [("fp8, calibrated scales", "fp8")]
+    for label, kv in rows:
         # `chunk`-token chunks: each window's later chunks read their keys back from the cache
         llm = LLM(str(DEFAULT_MODEL_DIR), dtype="float32", kv_cache_dtype=kv, kv_cache_memory="256MiB",
                   enable_prefix_caching=False, max_num_batched_tokens=chunk)
         tokenizer = llm.get_tokenizer()
+        if label.endswith("calibrated scales"):
+            k_scales, v_scales = calibrated_fp8_scales(training_split_windows(tokenizer, 16, window_len), chunk)
+            pool = llm.engine.executor.kv_cache
+            pool.values.zero_()  # start-up profiling wrote into the pool with the old scales
+            pool.set_tensor_scales(k_scales, v_scales)
         windows = held_out_windows(tokenizer, num_windows, window_len)
         ppl = teacher_forced_perplexity(llm, windows)
         prompts = [w[:prompt_len] for w in held_out_windows(tokenizer, num_prompts, window_len * 2)]
         tokens = greedy_tokens(llm, prompts, max_tokens)
         reference = reference or tokens
-        results[kv] = dict(perplexity=ppl.value, scored_tokens=ppl.num_tokens, agreement=agreement(reference, tokens),
-                           identical_sequences=sum(a == b for a, b in zip(reference, tokens)))
+        results[label] = dict(perplexity=ppl.value, scored_tokens=ppl.num_tokens,
+                              agreement=agreement(reference, tokens),
+                              identical_sequences=sum(a == b for a, b in zip(reference, tokens)))
         del llm
     base = results["auto"]["perplexity"]
     print(f"\n## Accuracy: built-in model (float32 compute), {num_windows} held-out windows x {window_len} tokens "
@@ -102,8 +150,8 @@ def accuracy(num_windows: int, window_len: int, num_prompts: int, prompt_len: in
           f"greedy {num_prompts} prompts x {max_tokens} tokens")
     print("| --kv-cache-dtype | perplexity | vs auto | greedy agreement | identical sequences |")
     print("|---|---:|---:|---:|---:|")
-    for kv, r in results.items():
-        print(f"| {kv} | {r['perplexity']:.4f} | {100 * (r['perplexity'] / base - 1):+.2f}% | "
+    for label, r in results.items():
+        print(f"| {label} | {r['perplexity']:.4f} | {100 * (r['perplexity'] / base - 1):+.2f}% | "
               f"{100 * r['agreement']:.1f}% | {r['identical_sequences']}/{num_prompts} |")
     return results
 

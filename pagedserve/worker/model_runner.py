@@ -166,8 +166,10 @@ class ModelRunner:
         torch.cuda.reset_peak_memory_stats(self.device)
         before = torch.cuda.memory_allocated(self.device)
         cfg = self.model_config
-        scratch = torch.zeros((cfg.num_layers, 2, max_num_batched_tokens + self.block_size, cfg.num_kv_heads,
-                               cfg.head_dim), dtype=self.dtype, device=self.device)
+        # A pool in the KV dtype, so a quantized cache's write and read temporaries count in the peak.
+        scratch = self._allocate_pool((cfg.num_layers, 2, max_num_batched_tokens + self.block_size,
+                                       cfg.num_kv_heads, cfg.head_dim), self.device)
+        scratch_bytes = sum(t.numel() * t.element_size() for t in self._pool_tensors(scratch))
         blocks = np.arange(-(-max_num_batched_tokens // self.block_size), dtype=np.int64)
         meta, positions = build_metadata([], [(blocks, 0, max_num_batched_tokens)], self.block_size,
                                          cfg.sliding_window, self.device)
@@ -176,7 +178,7 @@ class ModelRunner:
         rows = hidden[-min(max_num_seqs, max_num_batched_tokens):]
         torch.log_softmax(self.model.compute_logits(rows), dim=-1)
         torch.cuda.synchronize(self.device)
-        peak = torch.cuda.max_memory_allocated(self.device) - before - scratch.numel() * scratch.element_size()
+        peak = torch.cuda.max_memory_allocated(self.device) - before - scratch_bytes
         del scratch, hidden, rows
         free, total = torch.cuda.mem_get_info(self.device)
         non_torch = max(total - free - torch.cuda.memory_reserved(self.device), 0)
