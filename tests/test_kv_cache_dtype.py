@@ -530,3 +530,65 @@ def test_held_out_perplexity_of_the_built_in_model_with_quantized_kv():
     assert 10 < perplexity["auto"] < 100  # the trained model, not noise (training measured ~41)
     for kv_cache_dtype, bound in PERPLEXITY_BOUNDS.items():
         assert abs(perplexity[kv_cache_dtype] / perplexity["auto"] - 1) <= bound, (kv_cache_dtype, perplexity)
+
+
+# -- the simulator's cost model and advise know the dtype -------------------------------------------
+def test_cost_model_kv_bytes_and_dequantization_term_by_hand():
+    from pagedserve.plan.kv_budget import ModelShape
+    from pagedserve.sim.cost_model import CostModel, ModelCost, step_features
+
+    # 2 layers, 1 KV head of head_dim 4: 16 K/V values per token
+    shape = ModelShape(num_layers=2, hidden_size=8, num_attention_heads=2, num_kv_heads=1, head_dim=4,
+                       intermediate_size=16, vocab_size=10)
+    params = CostParams(peak_flops=1000.0, mem_bandwidth=100.0, gemm_mfu=1.0, gemm_mbu=1.0, attn_mfu=1.0,
+                        attn_mbu=1.0, step_overhead_s=0.0, per_request_overhead_s=0.0, kv_dequant_s_per_value=0.01)
+    # a 3-token prompt and a decode at context 10: 13 tokens of KV read, 208 values
+    expected = {  # kv dtype: (bytes per token, attention seconds = KV bytes / 100, dequant = 208 x 0.01)
+        "bfloat16": (32, 416 / 100, 0.0),
+        "fp8": (16, max(1024 / 1000, 208 / 100), 2.08),
+        "fp8_e5m2": (16, max(1024 / 1000, 208 / 100), 2.08),
+        "int8": (32, 416 / 100, 2.08),  # 16 values + 4 scale bytes x 2 (K, V) x 2 layers
+    }
+    for kv_dtype, (bytes_per_token, attention, dequant) in expected.items():
+        model = ModelCost.from_shape(shape, "bfloat16", kv_dtype, tp=1)
+        assert model.kv_bytes_per_token == bytes_per_token, kv_dtype
+        t = CostModel(model, params).breakdown(step_features(model, [3, 1], [3, 10]))
+        assert t.attention == pytest.approx(attention) and t.dequant == pytest.approx(dequant), kv_dtype
+        assert t.total == pytest.approx(t.linear + t.attention + t.allreduce + t.overhead + t.swap + dequant)
+    # no measured figure: 2 ops per value on a fifteenth of the peak (vector units)
+    default = CostParams(peak_flops=1500.0, mem_bandwidth=100.0, gemm_mfu=1.0, gemm_mbu=1.0, attn_mfu=1.0,
+                         attn_mbu=1.0)
+    model = ModelCost.from_shape(shape, "bfloat16", "fp8", tp=1)
+    assert CostModel(model, default).breakdown(step_features(model, [1], [10])).dequant == pytest.approx(
+        10 * 16 * 2 / (1500 / 15))
+
+
+def _with_cache_dtype(text: str, cache_dtype: str | None, naming: str) -> str:
+    if cache_dtype is None:
+        return text
+    prefix = "pagedserve:" if naming == "pagedserve" else "vllm:"
+    return text + (f'# TYPE {prefix}cache_config_info gauge\n'
+                   f'{prefix}cache_config_info{{model_name="my-model",cache_dtype="{cache_dtype}",'
+                   f'block_size="16",num_blocks="100"}} 1.0\n')
+
+
+@pytest.mark.parametrize("scenario", ["kv_pinned", "preemptions"])
+@pytest.mark.parametrize("naming", ["pagedserve", "vllm"])
+@pytest.mark.parametrize("cache_dtype, hinted", [(None, True), ("bfloat16", True), ("auto", True),
+                                                 ("fp8_e4m3", False), ("int8", False), ("fp8", False)])
+def test_kv_pressure_rules_name_an_8_bit_cache_unless_it_is_one(scenario, naming, cache_dtype, hinted):
+    from pathlib import Path
+
+    from pagedserve.bench.prom import parse_metrics
+    from pagedserve.tune.advisor import Thresholds, advise, observe
+
+    fixtures = Path(__file__).parent / "fixtures" / "metrics"
+    a, b = (parse_metrics(_with_cache_dtype((fixtures / f"{scenario}.{naming}.{x}.txt").read_text(), cache_dtype,
+                                            naming)) for x in "ab")
+    t = Thresholds()
+    report = advise(observe(a, b, [a, b], 30.0, t, gauges_sampled=False), t)
+    finding = next(f for f in report.findings if f.rule == scenario)
+    assert report.observations.kv_cache_dtype == cache_dtype
+    assert ("--kv-cache-dtype fp8" in finding.action) == hinted
+    if hinted and cache_dtype:
+        assert f"the cache is {cache_dtype}" in finding.action
