@@ -592,3 +592,20 @@ def test_kv_pressure_rules_name_an_8_bit_cache_unless_it_is_one(scenario, naming
     assert ("--kv-cache-dtype fp8" in finding.action) == hinted
     if hinted and cache_dtype:
         assert f"the cache is {cache_dtype}" in finding.action
+
+
+def test_tune_recommends_fp8_when_the_pool_binds(tmp_path, capsys):
+    """A GPU preset with a 4 GiB pool: a bf16 cache holds 32 sequences of the workload's mean
+    length, fp8 holds 64; at max_num_seqs 64 the bf16 pool preempts and fp8's does not."""
+    out = tmp_path / "tune.json"
+    assert main(["tune", "--model", "llama-3.1-8b", "--gpu", "H100-SXM", "--workload", "random",
+                 "--random-input-len", "512", "--random-output-len", "512", "--num-prompts", "120",
+                 "--request-rate", "20", "--seed", "1", "--kv-cache-memory", "4GiB", "--max-model-len", "2048",
+                 "--sweep", "kv_cache_dtype=auto,fp8", "--sweep", "max_num_seqs=64",
+                 "--slo", "itl_p99:200", "--json", str(out)]) == 0
+    data = json.loads(out.read_text())
+    rows = {p["knobs"]["kv_cache_dtype"]: p for p in data["simulated"]}
+    assert rows["auto"]["preemptions_per_request"] > 0.05 and rows["fp8"]["preemptions_per_request"] == 0
+    assert rows["fp8"]["output_throughput"] > rows["auto"]["output_throughput"]
+    assert data["chosen"] == {"kv_cache_dtype": "fp8", "max_num_seqs": 64}
+    assert "--kv-cache-dtype fp8" in capsys.readouterr().out
