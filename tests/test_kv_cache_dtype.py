@@ -313,7 +313,8 @@ def greedy_run(path, kv_cache_dtype: str, **engine_args):
 
 @pytest.mark.parametrize("kv_cache_dtype", ["fp8", "int8"])
 def test_swapped_quantized_blocks_come_back_unchanged(tiny_llama, kv_cache_dtype):
-    roomy, preempted = greedy_run(tiny_llama, kv_cache_dtype, num_kv_blocks=512, enable_prefix_caching=False)
+    roomy, preempted = greedy_run(tiny_llama, kv_cache_dtype, num_kv_blocks=512, enable_prefix_caching=False,
+                                  preemption_mode="recompute")
     assert not any(preempted.values())
     swapped, preempted = greedy_run(tiny_llama, kv_cache_dtype, num_kv_blocks=8, preemption_mode="swap",
                                     swap_space="16MiB", enable_prefix_caching=False)
@@ -358,8 +359,8 @@ def test_prefix_hit_reads_the_same_quantized_bytes(tiny_llama, kv_cache_dtype):
     params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, logprobs=1)
 
     def run(enable_prefix_caching: bool):
-        llm = LLM(str(tiny_llama), kv_cache_dtype=kv_cache_dtype, num_kv_blocks=64,
-                  enable_prefix_caching=enable_prefix_caching)
+        llm = LLM(str(tiny_llama), kv_cache_dtype=kv_cache_dtype, num_kv_blocks=64, max_model_len=128,
+                  enable_prefix_caching=enable_prefix_caching, preemption_mode="recompute")
         llm.generate([prefix], SamplingParams(max_tokens=1), use_tqdm=False)
         out = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0]
         chosen = [step.logprob for step in out.logprobs]
@@ -425,7 +426,7 @@ def test_engine_matches_hf_with_the_same_kv_rounding(tiny_llama, kv_cache_dtype)
     The fp8 kinds map to e4m3 / e5m2 with scale 1 (vLLM's default without checkpoint scales)."""
     name = "fp8_e4m3" if kv_cache_dtype == "fp8" else kv_cache_dtype
     prompts = [[(i * 31 + 11 * k) % 380 + 2 for i in range(8 + 9 * k)] for k in range(12)]
-    llm = LLM(str(tiny_llama), kv_cache_dtype=kv_cache_dtype, num_kv_blocks=256)
+    llm = LLM(str(tiny_llama), kv_cache_dtype=kv_cache_dtype, num_kv_blocks=256, preemption_mode="recompute")
     greedy = llm.generate(prompts, SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True), use_tqdm=False)
     scored = llm.generate(prompts, SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False)
     rounded_hf, plain_hf = hf_model(tiny_llama, name), hf_model(tiny_llama, None)
@@ -491,7 +492,7 @@ def test_startup_log_and_metrics_name_the_dtype_and_bytes(tiny_llama, caplog, kv
 
     caplog.set_level(logging.INFO, logger="pagedserve")
     app, _ = build_server(EngineConfig(model=str(tiny_llama), kv_cache_dtype=kv_cache_dtype, num_kv_blocks=8,
-                                          max_model_len=128))
+                                       max_model_len=128, preemption_mode="recompute"))
     assert f"KV cache dtype: {shown}, {bytes_per_token:,} bytes per token" in caplog.text
     with ServerThread(app) as server:
         families = {f.name: f for f in text_string_to_metric_families(httpx.get(server.url + "/metrics").text)}
@@ -522,7 +523,7 @@ def test_held_out_perplexity_of_the_built_in_model_with_quantized_kv():
     for kv_cache_dtype in ("auto", *PERPLEXITY_BOUNDS):
         # 64-token chunks: all but each window's first chunk read their keys back from the cache
         llm = LLM(str(DEFAULT_MODEL_DIR), dtype="float32", kv_cache_dtype=kv_cache_dtype, num_kv_blocks=80,
-                  max_model_len=272, max_num_batched_tokens=64)
+                  max_model_len=272, max_num_batched_tokens=64, preemption_mode="recompute")
         windows = windows or held_out_windows(llm.get_tokenizer(), 4, 256)
         result = teacher_forced_perplexity(llm, windows)
         assert result.num_tokens == 4 * 255
