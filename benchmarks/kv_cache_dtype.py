@@ -10,8 +10,9 @@
   later chunks read the KV the engine wrote) and greedy agreement with the unquantized cache
   (share of identical tokens up to each sequence's first divergence);
 - throughput: the same offline workload at the same KV memory, where the unquantized pool
-  preempts and the 8-bit pools do not (output tok/s, preemptions, P99 ITL), and again with a
-  roomy pool for every dtype, which isolates what dequantization costs.
+  preempts and the 8-bit pools do not (output tok/s, preemptions, P99 ITL), and again at 4x the
+  memory, where the float32 pool holds as many tokens as fp8's did and nothing preempts: what
+  the 8-bit formats' quantize and decode cost.
 """
 from __future__ import annotations
 
@@ -156,27 +157,37 @@ def accuracy(num_windows: int, window_len: int, num_prompts: int, prompt_len: in
     return results
 
 
-def throughput(kv_cache_memory: str, num_prompts: int, input_len: int, output_len: int, max_num_seqs: int) -> dict:
+def throughput(pressure_memory: str, roomy_memory: str, num_prompts: int, input_len: int, output_len: int,
+               max_num_seqs: int, rounds: int) -> dict:
+    """Each (memory, dtype) run `rounds` times, alternating, the best round's numbers kept: the
+    machine is shared, and a run slowed by a neighbour says nothing about the dtype."""
     import json
     vocab = json.loads((DEFAULT_MODEL_DIR / "config.json").read_text())["vocab_size"]
     work = make_workload("random", num_prompts, input_len=input_len, output_len=output_len, range_ratio=0.5,
                          vocab_size=vocab, seed=0)
     keys = ["output_throughput", "p99_itl_ms", "median_itl_ms", "preemptions", "pool_tokens"]
-    tables = {}
-    for label, memory in (("pressure", kv_cache_memory), ("roomy", "512MiB")):
-        columns = {}
-        for kv in ("auto", "fp8", "int8"):
+    configs = [(label, memory, kv) for label, memory in (("pressure", pressure_memory), ("roomy", roomy_memory))
+               for kv in ("auto", "fp8", "int8")]
+    best: dict[tuple[str, str], dict] = {}
+    for _ in range(rounds):
+        for label, memory, kv in configs:
             llm = LLM(str(DEFAULT_MODEL_DIR), dtype="float32", kv_cache_dtype=kv, kv_cache_memory=memory,
                       max_model_len=1024, max_num_seqs=max_num_seqs, enable_prefix_caching=False)
             run = run_in_process(llm.engine, work,
                                  lambda w: SamplingParams(max_tokens=w.output_len, temperature=0, ignore_eos=True))
-            columns[kv] = summarize(run)
-            columns[kv]["pool_tokens"] = llm.engine.pool_sizing.num_tokens
+            result = summarize(run)
+            result["pool_tokens"] = llm.engine.pool_sizing.num_tokens
             del llm
-        tables[label] = columns
-        print(f"\n## Throughput ({label}: --kv-cache-memory {memory}): built-in model float32, {num_prompts} requests "
-              f"at once, prompts ~{input_len}, outputs ~{output_len}, max_num_seqs {max_num_seqs}")
-        print_side_by_side("", columns, keys, ratio_of=("fp8", "auto"))
+            kept = best.get((label, kv))
+            if kept is None or result["output_throughput"] > kept["output_throughput"]:
+                best[(label, kv)] = result
+    tables = {}
+    for label, memory in (("pressure", pressure_memory), ("roomy", roomy_memory)):
+        tables[label] = {kv: best[(label, kv)] for kv in ("auto", "fp8", "int8")}
+        print(f"\n## Throughput ({label}: --kv-cache-memory {memory}): built-in model float32, {num_prompts} "
+              f"requests at once, prompts ~{input_len}, outputs ~{output_len}, max_num_seqs {max_num_seqs}; "
+              f"best of {rounds} alternating rounds")
+        print_side_by_side("", tables[label], keys, ratio_of=("fp8", "auto"))
     return tables
 
 
@@ -194,6 +205,9 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--pressure-memory", default="12MiB",
                     help="throughput table's pool budget: the float32 pool preempts, fp8's does not")
+    ap.add_argument("--roomy-memory", default="48MiB",
+                    help="a float32 pool as large as fp8's at --pressure-memory: nothing preempts")
+    ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--num-requests", type=int, default=32)
     ap.add_argument("--input-len", type=int, default=128)
     ap.add_argument("--output-len", type=int, default=192)
@@ -206,8 +220,8 @@ def main() -> None:
         out["accuracy"] = accuracy(args.windows, args.window_len, args.prompts, args.prompt_len, args.max_tokens,
                                    args.chunk)
     if "throughput" in args.parts:
-        out["throughput"] = throughput(args.pressure_memory, args.num_requests, args.input_len, args.output_len,
-                                       args.max_num_seqs)
+        out["throughput"] = throughput(args.pressure_memory, args.roomy_memory, args.num_requests, args.input_len,
+                                       args.output_len, args.max_num_seqs, args.rounds)
     print(f"\nwrote {write_result('kv_cache_dtype', out)}")
 
 
