@@ -12,7 +12,9 @@
 - throughput: the same offline workload at the same KV memory, where the unquantized pool
   preempts and the 8-bit pools do not (output tok/s, preemptions, P99 ITL), and again at 4x the
   memory, where the float32 pool holds as many tokens as fp8's did and nothing preempts: what
-  the 8-bit formats' quantize and decode cost.
+  the 8-bit formats' quantize and decode cost;
+- dequant: one layer's decode attention per cache format on the CPU kernel, and the extra
+  seconds per K/V value read (the simulator's `kv_dequant_s_per_value` for a CPU cost model).
 """
 from __future__ import annotations
 
@@ -191,10 +193,66 @@ def throughput(pressure_memory: str, roomy_memory: str, num_prompts: int, input_
     return tables
 
 
+def dequant_cost(num_decodes: int, context: int, repeats: int) -> dict:
+    """One layer's paged attention on the CPU backend (the built-in model's heads: 4 query, 2 KV,
+    head_dim 64), `num_decodes` decodes of `context` keys each, per cache format: the best of
+    `repeats` calls. The extra seconds per K/V value read over the float32 cache are what
+    `CostParams.kv_dequant_s_per_value` stands for in a calibrated CPU cost model."""
+    import time
+
+    import numpy as np
+    import torch
+
+    from pagedserve.attention import cpu_backend
+    from pagedserve.attention.kv_quant import FORMATS, QuantizedKVCache
+    from pagedserve.worker.model_runner import allocate_zeroed
+
+    heads, kv_heads, head_dim, block_size = 4, 2, 64, 16
+    blocks_each = -(-context // block_size)
+    num_slots = num_decodes * blocks_each * block_size
+    decodes = [(np.arange(i * blocks_each, (i + 1) * blocks_each), context - 1) for i in range(num_decodes)]
+    meta, _ = cpu_backend.build_metadata(decodes, [], block_size, None, torch.device("cpu"))
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(num_decodes, h, head_dim, generator=gen) for h in (heads, kv_heads, kv_heads))
+    values_read = 2 * num_decodes * context * kv_heads * head_dim
+    seconds = {}
+    for name in ("float32", "fp8_e4m3", "fp8_e5m2", "int8"):
+        if name == "float32":
+            k_cache = torch.randn(num_slots, kv_heads, head_dim, generator=gen)
+            v_cache = torch.randn(num_slots, kv_heads, head_dim, generator=gen)
+        else:
+            fmt = FORMATS[name]
+            pool = QuantizedKVCache.allocate((1, 2, num_slots, kv_heads, head_dim), fmt, torch.device("cpu"),
+                                             allocate_zeroed)
+            noise = torch.randn(pool.values.shape, generator=gen)  # normal values, as K/V are
+            if fmt.per_token_scales:
+                pool.values.copy_((noise * 40).clamp(-127, 127).to(torch.int8))
+                pool.scales.fill_(0.025)
+            else:
+                pool.values.copy_(noise.to(fmt.fp8).view(torch.uint8))
+            k_cache, v_cache = pool[0, 0], pool[0, 1]
+        cpu_backend.paged_attention(q, k, v, k_cache, v_cache, meta, 0.125)  # warm-up
+        times = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            cpu_backend.paged_attention(q, k, v, k_cache, v_cache, meta, 0.125)
+            times.append(time.perf_counter() - t0)
+        seconds[name] = min(times)
+    print(f"\n## Dequantization cost: one layer's attention, {num_decodes} decodes x {context} keys "
+          f"({values_read:,} K/V values read), CPU kernel, torch threads {torch.get_num_threads()}, "
+          f"best of {repeats}")
+    print("| cache | ms per layer | vs float32 | extra s per value read |")
+    print("|---|---:|---:|---:|")
+    base = seconds["float32"]
+    for name, t in seconds.items():
+        print(f"| {name} | {t * 1e3:.3f} | {t / base:.2f}x | {(t - base) / values_read:.2e} |")
+    return {name: dict(seconds=t, extra_s_per_value=(t - base) / values_read) for name, t in seconds.items()}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--parts", nargs="+", default=["capacity", "accuracy", "throughput"],
-                    choices=["capacity", "accuracy", "throughput"])
+    ap.add_argument("--parts", nargs="+", default=["capacity", "accuracy", "throughput", "dequant"],
+                    choices=["capacity", "accuracy", "throughput", "dequant"])
     ap.add_argument("--kv-cache-memory", default="64MiB", help="capacity table's pool budget")
     ap.add_argument("--max-model-len", type=int, default=1024)
     ap.add_argument("--windows", type=int, default=16, help="held-out windows for perplexity")
@@ -222,6 +280,8 @@ def main() -> None:
     if "throughput" in args.parts:
         out["throughput"] = throughput(args.pressure_memory, args.roomy_memory, args.num_requests, args.input_len,
                                        args.output_len, args.max_num_seqs, args.rounds)
+    if "dequant" in args.parts:
+        out["dequant"] = dequant_cost(num_decodes=32, context=512, repeats=30)
     print(f"\nwrote {write_result('kv_cache_dtype', out)}")
 
 
