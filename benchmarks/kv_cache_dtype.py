@@ -2,6 +2,8 @@
 
     python benchmarks/kv_cache_dtype.py                    # capacity, accuracy, throughput
     python benchmarks/kv_cache_dtype.py --parts capacity accuracy
+    python benchmarks/kv_cache_dtype.py --parts throughput --throughput-model 20m \
+        --pressure-memory 18MiB --roomy-memory 72MiB     # a 13M random Llama instead
 
 - capacity: the engine's own start-up lines (KV cache size, maximum concurrency, bytes per
   token) at one `--kv-cache-memory`, for a float32 and a bfloat16 model;
@@ -22,7 +24,7 @@ import argparse
 import logging
 import re
 
-from common import print_side_by_side, run_in_process, summarize, write_result
+from common import benchmark_checkpoint, print_side_by_side, run_in_process, summarize, write_result
 from pagedserve import LLM, SamplingParams
 from pagedserve.bench.default_model_eval import (BOS_ID, EOS_ID, agreement, greedy_tokens, held_out_files,
                                                  held_out_windows, stdlib_source_files, teacher_forced_perplexity)
@@ -159,12 +161,13 @@ def accuracy(num_windows: int, window_len: int, num_prompts: int, prompt_len: in
     return results
 
 
-def throughput(pressure_memory: str, roomy_memory: str, num_prompts: int, input_len: int, output_len: int,
-               max_num_seqs: int, rounds: int) -> dict:
+def throughput(model: str, pressure_memory: str, roomy_memory: str, num_prompts: int, input_len: int,
+               output_len: int, max_num_seqs: int, rounds: int) -> dict:
     """Each (memory, dtype) run `rounds` times, alternating, the best round's numbers kept: the
     machine is shared, and a run slowed by a neighbour says nothing about the dtype."""
     import json
-    vocab = json.loads((DEFAULT_MODEL_DIR / "config.json").read_text())["vocab_size"]
+    path = DEFAULT_MODEL_DIR if model == "builtin" else benchmark_checkpoint(model)
+    vocab = json.loads((path / "config.json").read_text())["vocab_size"]
     work = make_workload("random", num_prompts, input_len=input_len, output_len=output_len, range_ratio=0.5,
                          vocab_size=vocab, seed=0)
     keys = ["output_throughput", "p99_itl_ms", "median_itl_ms", "preemptions", "pool_tokens"]
@@ -173,7 +176,7 @@ def throughput(pressure_memory: str, roomy_memory: str, num_prompts: int, input_
     best: dict[tuple[str, str], dict] = {}
     for _ in range(rounds):
         for label, memory, kv in configs:
-            llm = LLM(str(DEFAULT_MODEL_DIR), dtype="float32", kv_cache_dtype=kv, kv_cache_memory=memory,
+            llm = LLM(str(path), dtype="float32", kv_cache_dtype=kv, kv_cache_memory=memory,
                       max_model_len=1024, max_num_seqs=max_num_seqs, enable_prefix_caching=False)
             run = run_in_process(llm.engine, work,
                                  lambda w: SamplingParams(max_tokens=w.output_len, temperature=0, ignore_eos=True))
@@ -186,7 +189,7 @@ def throughput(pressure_memory: str, roomy_memory: str, num_prompts: int, input_
     tables = {}
     for label, memory in (("pressure", pressure_memory), ("roomy", roomy_memory)):
         tables[label] = {kv: best[(label, kv)] for kv in ("auto", "fp8", "int8")}
-        print(f"\n## Throughput ({label}: --kv-cache-memory {memory}): built-in model float32, {num_prompts} "
+        print(f"\n## Throughput ({label}: --kv-cache-memory {memory}): {model} model float32, {num_prompts} "
               f"requests at once, prompts ~{input_len}, outputs ~{output_len}, max_num_seqs {max_num_seqs}; "
               f"best of {rounds} alternating rounds")
         print_side_by_side("", tables[label], keys, ratio_of=("fp8", "auto"))
@@ -266,6 +269,8 @@ def main() -> None:
     ap.add_argument("--roomy-memory", default="48MiB",
                     help="a float32 pool as large as fp8's at --pressure-memory: nothing preempts")
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--throughput-model", default="builtin", choices=["builtin", "20m", "100m"],
+                    help="the throughput tables' model: the built-in one, or a random Llama (common.SIZES)")
     ap.add_argument("--num-requests", type=int, default=32)
     ap.add_argument("--input-len", type=int, default=128)
     ap.add_argument("--output-len", type=int, default=192)
@@ -278,8 +283,9 @@ def main() -> None:
         out["accuracy"] = accuracy(args.windows, args.window_len, args.prompts, args.prompt_len, args.max_tokens,
                                    args.chunk)
     if "throughput" in args.parts:
-        out["throughput"] = throughput(args.pressure_memory, args.roomy_memory, args.num_requests, args.input_len,
-                                       args.output_len, args.max_num_seqs, args.rounds)
+        out["throughput"] = throughput(args.throughput_model, args.pressure_memory, args.roomy_memory,
+                                       args.num_requests, args.input_len, args.output_len, args.max_num_seqs,
+                                       args.rounds)
     if "dequant" in args.parts:
         out["dequant"] = dequant_cost(num_decodes=32, context=512, repeats=30)
     print(f"\nwrote {write_result('kv_cache_dtype', out)}")
