@@ -610,3 +610,19 @@ def test_tune_recommends_fp8_when_the_pool_binds(tmp_path, capsys):
     assert rows["fp8"]["output_throughput"] > rows["auto"]["output_throughput"]
     assert data["chosen"] == {"kv_cache_dtype": "fp8", "max_num_seqs": 64}
     assert "--kv-cache-dtype fp8" in capsys.readouterr().out
+
+
+# -- the torch path is device-generic (it is what CUDA tensors go through) ---------------------------
+@pytest.mark.parametrize("name", QUANTIZED)
+def test_torch_path_runs_on_a_non_cpu_device(name):
+    """No CUDA here: the `meta` device (shapes, dtypes and devices, no values) catches any op in
+    the quantize / write / gather / dequantize path that makes or needs a CPU tensor."""
+    device = torch.device("meta")
+    pool = QuantizedKVCache.allocate((1, 2, 64 * 16, 2, 16), FORMATS[name], device, allocate_zeroed)
+    assert all(t.device == device for t in pool.tensors())
+    decodes, prefills = [(np.array([3, 5]), 20)], [(np.array([7, 9]), 0, 20), (np.array([1, 2, 4]), 16, 10)]
+    meta, _ = torch_backend.build_metadata(decodes, prefills, 16, None, device)
+    q = torch.randn(31, 4, 16, device=device, dtype=torch.bfloat16)
+    k, v = (torch.randn(31, 2, 16, device=device, dtype=torch.bfloat16) for _ in range(2))
+    out = torch_backend.paged_attention(q, k, v, pool[0, 0], pool[0, 1], meta, 0.25)
+    assert (out.shape, out.dtype, out.device) == (q.shape, torch.bfloat16, device)
