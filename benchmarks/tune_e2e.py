@@ -1,7 +1,7 @@
 """The tuning loop end to end on this CPU: tune on the simulator, then measure the real server at
 the recommended setting and its two neighbours with `pagedserve bench`.
 
-    python benchmarks/sim_vs_real.py        # once: calibrates results/sim_cost_cpu.json (20m, 1 thread)
+    python benchmarks/sim_vs_real.py        # once: calibrates results/sim_vs_real/cost_pooled.json (20m, 1 thread)
     python benchmarks/tune_e2e.py
 
 The cost model was fitted with torch on one thread, so the real server runs with one thread too
@@ -66,7 +66,7 @@ def measure(model: Path, seqs: int, args, out_dir: Path) -> dict:
 
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--cost-model", default=str(ROOT / "results" / "sim_cost_cpu.json"))
+    ap.add_argument("--cost-model", default=str(ROOT / "results" / "sim_vs_real" / "cost_pooled.json"))
     ap.add_argument("--num-prompts", type=int, default=48)
     ap.add_argument("--request-rate", type=float, default=4.0)
     ap.add_argument("--slo", nargs=2, default=["ttft_p99:1500", "itl_p99:250"])

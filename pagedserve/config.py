@@ -40,6 +40,7 @@ class SchedulingPolicy(_KnobEnum):
     PRIORITY = "priority"  # lower `priority` value runs sooner
 
 
+EXECUTOR_BACKENDS = ("uni", "mp", "ray")  # uni: the model in the engine-core process (tp=1 only)
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 # How the KV cache stores K and V (vLLM's --kv-cache-dtype): auto = the compute dtype; fp8 is
 # fp8_e4m3; int8 adds one fp32 scale per token and KV head (see attention/kv_quant.py).
@@ -113,6 +114,8 @@ class EngineConfig:
     max_logprobs: int = 20
     served_model_name: str | None = None
     step_trace_path: str | None = None
+    tensor_parallel_size: int = 1
+    distributed_executor_backend: str | None = None  # None: mp when tensor_parallel_size > 1, else uni
 
     def __post_init__(self) -> None:
         self.validate()
@@ -167,6 +170,15 @@ class EngineConfig:
         self.scheduling_policy = SchedulingPolicy(self.scheduling_policy)
         _check(_is_int(self.max_logprobs) and self.max_logprobs >= 0, "max_logprobs",
                f"must be an integer >= 0, got {self.max_logprobs!r}")
+        _check(_is_int(self.tensor_parallel_size) and self.tensor_parallel_size >= 1, "tensor_parallel_size",
+               f"must be an integer >= 1, got {self.tensor_parallel_size!r}")
+        if self.distributed_executor_backend is None:
+            self.distributed_executor_backend = "mp" if self.tensor_parallel_size > 1 else "uni"
+        _check(self.distributed_executor_backend in EXECUTOR_BACKENDS, "distributed_executor_backend",
+               f"must be one of {EXECUTOR_BACKENDS}, got {self.distributed_executor_backend!r}")
+        _check(not (self.distributed_executor_backend == "uni" and self.tensor_parallel_size > 1),
+               "distributed_executor_backend", f"uni runs one rank in the engine process; "
+               f"tensor_parallel_size={self.tensor_parallel_size} needs mp or ray")
 
     def resolve(self, model_max_len: int) -> None:
         """Fill the knobs whose defaults depend on the model, then check them together."""

@@ -7,7 +7,8 @@ import argparse
 
 import yaml
 
-from pagedserve.config import DEVICES, DTYPES, KV_CACHE_DTYPES, PREEMPTION_MODES, SCHEDULING_POLICIES, EngineConfig
+from pagedserve.config import (DEVICES, DTYPES, EXECUTOR_BACKENDS, KV_CACHE_DTYPES, PREEMPTION_MODES,
+                               SCHEDULING_POLICIES, EngineConfig)
 
 _FLAGS: list[tuple[str, dict]] = [
     ("--model", dict(default=None, help="local HF checkpoint directory (default: the built-in model)")),
@@ -34,13 +35,26 @@ _FLAGS: list[tuple[str, dict]] = [
     ("--max-logprobs", dict(type=int, default=None)),
     ("--served-model-name", dict(default=None)),
     ("--step-trace-path", dict(default=None, help="write one JSON line per engine step (for sim calibrate)")),
+    (("--tensor-parallel-size", "-tp", "--tp"), dict(type=int, default=None,
+                                                      help="ranks the model is sharded over (one process each)")),
+    ("--distributed-executor-backend", dict(choices=EXECUTOR_BACKENDS, default=None,
+                                            help="how ranks run: uni (in the engine process, tp=1), mp (one "
+                                                 "process per rank, the default for tp > 1), ray (Ray actors)")),
 ]
+
+
+def _names(flag: str | tuple[str, ...]) -> tuple[str, ...]:
+    return (flag,) if isinstance(flag, str) else flag
+
+
+def _dest(flag: str | tuple[str, ...]) -> str:
+    return _names(flag)[0][2:].replace("-", "_")
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("engine")
     for flag, kwargs in _FLAGS:
-        group.add_argument(flag, **kwargs)
+        group.add_argument(*_names(flag), dest=_dest(flag), **kwargs)
     parser.add_argument("--config", default=None, help="YAML file with the same keys as the flags")
 
 
@@ -58,10 +72,10 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
             if name in known:
                 values[name] = value
             elif name not in ("host", "port", "api_key", "max_queue_len", "max_request_bytes",
-                              "enable_prompt_tokens_details"):
+                              "enable_prompt_tokens_details", "dashboard"):
                 raise ValueError(f"config: unknown key {key!r} in {args.config}")
     for flag, _ in _FLAGS:
-        name = flag[2:].replace("-", "_")
+        name = _dest(flag)
         v = getattr(args, name, None)
         if v is not None:
             values[name] = v

@@ -10,8 +10,15 @@ import os
 import pathlib
 import sys
 
-import pytest
-from hypothesis import HealthCheck, settings
+# Triton kernels in CPU test runs execute in Triton's interpreter (tests/test_triton_attention.py).
+# Triton decides that when it is first imported, and importing transformers' models imports it
+# (through torch), so the choice is made here, before any test module loads; a GPU run of the
+# tests (PAGEDSERVE_TEST_DEVICE=cuda) compiles the kernels instead.
+if os.environ.get("PAGEDSERVE_TEST_DEVICE", "cpu") == "cpu":
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+from hypothesis import HealthCheck, settings  # noqa: E402
 
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
 

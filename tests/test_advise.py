@@ -214,7 +214,10 @@ def test_each_row_gives_its_finding_and_knob(scenario, naming):
     assert report.verdict == "needs_tuning"
     assert [f.rule for f in report.findings] == [scenario]
     finding = report.findings[0]
-    assert (finding.knob, finding.direction) == ROWS[scenario]
+    expected = ROWS[scenario]
+    if naming == "vllm" and expected == ("enable_chunked_prefill", "enable"):
+        expected = ("max_num_batched_tokens", "lower")  # always on in vLLM V1: its chunk size is the knob
+    assert (finding.knob, finding.direction) == expected
     # Each finding carries the numbers that triggered it and the thresholds it used.
     assert finding.numbers and any(v is not None for v in finding.numbers.values())
     assert finding.symptom and finding.cause and finding.action and finding.watch
@@ -331,7 +334,8 @@ def test_cli_text_output(capsys):
     a, b = FIXTURES / "long_prompt_itl.vllm.a.txt", FIXTURES / "long_prompt_itl.vllm.b.txt"
     assert advise_cli.main(["advise", "--from-files", str(a), str(b)]) == 0
     out = capsys.readouterr().out
-    assert "[long_prompt_itl]" in out and "knob first: enable_chunked_prefill (enable)" in out
+    assert "[long_prompt_itl]" in out
+    assert "knob first: --max-num-batched-tokens (lower) — chunked prefill is always on in vLLM V1" in out
     assert "thresholds: itl_p99_ms=100, long_prompt_tokens=1024" in out
 
 
@@ -426,3 +430,109 @@ def test_format_report_mentions_every_finding():
     report = report_for("itl_overload", "pagedserve")
     text = format_report(report, "x")
     assert "verdict: needs_tuning" in text and "[itl_overload]" in text and "watch after:" in text
+
+
+# -- queue time, knob spelling, a report for people ---------------------------------------------
+
+def _obs(**kw):
+    from pagedserve.tune.advisor import Observations
+
+    base = dict(naming="pagedserve", interval_s=30.3295, num_gauge_samples=16, gauges_sampled=True,
+                utilisation=0.97, utilisation_source="engine_busy_ratio", kv_usage_mean=0.6, kv_usage_max=0.8,
+                kv_high_share=0.0, running_mean=14.0, running_max=16.0, waiting_mean=4.0, waiting_max=37.0,
+                waiting_share=0.3, swapped_mean=0.0, preemptions=0.0, preemptions_per_min=0.0,
+                prompt_tokens_per_s=500.0, generation_tokens_per_s=300.0, requests_per_s=2.0,
+                ttft_p50_ms=9000.0, ttft_p90_ms=25000.0, ttft_p99_ms=31000.0, itl_p50_ms=40.0, itl_p90_ms=60.0,
+                itl_p99_ms=80.0, e2e_p99_s=40.0, queue_time_p99_ms=29700.0, prompt_tokens_mean=128.0,
+                prompt_tokens_p90=140.0, steps_per_s=20.0, tokens_per_step=20.0)
+    base.update(kw)
+    return Observations(**base)
+
+
+def test_ttft_with_long_queue_times_is_queueing_even_when_the_gauge_missed_it():
+    """The reported case: waiting > 0 in under half the samples, yet queue-time P99 29.7 s of a
+    31 s TTFT P99. That is a queue, not prefill blocking; and 128-token prompts never call for
+    chunked prefill."""
+    report = advise(_obs(), Thresholds())
+    rules = [f.rule for f in report.findings]
+    assert "ttft_queueing" in rules and "ttft_prefill" not in rules
+    finding = next(f for f in report.findings if f.rule == "ttft_queueing")
+    assert "queue time P99 29700 ms (≥ 0.5 of TTFT P99: requests queued)" in finding.symptom
+    # no queue at all, short prompts: the steps are slow, not a prefill blocking others
+    report = advise(_obs(waiting_share=0.0, waiting_max=0.0, waiting_mean=0.0, queue_time_p99_ms=40.0), Thresholds())
+    assert [f.rule for f in report.findings] == ["ttft_slow_steps"]
+    assert (report.findings[0].knob, report.findings[0].direction) == ("max_num_seqs", "lower")
+    assert not any(f.knob == "enable_chunked_prefill" for f in report.findings)
+    # long prompts, no queue: prefill blocking, as before
+    report = advise(_obs(waiting_share=0.0, queue_time_p99_ms=40.0, prompt_tokens_p90=900.0), Thresholds())
+    assert [f.rule for f in report.findings] == ["ttft_prefill"]
+
+
+@pytest.mark.parametrize("device, pool", [
+    ("cpu", "VLLM_CPU_KVCACHE_SPACE (GiB, environment) or --kv-cache-memory-bytes"),
+    ("gpu", "--gpu-memory-utilization"),
+])
+def test_vllm_knobs_are_named_as_vllm_spells_them_on_its_device(device, pool):
+    t = Thresholds()
+    a, b = load_pair("kv_pinned", "vllm")
+    report = advise(observe(a, b, [a, b], 30.0, t, gauges_sampled=False, device=device), t)
+    finding = report.findings[0]
+    assert finding.flag == pool and pool in finding.action
+    assert ("within margin" in finding.action) == (device == "gpu")
+    # a full pool and a queue: capacity; vLLM has no --max-queue-len, so the cap goes in front of it
+    a, b = load_pair("ttft_queueing", "vllm")
+    for snap in (a, b):
+        snap.gauges["kv_cache_usage_perc"] = 1.0
+    report = advise(observe(a, b, [a, b], 30.0, t, gauges_sampled=False, device=device), t)
+    text = format_report(report, "x")
+    assert "--max-queue-len" not in text and "gateway or load balancer" in text
+    if device == "cpu":
+        assert "gpu_memory_utilization" not in text and "--gpu-memory-utilization" not in text
+    # pagedserve does have --max-queue-len, and on CPU its pool is --kv-cache-memory
+    a, b = load_pair("ttft_queueing", "pagedserve")
+    for snap in (a, b):
+        snap.gauges["kv_cache_usage_perc"] = 1.0
+    text = format_report(advise(observe(a, b, [a, b], 30.0, t, gauges_sampled=False, device="cpu"), t), "x")
+    assert "--max-queue-len" in text
+    a, b = load_pair("kv_pinned", "pagedserve")
+    report = advise(observe(a, b, [a, b], 30.0, t, gauges_sampled=False, device="cpu"), t)
+    assert report.findings[0].flag == "--kv-cache-memory"
+
+
+def test_device_is_read_from_vllm_cache_config_info():
+    cpu = 'vllm:cache_config_info{block_size="128",cpu_kvcache_space_bytes="1073741824",num_gpu_blocks="580"} 1.0'
+    gpu = 'vllm:cache_config_info{block_size="16",cpu_kvcache_space_bytes="None",num_gpu_blocks="27202"} 1.0'
+    assert advise_cli.detect_device([cpu]) == "cpu"
+    assert advise_cli.detect_device([gpu]) == "gpu"
+    assert advise_cli.detect_device(["pagedserve:num_requests_running 0"]) == "unknown"
+
+
+def test_report_reads_like_a_report(caplog):
+    import logging
+
+    report = advise(_obs(), Thresholds())
+    text = format_report(report, "x")
+    assert "interval 30.3 s;" in text and "30.3295" not in text
+    # and a live scrape logs no HTTP line per scrape into it
+    body = (FIXTURES / "balanced.pagedserve.a.txt").read_bytes()
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    caplog.set_level(logging.INFO)
+    try:
+        assert advise_cli.main(["advise", "--metrics-url", f"127.0.0.1:{server.server_port}", "--interval", "0.5s",
+                                "--sample-every", "0.25s"]) == 0
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert not [r for r in caplog.records if r.name.startswith(("httpx", "httpcore"))]

@@ -7,7 +7,6 @@ import pytest
 
 from checkpoints import HFGreedyReference, hf_greedy, make_checkpoint
 from pagedserve import LLM, EngineConfig, SamplingParams
-from pagedserve.engine import Engine
 
 
 @pytest.fixture(scope="module")

@@ -284,7 +284,7 @@ def test_non_streaming_client_that_leaves_is_aborted(server, model):
                        json={"model": model, "prompt": "hello", "max_tokens": 100, "ignore_eos": True})
         # the abort reaches the command queue once the server sees the disconnect
         end = time.monotonic() + 30
-        while not any(c[0] == "finish" and c[2].name == "FINISHED_ABORTED" for c in list(ae._commands)):
+        while not any(c[0] == "finish" and c[2].name == "FINISHED_ABORTED" for c in list(ae.client._commands)):
             assert time.monotonic() < end, "the server never queued an abort for the client that left"
             time.sleep(0.02)
     finally:
@@ -307,7 +307,8 @@ def test_cli_flags_and_yaml(tmp_path, tiny_llama):
     settings = server_settings(args)
     assert settings == {"host": "127.0.0.1", "port": 9100, "api_key": "k", "max_queue_len": 7,
                         "max_request_bytes": None, "enable_prompt_tokens_details": False,
-                        "enable_auto_tool_choice": False, "tool_call_parser": None}
+                        "enable_auto_tool_choice": False, "tool_call_parser": None,
+                        "dashboard": True}
     config = engine_config_from_args(args)
     assert config.max_num_seqs == 5 and config.served_model_name == "tiny"
     args = build_parser().parse_args(["serve"])

@@ -91,19 +91,28 @@ def test_padded_layout_and_token_count_factors_by_hand():
     continuation chunk's full chunk x context rectangle; the 'padded' layout counts that."""
     m = ModelCost.from_shape(SHAPE, "bfloat16", None, tp=1)
     per_pair = 4 * 2 * 2 * 4  # 4 x layers x heads x head_dim
-    paged = step_features(m, [1, 1, 4, 4], [10, 30, 10, 4])
+    f = step_features(m, [1, 1, 4, 4], [10, 30, 10, 4])
     # paged: decodes 10 + 30; continuation 4x10 - 6 = 34; fresh causal 4x4 - 6 = 10
-    assert paged.attn_flops == per_pair * (10 + 30 + 34 + 10)
-    assert paged.attn_bytes == (10 + 30 + 10 + 4) * 32
-    assert paged.num_prefills == 2
-    padded = step_features(m, [1, 1, 4, 4], [10, 30, 10, 4], layout="padded")
-    # padded: 2 decodes x 30; continuation 4 x 10 = 40; fresh causal 10
-    assert padded.attn_flops == per_pair * (2 * 30 + 40 + 10)
-    assert padded.attn_bytes == (2 * 30 + 10 + 4) * 32
-    base = unit_params(per_prefill_overhead_s=0.3)
-    t = CostModel(m, base).breakdown(padded)
+    assert f.attn_flops == per_pair * (10 + 30 + 34 + 10)
+    assert f.attn_bytes == (10 + 30 + 10 + 4) * 32
+    assert f.num_prefills == 2
+    # padded adds: the short decode padded to 30 (20 pairs and 20 tokens of KV read), and the
+    # continuation's full 4 x 10 rectangle (40 - 34 = 6 pairs)
+    assert f.attn_pad_flops == per_pair * (20 + 6)
+    assert f.attn_pad_bytes == 20 * 32
+    paged_t = CostModel(m, unit_params()).breakdown(f)
+    assert paged_t.attention == pytest.approx(max(per_pair * 84 / 1000, 54 * 32 / 100))
+    padded_t = CostModel(m, unit_params(attention_layout="padded")).breakdown(f)
+    assert padded_t.attention == pytest.approx(max(per_pair * 110 / 1000, 74 * 32 / 100))
+    half = CostModel(m, unit_params(attention_pad_share=0.5)).breakdown(f)  # a number wins over the layout
+    assert half.attention == pytest.approx(max(per_pair * 97 / 1000, 64 * 32 / 100))
+    summed = CostModel(m, unit_params(combine="sum")).breakdown(f)
+    assert summed.attention == pytest.approx(per_pair * 84 / 1000 + 54 * 32 / 100)
+    base = unit_params(per_prefill_overhead_s=0.3, attention_layout="padded")
+    t = CostModel(m, base).breakdown(f)
     assert t.overhead == pytest.approx(0.5 + 4 * 0.1 + 2 * 0.3)
-    scaled = CostModel(m, unit_params(per_prefill_overhead_s=0.3, token_count_factors={"10": 1.5})).breakdown(padded)
+    scaled = CostModel(m, unit_params(per_prefill_overhead_s=0.3, attention_layout="padded",
+                                      token_count_factors={"10": 1.5})).breakdown(f)
     assert scaled.total == pytest.approx(1.5 * t.total)  # 10 tokens in the step: the factor applies
     assert CostModel(m, unit_params(token_count_factors={"11": 1.5})).predict([3, 1], [3, 10]) == \
         pytest.approx(CostModel(m, unit_params()).predict([3, 1], [3, 10]))

@@ -7,11 +7,14 @@ serves them is decided once per process and device type (`backend_for`):
 - `cpu`: the compiled kernel in attention/cpu (reads K/V in place), chosen by default for CPU
   tensors when it builds; where it cannot (no compiler, a build error) one warning says why
   and the torch reference serves instead.
-- `torch`: the pure-torch reference (torch_backend), for CUDA tensors, for tests, and as the
-  fallback.
+- `triton`: Triton kernels (triton_backend), chosen by default for CUDA tensors when triton
+  imports and its kernels pass a small self-check on the device against the reference; where
+  they do not, one warning says why and the torch reference serves instead. On CPU tensors
+  only under TRITON_INTERPRET=1 (the interpreter: for tests, far too slow to serve).
+- `torch`: the pure-torch reference (torch_backend), for tests, and as the fallback.
 
-PAGEDSERVE_ATTENTION_BACKEND=auto|torch|cpu forces the choice; `cpu` where the kernel cannot
-build is an error, not a fallback. The metadata records which backend built it, and
+PAGEDSERVE_ATTENTION_BACKEND=auto|torch|cpu|triton forces the choice; a forced backend that
+cannot run is an error, not a fallback. The metadata records which backend built it, and
 `paged_attention` follows it, so one step never mixes two layouts of metadata.
 """
 from __future__ import annotations
@@ -31,17 +34,19 @@ from pagedserve.attention.torch_backend import AttentionMetadata as TorchMetadat
 logger = logging.getLogger("pagedserve.attention")
 
 BACKEND_ENV = "PAGEDSERVE_ATTENTION_BACKEND"
-BACKEND_CHOICES = ("auto", "torch", "cpu")
+BACKEND_CHOICES = ("auto", "torch", "cpu", "triton")
 
 AttentionMetadata = TorchMetadata | KernelMetadata  # what build_metadata returns, whichever backend
 
 
 @cache
 def backend_for(device_type: str) -> str:
-    """'cpu' (the compiled kernel) or 'torch', for tensors on `device_type`; decided once."""
+    """'cpu' (the compiled kernel), 'triton' or 'torch', for tensors on `device_type`; decided once."""
     choice = os.environ.get(BACKEND_ENV, "auto").strip().lower() or "auto"
     if choice not in BACKEND_CHOICES:
         raise ValueError(f"{BACKEND_ENV}={choice!r}: expected one of {', '.join(BACKEND_CHOICES)}")
+    if choice == "triton" or (choice == "auto" and device_type != "cpu"):
+        return _triton_or_fallback(device_type, forced=choice == "triton")
     if device_type != "cpu":
         if choice == "cpu":
             raise ValueError(f"{BACKEND_ENV}=cpu runs on CPU tensors only, but the model is on {device_type}")
@@ -58,6 +63,19 @@ def backend_for(device_type: str) -> str:
     return "cpu"
 
 
+def _triton_or_fallback(device_type: str, forced: bool) -> str:
+    from pagedserve.attention.triton_check import TritonUnavailable, check_triton
+
+    try:
+        check_triton(device_type)
+    except TritonUnavailable as e:
+        if forced:
+            raise RuntimeError(f"{BACKEND_ENV}=triton, but the Triton attention kernels cannot run: {e}") from e
+        logger.warning("Triton attention kernels unavailable on %s, using the torch reference: %s", device_type, e)
+        return "torch"
+    return "triton"
+
+
 def build_metadata(decodes: list[tuple[np.ndarray, int]], prefills: list[tuple[np.ndarray, int, int]],
                    block_size: int, sliding_window: int | None,
                    device: torch.device) -> tuple[AttentionMetadata, np.ndarray]:
@@ -65,8 +83,12 @@ def build_metadata(decodes: list[tuple[np.ndarray, int]], prefills: list[tuple[n
 
     Returns the chosen backend's metadata and the positions of all tokens in layout order.
     """
-    if backend_for(torch.device(device).type) == "cpu":
+    backend = backend_for(torch.device(device).type)
+    if backend == "cpu":
         return cpu_backend.build_metadata(decodes, prefills, block_size, sliding_window, device)
+    if backend == "triton":
+        from pagedserve.attention import triton_backend
+        return triton_backend.build_metadata(decodes, prefills, block_size, sliding_window, device)
     return torch_backend.build_metadata(decodes, prefills, block_size, sliding_window, device)
 
 
@@ -78,4 +100,7 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
     """
     if type(meta) is KernelMetadata:
         return cpu_backend.paged_attention(q, k, v, k_cache, v_cache, meta, scale)
-    return torch_backend.paged_attention(q, k, v, k_cache, v_cache, meta, scale)
+    if type(meta) is TorchMetadata:
+        return torch_backend.paged_attention(q, k, v, k_cache, v_cache, meta, scale)
+    from pagedserve.attention import triton_backend  # only Triton metadata is left; imported by now
+    return triton_backend.paged_attention(q, k, v, k_cache, v_cache, meta, scale)

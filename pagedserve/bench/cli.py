@@ -121,8 +121,11 @@ def run(args) -> int:
     tokenizer = _load_tokenizer(args.tokenizer)
     vocab = resolve_vocab_size(args, tokenizer, model_info)
     target = BenchTarget(args.base_url, model, args.endpoint, args.api_key, args.temperature, args.request_timeout)
+    kwargs = dataset_kwargs(args, vocab)
+    if args.dataset == "calibration" and model_info.get("max_model_len"):
+        kwargs["max_len"] = int(model_info["max_model_len"])  # every request fits the server
     base = BenchConfig(target=target, dataset=args.dataset, num_prompts=args.num_prompts, burstiness=args.burstiness,
-                       seed=args.seed, dataset_path=args.dataset_path, dataset_kwargs=dataset_kwargs(args, vocab),
+                       seed=args.seed, dataset_path=args.dataset_path, dataset_kwargs=kwargs,
                        goodput=slos, tokenizer=tokenizer, metrics_interval=args.metrics_interval,
                        scrape_metrics=not args.no_metrics, progress=not args.disable_tqdm,
                        prompts_as_text=args.prompt_as_text)

@@ -223,6 +223,9 @@ class LoadRun:
     results: list[RequestResult]
     duration: float      # first send to last byte, seconds
     started_at: float    # time.time() at the start (for logs)
+    # time.monotonic() at the start: a result's `start` + this is its send time on the clock
+    # a server on this machine stamps its request trace with (`simulate calibrate --bench-result`).
+    start_monotonic: float = 0.0
 
 
 async def run_load(target: BenchTarget, workload: list[WorkloadRequest], *, max_concurrency: int | None = None,
@@ -247,6 +250,7 @@ async def run_load(target: BenchTarget, workload: list[WorkloadRequest], *, max_
                                      read_bufsize=2**20) as session:
         run_start = time.perf_counter()
         started_at = time.time()
+        start_monotonic = time.monotonic() - (time.perf_counter() - run_start)
         if on_start is not None:
             on_start(run_start)
 
@@ -271,7 +275,7 @@ async def run_load(target: BenchTarget, workload: list[WorkloadRequest], *, max_
     ends = [r.end for r in results if r.e2el > 0]
     if ends:
         duration = max(ends)
-    return LoadRun(results, duration if duration > 0 else math.nan, started_at)
+    return LoadRun(results, duration if duration > 0 else math.nan, started_at, start_monotonic)
 
 
 async def fetch_model_info(base_url: str, api_key: str | None = None) -> dict:

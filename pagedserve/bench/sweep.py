@@ -41,6 +41,7 @@ class PointResult:
     duration: float
     summary: dict
     timeline: dict | None
+    start_monotonic: float = 0.0
 
     def to_dict(self) -> dict:
         c = self.config
@@ -50,6 +51,7 @@ class PointResult:
                        "request_rate": "inf" if math.isinf(c.request_rate) else c.request_rate,
                        "burstiness": c.burstiness, "max_concurrency": c.max_concurrency, "seed": c.seed,
                        "dataset_kwargs": c.dataset_kwargs},
+            "run_start_monotonic": self.start_monotonic,
             "summary": self.summary,
             "server_timeline": self.timeline,
             "requests": [r.to_dict() for r in self.results],
@@ -106,7 +108,7 @@ async def run_point_async(config: BenchConfig) -> PointResult:
     server = summarize_server_metrics(sampler.before, sampler.after, sampler.samples)
     summary = summarize(load.results, load.duration, config.goodput, server)
     series = timeline(sampler.samples) if server is not None else None
-    return PointResult(config, load.results, load.duration, summary, series)
+    return PointResult(config, load.results, load.duration, summary, series, load.start_monotonic)
 
 
 def run_point(config: BenchConfig) -> PointResult:

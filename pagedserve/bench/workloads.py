@@ -12,7 +12,7 @@ import random
 from dataclasses import dataclass, field
 from pathlib import Path
 
-DATASETS = ("random", "sharegpt", "long-context", "prefix-repetition")
+DATASETS = ("random", "sharegpt", "long-context", "prefix-repetition", "calibration")
 
 
 @dataclass
@@ -85,6 +85,52 @@ def long_context_dataset(n: int, long_fraction: float = 0.05, long_input_len: in
     return out
 
 
+def calibration_dataset(n: int, input_len: int = 512, output_len: int = 128, vocab_size: int = 32000,
+                        seed: int = 0, max_len: int | None = None) -> list[WorkloadRequest]:
+    """Requests whose shapes span what a cost model is asked about: half the prompts
+    log-uniform over 8 .. 2 x input_len (short prompts and small prefill chunks), half uniform
+    over input_len / 2 .. 2 x input_len (so decodes run at long contexts often enough to fit
+    the attention term there), outputs log-uniform over 4 .. 2 x output_len, each pair capped
+    to `max_len` tokens. Paired with `ramp_arrival_times`, batches grow from one request to
+    overload (a queue, full token budgets, mixed prefill + decode steps, and preemption where
+    the pool is small enough)."""
+    if input_len < 1 or output_len < 1:
+        raise ValueError(f"random_input_len / random_output_len: must be >= 1, got {input_len} / {output_len}")
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        if rng.random() < 0.5:
+            p = _log_uniform(rng, 8, max(8, 2 * input_len))
+        else:
+            p = rng.randint(max(1, input_len // 2), max(1, 2 * input_len))
+        o = _log_uniform(rng, 4, max(4, 2 * output_len))
+        if max_len is not None and p + o > max_len:
+            p = max(1, min(p, max_len - 4))
+            o = max(1, max_len - p)
+        out.append(WorkloadRequest(_tokens(rng, p, vocab_size), None, p, o, tags={"calibration": True}))
+    return out
+
+
+def _log_uniform(rng: random.Random, low: int, high: int) -> int:
+    return int(round(math.exp(rng.uniform(math.log(low), math.log(high)))))
+
+
+def ramp_arrival_times(n: int, request_rate: float, seed: int = 0, start_share: float = 0.1,
+                       end_share: float = 2.0) -> list[float]:
+    """Poisson arrivals whose rate rises linearly, request by request, from start_share x to
+    end_share x `request_rate`: the server goes from idle (batch of one) to overloaded."""
+    if not 0 < request_rate < math.inf:
+        raise ValueError(f"request_rate: the calibration workload ramps its rate up to {end_share:g} x "
+                         f"--request-rate, so it needs a finite rate > 0, got {request_rate}")
+    rng = random.Random(seed)
+    t, out = 0.0, []
+    for i in range(n):
+        share = start_share + (end_share - start_share) * (i / max(n - 1, 1))
+        t += rng.expovariate(request_rate * share)
+        out.append(t)
+    return out
+
+
 def prefix_repetition_dataset(n: int, prefix_len: int = 512, suffix_len: int = 128, num_prefixes: int = 4,
                               output_len: int = 128, vocab_size: int = 32000, seed: int = 0) -> list[WorkloadRequest]:
     """Requests sharing one of `num_prefixes` long prefixes (system prompts, few-shot headers)."""
@@ -138,6 +184,11 @@ def make_workload(dataset: str, num_prompts: int, *, request_rate: float = math.
         reqs = long_context_dataset(num_prompts, seed=seed, **kw)
     elif dataset == "prefix-repetition":
         reqs = prefix_repetition_dataset(num_prompts, seed=seed, **kw)
+    elif dataset == "calibration":
+        reqs = calibration_dataset(num_prompts, seed=seed, **kw)
+        for req, t in zip(reqs, ramp_arrival_times(len(reqs), request_rate, seed + 1)):
+            req.arrival_time = t
+        return reqs
     elif dataset == "sharegpt":
         if not dataset_path:
             raise ValueError("dataset_path: the sharegpt dataset needs --dataset-path FILE.json")
@@ -152,7 +203,10 @@ def make_workload(dataset: str, num_prompts: int, *, request_rate: float = math.
 def add_dataset_args(parser, default_num_prompts: int = 100):
     """The dataset flags `bench`, `simulate` and `tune` share (vLLM bench's names)."""
     d = parser.add_argument_group("dataset")
-    d.add_argument("--dataset", "--dataset-name", "--workload", dest="dataset", choices=DATASETS, default="random")
+    d.add_argument("--dataset", "--dataset-name", "--workload", dest="dataset", choices=DATASETS, default="random",
+                   help="calibration: lengths log-uniform up to 2x --random-input-len / --random-output-len, "
+                        "arrival rate ramping from 0.1x to 2x --request-rate (a step trace that covers the "
+                        "shapes `pagedserve simulate calibrate` fits)")
     d.add_argument("--dataset-path", default=None, help="ShareGPT JSON file (for --dataset sharegpt)")
     d.add_argument("--num-prompts", type=int, default=default_num_prompts)
     d.add_argument("--random-input-len", type=int, default=1024)
@@ -181,6 +235,8 @@ def dataset_kwargs(args, vocab_size: int) -> dict:
         if ratio is not None:
             kw["range_ratio"] = ratio
         return kw
+    if args.dataset == "calibration":
+        return dict(input_len=args.random_input_len, output_len=args.random_output_len, vocab_size=vocab_size)
     if args.dataset == "prefix-repetition":
         return dict(prefix_len=args.prefix_len, suffix_len=args.suffix_len, num_prefixes=args.num_prefixes,
                     output_len=args.random_output_len, vocab_size=vocab_size)

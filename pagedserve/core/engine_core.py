@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 import logging
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from typing import Callable, Iterable
 
 from pagedserve.config import EngineConfig, PreemptionMode, resolve_kv_cache_dtype
@@ -43,6 +43,17 @@ class StepTrace:
     num_swap_blocks: int = 0
     duration: float = 0.0     # execute() only
     step_time: float = 0.0    # the whole step: schedule, execute, update
+    # When the step ended, on the core's clock (time.monotonic in the engine, the virtual
+    # clock in the simulator): the server's request trace stamps its events on the same
+    # clock, so a request's first token is matched to its step by this value.
+    t_end: float = 0.0
+    # CPU seconds the engine's thread spent in the step (time.thread_time; the virtual step
+    # time in the simulator). step_time / cpu_time is how much of the wall clock the thread
+    # waited: for other processes on a shared machine, or for the interpreter lock. With
+    # intra-op threads > 1 it counts the engine thread's share only.
+    cpu_time: float = 0.0
+    num_outputs: int = 0      # requests that sampled a token this step
+    num_unfinished: int = 0   # running + waiting + swapped after the step: > 0, the next step follows at once
 
     def __post_init__(self) -> None:
         if not self.step_time:  # traces written before step_time existed
@@ -57,11 +68,15 @@ class StepTrace:
         return len(self.new_tokens)
 
     @classmethod
-    def of(cls, out: SchedulerOutput, duration: float, step_time: float) -> "StepTrace":
+    def of(cls, out: SchedulerOutput, duration: float, step_time: float, t_end: float = 0.0,
+           cpu_time: float = 0.0) -> "StepTrace":
+        st = out.stats
         return cls(new_tokens=[r.num_new_tokens for r in out.scheduled],
                    context_lens=[r.context_len for r in out.scheduled],
                    num_swap_blocks=len(out.blocks_to_swap_out) + len(out.blocks_to_swap_in),
-                   duration=duration, step_time=step_time)
+                   duration=duration, step_time=step_time, t_end=t_end, cpu_time=cpu_time,
+                   num_outputs=sum(1 for r in out.scheduled if r.sample),
+                   num_unfinished=st.num_running + st.num_waiting + st.num_swapped)
 
     @classmethod
     def from_dict(cls, d: dict) -> "StepTrace":
@@ -72,11 +87,13 @@ class StepTrace:
 
 
 def size_pool(config: EngineConfig, shape: ModelShape, dtype: str) -> KVPoolSize:
-    """How many blocks the pool gets: the very function `pagedserve plan` calls, at the bytes
-    per token of the KV dtype (`config.kv_cache_dtype` over the compute `dtype`), scales
-    included. An exact num_kv_blocks (tests, reproductions) wins over bytes."""
+    """How many blocks each rank's pool gets: the very function `pagedserve plan` calls, with
+    kv_cache_memory as one rank's budget and one rank's bytes per token (its share of the KV
+    heads) in the KV dtype (`config.kv_cache_dtype` over the compute `dtype`), scales included.
+    An exact num_kv_blocks (tests, reproductions) wins over bytes."""
     kv_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, dtype)
-    pool = size_kv_pool_for_dtype(shape, config.kv_cache_memory or 0, kv_dtype, block_size=config.block_size)
+    pool = size_kv_pool_for_dtype(shape, config.kv_cache_memory or 0, kv_dtype, block_size=config.block_size,
+                                  tp=config.tensor_parallel_size)
     if config.num_kv_blocks is not None:
         pool = KVPoolSize(config.num_kv_blocks, config.block_size, pool.bytes_per_token)
     return pool
@@ -114,20 +131,25 @@ def num_host_blocks_for(config: EngineConfig, pool: KVPoolSize) -> int:
 
 class EngineCore:
     def __init__(self, config: EngineConfig, scheduler: Scheduler, executor: Executor,
-                 pool: KVPoolSize, trace_path: str | None = None) -> None:
+                 pool: KVPoolSize, trace_path: str | None = None,
+                 cpu_clock: Callable[[], float] = time.thread_time) -> None:
         self.config = config
         self.scheduler = scheduler
         self.executor = executor
         self.pool = pool
         self._trace = open(trace_path, "a") if trace_path else None
+        self._cpu_clock = cpu_clock  # the step trace's cpu_time
 
     @classmethod
     def build(cls, config: EngineConfig, executor: Executor, pool: KVPoolSize,
               clock: Callable[[], float] = time.monotonic,
-              prefix_extra_keys: Callable[[Request], bytes] | None = None) -> "EngineCore":
+              prefix_extra_keys: Callable[[Request], bytes] | None = None,
+              cpu_clock: Callable[[], float] | None = None) -> "EngineCore":
         """The one way to make a core: check the pool, allocate it (and the host pool),
         measure what auto preemption weighs, build the scheduler. `prefix_extra_keys` names
-        what else a request's KV depends on (see core/kv_cache.py)."""
+        what else a request's KV depends on (see core/kv_cache.py). `cpu_clock` times the
+        step trace's cpu_time (default: this thread's CPU time; the simulator passes its
+        virtual clock)."""
         check_pool_fits(pool, config)
         num_host_blocks = num_host_blocks_for(config, pool)
         if num_host_blocks:
@@ -144,7 +166,7 @@ class EngineCore:
                         costs.host_bandwidth / 1e9, costs.prefill_seconds_per_token * 1e6)
         scheduler = Scheduler.from_config(config, pool.num_blocks, clock=clock, num_host_blocks=num_host_blocks,
                                           costs=costs, prefix_extra_keys=prefix_extra_keys)
-        return cls(config, scheduler, executor, pool, config.step_trace_path)
+        return cls(config, scheduler, executor, pool, config.step_trace_path, cpu_clock or time.thread_time)
 
     # -- requests -----------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -163,6 +185,8 @@ class EngineCore:
     # -- the step -------------------------------------------------------------------------
     def step(self) -> EngineCoreOutputs:
         clock = self.scheduler.clock  # wall time in the engine, virtual time in the simulator
+        tracing = self._trace is not None
+        c0 = self._cpu_clock() if tracing else 0.0
         t0 = clock()
         out = self.scheduler.schedule()
         result = self.executor.execute(out)
@@ -171,8 +195,9 @@ class EngineCore:
         self.scheduler.fill_state(out.stats)
         t1 = clock()
         step_time = t1 - t0
-        if self._trace is not None and not out.is_empty:
-            self._trace.write(StepTrace.of(out, result.duration, step_time).to_json() + "\n")
+        if tracing and not out.is_empty:
+            cpu = self._cpu_clock() - c0
+            self._trace.write(StepTrace.of(out, result.duration, step_time, t1, cpu).to_json() + "\n")
             self._trace.flush()
         return EngineCoreOutputs(outputs, out.stats, t1, step_time, result.duration, result.forward_time)
 

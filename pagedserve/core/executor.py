@@ -1,9 +1,12 @@
 """The executor seam: what the engine core asks of whatever runs the model.
 
-Implementations: worker.executor.UniExecutor (the model in this process), and
+Implementations (worker/executors.py picks one from the config): worker.model_runner.ModelRunner
+(the model in this process), worker.multiproc_executor.MultiprocExecutor (one process per
+tensor-parallel rank), worker.ray_executor.RayExecutor (one Ray actor per rank), and
 sim.executor.SimExecutor (a cost model on a virtual clock, no tensors). An executor never
 calls back into the scheduler; it keeps what NewRequestData told it and applies each
-step's diffs.
+step's diffs. A multi-process executor may also offer `check_health()`, which raises when a
+rank has died; the engine's loops call it between steps.
 """
 from __future__ import annotations
 

@@ -9,6 +9,8 @@ import enum
 import time
 from dataclasses import dataclass
 
+from msgspec import Struct
+
 from pagedserve.sampling import SamplingParams
 
 
@@ -120,3 +122,25 @@ class Request:
     def __repr__(self) -> str:
         return (f"Request({self.request_id!r}, {self.status.value}, computed={self.num_computed_tokens}/"
                 f"{self.num_tokens}, out={self.num_output_tokens})")
+
+
+class EngineCoreRequest(Struct, array_like=True):
+    """One sequence as the front-end hands it to an engine core in another process: plain
+    data (the wire format of engine/core_client.py). The core makes its Request from it."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    eos_token_ids: list[int]
+    arrival_time: float
+    priority: int = 0
+    max_model_len: int | None = None
+
+    @classmethod
+    def of(cls, req: Request) -> "EngineCoreRequest":
+        return cls(req.request_id, req.prompt_token_ids, req.sampling_params, sorted(req.eos_token_ids),
+                   req.times.arrival, req.priority, req.max_model_len)
+
+    def to_request(self) -> Request:
+        return Request(self.request_id, self.prompt_token_ids, self.sampling_params,
+                       frozenset(self.eos_token_ids), self.arrival_time, self.priority, self.max_model_len)

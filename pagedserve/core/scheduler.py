@@ -21,8 +21,10 @@ import bisect
 import itertools
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable
+
+from msgspec import Struct, field
 
 from pagedserve.config import PreemptionMode, SchedulingPolicy
 from pagedserve.core.block_pool import BlockPool
@@ -63,8 +65,7 @@ class SchedulerConfig:
     preemption_mode: PreemptionMode = PreemptionMode.RECOMPUTE
 
 
-@dataclass
-class NewRequestData:
+class NewRequestData(Struct, array_like=True):
     """Sent once, the first step a request is scheduled: what the executor keeps about it."""
 
     request_id: str
@@ -72,8 +73,7 @@ class NewRequestData:
     sampling_params: SamplingParams
 
 
-@dataclass
-class ScheduledRequest:
+class ScheduledRequest(Struct, array_like=True):
     """One request's share of a step: a diff against what the executor already holds."""
 
     request_id: str
@@ -92,8 +92,10 @@ class ScheduledRequest:
         return self.start_pos + len(self.token_ids)
 
 
-@dataclass
-class SchedulerOutput:
+class SchedulerOutput(Struct, array_like=True):
+    """One step's instructions to the executor. A msgspec Struct: with tensor parallelism it
+    is encoded once per step and broadcast to every rank (worker/broadcast.py)."""
+
     scheduled: list[ScheduledRequest]
     num_batched_tokens: int
     new_requests: list[NewRequestData] = field(default_factory=list)
@@ -403,6 +405,7 @@ class Scheduler:
                 req.times.first_token = now
                 output.first_scheduled_time = req.times.first_scheduled
                 output.num_cached_tokens = req.num_cached_tokens
+                output.arrival_time = req.times.arrival
                 output.prompt_logprobs, req.prompt_logprobs = req.prompt_logprobs, None
             req.times.last_token = now
             status, reason = check_token_stop(req, token, self.config.max_model_len)

@@ -25,6 +25,16 @@ class LLM:
         llm.engine = Engine(config)
         return llm
 
+    def shutdown(self) -> None:
+        """Stop the engine's worker processes (tensor parallelism); a no-op otherwise."""
+        self.engine.shutdown()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
+
     def get_tokenizer(self):
         return self.engine.tokenizer
 

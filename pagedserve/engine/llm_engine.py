@@ -6,8 +6,9 @@ One step, end to end:
     engine_core.finish_requests()       the samples a stop string ended give their blocks back now
 
 The core knows nothing of text; this front-end knows nothing of blocks. AsyncLLM (the
-server's front-end) is built from an Engine and drives the same three parts from a thread
-and an event loop.
+server's front-end) drives the same parts from an event loop, with the core in a thread
+(built from an Engine) or in its own process (built from an EngineFrontend, which holds
+everything but the core: engine/core_client.py).
 """
 from __future__ import annotations
 
@@ -22,9 +23,11 @@ from pagedserve.core.engine_core import EngineCore, size_pool
 from pagedserve.core.request import RequestStatus
 from pagedserve.engine.input_processor import InputProcessor
 from pagedserve.engine.output_processor import OutputKind, OutputProcessor, make_core_requests
+from pagedserve.model.config import ModelConfig, check_tensor_parallel
 from pagedserve.outputs import RequestOutput
-from pagedserve.plan.kv_budget import ModelShape, kv_cache_log_lines
+from pagedserve.plan.kv_budget import ModelShape, kv_cache_log_lines, kv_replication_warning
 from pagedserve.sampling import SamplingParams
+from pagedserve.worker.executors import make_executor
 
 logger = logging.getLogger("pagedserve.engine")
 
@@ -34,8 +37,30 @@ def default_model_dir() -> str:
     return str(DEFAULT_MODEL_DIR)
 
 
-class Engine:
-    def __init__(self, config: EngineConfig, executor=None, tokenizer=None) -> None:
+def make_grammar_compiler(tokenizer, vocab_size: int, eos_token_ids: frozenset[int]):
+    """Structured outputs compile against the tokenizer's vocabulary: none without one."""
+    if tokenizer is None:
+        return None
+    from pagedserve.structured.compiler import GrammarCompiler
+    return GrammarCompiler(tokenizer, vocab_size, eos_token_ids)
+
+
+def load_tokenizer(config: EngineConfig):
+    from transformers import AutoTokenizer
+    path = config.tokenizer or config.model
+    try:
+        return AutoTokenizer.from_pretrained(path)
+    except Exception as e:  # a checkpoint without tokenizer files can still run token ids
+        logger.warning("no tokenizer loaded from %s (%s); only token-id prompts will work", path, e)
+        return None
+
+
+class EngineFrontend:
+    """What a front-end holds: the resolved config, the model's config (no weights), the
+    tokenizer, and the input and output processors. The API process of a split server holds
+    only this; the engine core lives in another process (engine/core_client.py)."""
+
+    def __init__(self, config: EngineConfig, tokenizer=None) -> None:
         from pagedserve.model.loader import read_model_config
 
         if config.model is None:
@@ -43,33 +68,13 @@ class Engine:
         self.config = config
         self.model_config = read_model_config(config.model)
         config.resolve(self.model_config.max_model_len)
+        mc = self.model_config
+        check_tensor_parallel(mc.num_heads, mc.num_kv_heads, mc.intermediate_size, config.tensor_parallel_size)
         self.dtype = resolve_dtype(config.dtype, self.model_config.checkpoint_dtype, config.device)
         self.kv_cache_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, self.dtype)
         self.tokenizer = tokenizer if tokenizer is not None else self._load_tokenizer()
         self.eos_token_ids = self._eos_token_ids()
         self.grammar_compiler = self._grammar_compiler()
-        if executor is None:
-            from pagedserve.worker.model_runner import ModelRunner
-            executor = ModelRunner(self.model_config, self.dtype, config.device, config.block_size,
-                                   self.eos_token_ids, config.seed, grammar_compiler=self.grammar_compiler,
-                                   kv_cache_dtype=self.kv_cache_dtype)
-        elif getattr(executor, "grammar_compiler", False) is None:
-            executor.grammar_compiler = self.grammar_compiler
-        if config.kv_cache_memory is None and config.num_kv_blocks is None:  # CUDA: measure, then subtract
-            config.kv_cache_memory = executor.profile_kv_budget(
-                config.gpu_memory_utilization, config.max_num_batched_tokens, config.max_num_seqs)
-        self.pool_sizing = size_pool(config, ModelShape.from_hf_config(self.model_config.hf_config), self.dtype)
-        for line in kv_cache_log_lines(self.pool_sizing, config.max_model_len, device=config.device.upper(),
-                                       kv_dtype=self.kv_cache_dtype):
-            logger.info(line)
-        logger.info("KV cache pool: %.3f GiB, %d bytes per token", self.pool_sizing.num_bytes / 2**30,
-                    self.pool_sizing.bytes_per_token)
-        prefix_extra_keys = None
-        if self.model_config.rope.depends_on_prompt_len:
-            # Dynamic NTK RoPE: a long prompt's K depends on its length, so prefix-cache keys must too.
-            rope = self.model_config.rope
-            prefix_extra_keys = lambda req: rope.prefix_cache_key(req.num_prompt_tokens)  # noqa: E731
-        self.engine_core = EngineCore.build(config, executor, self.pool_sizing, prefix_extra_keys=prefix_extra_keys)
         self.input_processor = InputProcessor(config, self.model_config.vocab_size, self.tokenizer,
                                               self.grammar_compiler)
         self.output_processor = OutputProcessor(self.tokenizer)
@@ -78,6 +83,76 @@ class Engine:
     @property
     def model_name(self) -> str:
         return self.config.served_model_name or self.model_config.name
+
+    # -- set-up helpers -------------------------------------------------------------------
+    def _load_tokenizer(self):
+        return load_tokenizer(self.config)
+
+    def _grammar_compiler(self):
+        return make_grammar_compiler(self.tokenizer, self.model_config.vocab_size, self.eos_token_ids)
+
+    def _eos_token_ids(self) -> frozenset[int]:
+        ids: set[int] = set()
+        gen_cfg = Path(self.config.model) / "generation_config.json"
+        if gen_cfg.is_file():
+            eos = json.loads(gen_cfg.read_text()).get("eos_token_id")
+            ids.update(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+        eos = self.model_config.hf_config.get("eos_token_id")
+        ids.update(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
+            ids.add(self.tokenizer.eos_token_id)
+        return frozenset(ids)
+
+    def tokenize(self, prompt: str) -> list[int]:
+        return self.input_processor.tokenize(prompt)
+
+    def next_request_id(self) -> str:
+        return str(next(self._ids))
+
+
+def build_engine_core(config: EngineConfig, model_config: ModelConfig, dtype: str,
+                      eos_token_ids: frozenset[int], executor=None, grammar_compiler=None) -> EngineCore:
+    """The executor config asks for (unless given), the pool sized as `plan` sizes it (per
+    rank), and the core: what Engine builds in process and the engine-core process builds
+    for a split server. `grammar_compiler`: structured outputs in an in-process executor
+    (tensor-parallel rank 0 builds its own from the tokenizer)."""
+    if executor is None:
+        executor = make_executor(config, model_config, dtype, eos_token_ids, grammar_compiler)
+    elif getattr(executor, "grammar_compiler", False) is None:
+        executor.grammar_compiler = grammar_compiler
+    try:
+        if config.kv_cache_memory is None and config.num_kv_blocks is None:  # CUDA: measure, then subtract
+            config.kv_cache_memory = executor.profile_kv_budget(
+                config.gpu_memory_utilization, config.max_num_batched_tokens, config.max_num_seqs)
+        shape = ModelShape.from_hf_config(model_config.hf_config)
+        pool = size_pool(config, shape, dtype)
+        tp = config.tensor_parallel_size
+        if (replicated := kv_replication_warning(shape, tp)) is not None:
+            logger.warning(replicated)
+        kv_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, dtype)
+        for line in kv_cache_log_lines(pool, config.max_model_len, device=config.device.upper(), kv_dtype=kv_dtype):
+            logger.info(line)
+        logger.info("KV cache pool: %.3f GiB%s, %d bytes per token", pool.num_bytes / 2**30,
+                    f" on each of {tp} ranks" if tp > 1 else "", pool.bytes_per_token)
+        prefix_extra_keys = None
+        if model_config.rope.depends_on_prompt_len:
+            # Dynamic NTK RoPE: a long prompt's K depends on its length, so prefix-cache keys must too.
+            rope = model_config.rope
+            prefix_extra_keys = lambda req: rope.prefix_cache_key(req.num_prompt_tokens)  # noqa: E731
+        return EngineCore.build(config, executor, pool, prefix_extra_keys=prefix_extra_keys)
+    except BaseException:
+        executor.shutdown()
+        raise
+
+
+class Engine(EngineFrontend):
+    """The front-end with its engine core in process (LLM.generate, the in-thread server)."""
+
+    def __init__(self, config: EngineConfig, executor=None, tokenizer=None) -> None:
+        super().__init__(config, tokenizer)
+        self.engine_core = build_engine_core(config, self.model_config, self.dtype, self.eos_token_ids, executor,
+                                             self.grammar_compiler)
+        self.pool_sizing = self.engine_core.pool
 
     # -- looking inside (tests, benchmarks; the step never goes through these) -------------
     @property
@@ -96,42 +171,11 @@ class Engine:
     def block_pool(self):
         return self.engine_core.scheduler.kv.pool
 
-    # -- set-up helpers -------------------------------------------------------------------
-    def _load_tokenizer(self):
-        from transformers import AutoTokenizer
-        path = self.config.tokenizer or self.config.model
-        try:
-            return AutoTokenizer.from_pretrained(path)
-        except Exception as e:  # a checkpoint without tokenizer files can still run token ids
-            logger.warning("no tokenizer loaded from %s (%s); only token-id prompts will work", path, e)
-            return None
-
-    def _grammar_compiler(self):
-        """Structured outputs compile against the tokenizer's vocabulary: none without one."""
-        if self.tokenizer is None:
-            return None
-        from pagedserve.structured.compiler import GrammarCompiler
-        return GrammarCompiler(self.tokenizer, self.model_config.vocab_size, self.eos_token_ids)
-
-    def _eos_token_ids(self) -> frozenset[int]:
-        ids: set[int] = set()
-        gen_cfg = Path(self.config.model) / "generation_config.json"
-        if gen_cfg.is_file():
-            eos = json.loads(gen_cfg.read_text()).get("eos_token_id")
-            ids.update(eos if isinstance(eos, list) else [eos] if eos is not None else [])
-        eos = self.model_config.hf_config.get("eos_token_id")
-        ids.update(eos if isinstance(eos, list) else [eos] if eos is not None else [])
-        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
-            ids.add(self.tokenizer.eos_token_id)
-        return frozenset(ids)
+    def shutdown(self) -> None:
+        """Stop the executor (its worker processes, under tensor parallelism)."""
+        self.engine_core.shutdown()
 
     # -- requests in -------------------------------------------------------------------
-    def tokenize(self, prompt: str) -> list[int]:
-        return self.input_processor.tokenize(prompt)
-
-    def next_request_id(self) -> str:
-        return str(next(self._ids))
-
     def add_request(self, request_id: str | None, prompt: str | Sequence[int], params: SamplingParams | None = None,
                     arrival_time: float | None = None, priority: int = 0,
                     prompt_token_ids: Sequence[int] | None = None,

@@ -451,3 +451,57 @@ def _number(value: Any, key: str) -> float:
         raise _refuse(f"rope {key}={value!r} must be a number" if value is not None
                       else f"rope parameters lack {key}")
     return float(value)
+
+
+@dataclass(frozen=True)
+class TPShard:
+    """What one tensor-parallel rank holds of the model (Megatron-style).
+
+    Query heads are split evenly. KV heads are split when tp <= num_kv_heads; past that each
+    rank holds the one KV head its query heads read (heads replicated tp / num_kv_heads
+    times, as `pagedserve plan` counts). The MLP's intermediate dimension is split evenly;
+    the vocabulary is split into ceil(vocab / tp) rows per rank, the last rank's padded.
+    Rank r's query heads [q_head_start, +num_heads) read exactly its KV heads
+    [kv_head_start, +num_kv_heads): the GQA grouping survives the split.
+    """
+
+    tp: int
+    rank: int
+    num_heads: int
+    q_head_start: int
+    num_kv_heads: int
+    kv_head_start: int
+    intermediate_size: int
+    intermediate_start: int
+    vocab_per_rank: int
+    vocab_start: int
+    vocab_end: int          # exclusive, never past the real vocabulary
+
+    @classmethod
+    def of(cls, cfg: ModelConfig, tp: int = 1, rank: int = 0) -> "TPShard":
+        check_tensor_parallel(cfg.num_heads, cfg.num_kv_heads, cfg.intermediate_size, tp)
+        heads = cfg.num_heads // tp
+        if tp <= cfg.num_kv_heads:
+            kv_heads, kv_start = cfg.num_kv_heads // tp, rank * (cfg.num_kv_heads // tp)
+        else:
+            kv_heads, kv_start = 1, rank // (tp // cfg.num_kv_heads)
+        inter = cfg.intermediate_size // tp
+        vocab = -(-cfg.vocab_size // tp)
+        start = rank * vocab
+        return cls(tp, rank, heads, rank * heads, kv_heads, kv_start, inter, rank * inter, vocab, start,
+                   min(start + vocab, cfg.vocab_size))
+
+
+def check_tensor_parallel(num_heads: int, num_kv_heads: int, intermediate_size: int, tp: int) -> None:
+    """Refuse, with the numbers, a tensor_parallel_size the model cannot be split by."""
+    if tp == 1:
+        return
+    if num_heads % tp:
+        raise ValueError(f"tensor_parallel_size: {tp} does not divide the model's {num_heads} attention heads; "
+                         f"use a divisor of {num_heads}")
+    if num_kv_heads % tp and tp % num_kv_heads:
+        raise ValueError(f"tensor_parallel_size: {tp} neither divides the model's {num_kv_heads} KV heads nor is "
+                         f"a multiple of them (each rank needs whole KV heads)")
+    if intermediate_size % tp:
+        raise ValueError(f"tensor_parallel_size: {tp} does not divide the model's intermediate_size "
+                         f"{intermediate_size}")

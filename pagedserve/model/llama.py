@@ -2,7 +2,9 @@
 
 Tensors are flat over the step's tokens ([T, hidden]); the attention backend knows which
 tokens belong to which request. q/k/v and gate/up projections are fused at load time so
-each layer runs two GEMMs fewer.
+each layer runs two GEMMs fewer. Under tensor parallelism each rank builds the model with
+its TPShard's head and row counts and loads its slices of the checkpoint (model/parallel.py);
+with tp == 1 the shard is the whole model.
 """
 from __future__ import annotations
 
@@ -11,8 +13,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedserve.attention import AttentionMetadata, paged_attention
-from pagedserve.model.config import ModelConfig
+from pagedserve.model.config import ModelConfig, TPShard
 from pagedserve.model.layers import Linear
+from pagedserve.model.parallel import (RowParallelLinear, VocabParallelEmbedding, gather_vocab_logits,
+                                       shard_checkpoint_tensor)
 from pagedserve.model.rope import RotaryEmbedding
 
 
@@ -35,13 +39,13 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, shard: TPShard) -> None:
         super().__init__()
-        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        self.q_size = cfg.num_heads * cfg.head_dim
-        self.kv_size = cfg.num_kv_heads * cfg.head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = shard.num_heads, shard.num_kv_heads, cfg.head_dim
+        self.q_size = shard.num_heads * cfg.head_dim
+        self.kv_size = shard.num_kv_heads * cfg.head_dim
         self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias)
-        self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=cfg.o_proj_bias)
+        self.o_proj = RowParallelLinear(self.q_size, cfg.hidden_size, cfg.o_proj_bias, shard.tp)
         self.scale = self.head_dim ** -0.5
 
     def forward(self, x, cos, sin, k_cache, v_cache, meta: AttentionMetadata):
@@ -56,11 +60,11 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, shard: TPShard) -> None:
         super().__init__()
-        self.inter = cfg.intermediate_size
-        self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
-        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+        self.inter = shard.intermediate_size
+        self.gate_up_proj = Linear(cfg.hidden_size, 2 * self.inter, bias=cfg.mlp_bias)
+        self.down_proj = RowParallelLinear(self.inter, cfg.hidden_size, cfg.mlp_bias, shard.tp)
 
     def forward(self, x):
         gate, up = self.gate_up_proj(x).split([self.inter, self.inter], dim=-1)
@@ -68,12 +72,12 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, shard: TPShard) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg)
+        self.self_attn = Attention(cfg, shard)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg)
+        self.mlp = MLP(cfg, shard)
 
     def forward(self, h, cos, sin, k_cache, v_cache, meta):
         h = h + self.self_attn(self.input_layernorm(h), cos, sin, k_cache, v_cache, meta)
@@ -81,21 +85,25 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, shard: TPShard | None = None) -> None:
         super().__init__()
         self.cfg = cfg
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.shard = shard = shard or TPShard.of(cfg)
+        self.embed_tokens = VocabParallelEmbedding(shard, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, shard) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = (None if cfg.tie_word_embeddings
+                        else Linear(cfg.hidden_size, shard.vocab_per_rank, bias=False))
 
     # -- loading ----------------------------------------------------------------------
     def load_checkpoint(self, tensors) -> None:
-        """Copy HF-named tensors in, fusing q/k/v and gate/up as they arrive."""
+        """Copy HF-named tensors in (this rank's slices of them), fusing q/k/v and gate/up as
+        they arrive."""
         params = dict(self.named_parameters())
         loaded: set[str] = set()
-        q, kv = self.cfg.num_heads * self.cfg.head_dim, self.cfg.num_kv_heads * self.cfg.head_dim
-        inter = self.cfg.intermediate_size
+        shard = self.shard
+        q, kv = shard.num_heads * self.cfg.head_dim, shard.num_kv_heads * self.cfg.head_dim
+        inter = shard.intermediate_size
         fused = {"q_proj": ("qkv_proj", 0, q), "k_proj": ("qkv_proj", q, kv), "v_proj": ("qkv_proj", q + kv, kv),
                  "gate_proj": ("gate_up_proj", 0, inter), "up_proj": ("gate_up_proj", inter, inter)}
         for name, tensor in tensors:
@@ -113,6 +121,7 @@ class LlamaForCausalLM(nn.Module):
             if target not in params:
                 raise ValueError(f"model: unexpected tensor {name!r} in checkpoint")
             param = params[target]
+            tensor = shard_checkpoint_tensor(name, tensor, self.cfg, shard)
             with torch.no_grad():
                 if offset is None:
                     param.copy_(tensor)
@@ -140,7 +149,11 @@ class LlamaForCausalLM(nn.Module):
             h = layer(h, cos, sin, kv_cache[i, 0], kv_cache[i, 1], meta)
         return self.norm(h)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """fp32 logits over the whole vocabulary; under TP every rank must call this (it
+        gathers its vocabulary slice to rank 0), and only rank 0 gets the logits (None elsewhere)."""
         if self.lm_head is None:  # tied: the embedding table is the head, kept plain for the lookup
-            return F.linear(hidden, self.embed_tokens.weight).float()
-        return self.lm_head(hidden).float()
+            local = F.linear(hidden, self.embed_tokens.weight).float()
+        else:
+            local = self.lm_head(hidden).float()
+        return gather_vocab_logits(local, self.shard, self.cfg.vocab_size)

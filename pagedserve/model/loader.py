@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from pagedserve.model.config import SUPPORTED_ARCHITECTURES, ModelConfig, read_model_config
+from pagedserve.model.config import SUPPORTED_ARCHITECTURES, ModelConfig, TPShard, read_model_config
 from pagedserve.model.layers import prepare_linear_layers
 from pagedserve.model.llama import LlamaForCausalLM
 
@@ -35,11 +35,12 @@ def iter_checkpoint_tensors(path: Path):
                 yield key, f.get_tensor(key)
 
 
-def load_model(config: ModelConfig, dtype: str, device: str) -> LlamaForCausalLM:
-    """All three supported architectures run on LlamaForCausalLM; config says how they differ."""
+def load_model(config: ModelConfig, dtype: str, device: str, shard: TPShard | None = None) -> LlamaForCausalLM:
+    """All three supported architectures run on LlamaForCausalLM; config says how they differ.
+    `shard`: the tensor-parallel rank's share (default: the whole model)."""
     torch_dtype = TORCH_DTYPES[dtype]
     with torch.device("meta"):
-        model = LlamaForCausalLM(config)
+        model = LlamaForCausalLM(config, shard)
     model = model.to_empty(device=device).to(torch_dtype)
     model.load_checkpoint(iter_checkpoint_tensors(config.path))
     model.init_buffers(device)

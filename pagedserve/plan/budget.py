@@ -24,6 +24,7 @@ from .kv_budget import (
     dtype_bytes,
     kv_heads_per_rank,
     kv_replication,
+    kv_replication_warning,
     max_concurrency,
     size_kv_pool_for_dtype,
 )
@@ -311,11 +312,8 @@ def _warnings(plan: Plan, usable: int, total: int, non_kv: int) -> list[str]:
             f"MLA keeps the whole latent KV on every rank: TP {tp} does not shrink the KV per token "
             f"({plan.kv_bytes_per_token:,} bytes on each of the {tp} ranks)."
         )
-    elif not shape.is_mla and tp > shape.num_kv_heads:
-        out.append(
-            f"TP {tp} is larger than the model's {shape.num_kv_heads} KV heads: each KV head is replicated on "
-            f"{plan.kv_replication:g} ranks, so the group spends {plan.kv_replication:g}x the KV memory per token."
-        )
+    elif (replicated := kv_replication_warning(shape, tp)) is not None:
+        out.append(replicated)
     if not shape.is_mla and tp > 1 and shape.num_kv_heads % tp and tp % shape.num_kv_heads:
         out.append(f"{shape.num_kv_heads} KV heads cannot be split evenly over TP {tp}; vLLM will refuse this TP size.")
     if shape.num_attention_heads % tp:

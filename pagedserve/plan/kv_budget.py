@@ -142,6 +142,15 @@ def kv_replication(shape: ModelShape, tp: int = 1) -> float:
     return kv_heads_per_rank(shape, tp) * tp / shape.num_kv_heads
 
 
+def kv_replication_warning(shape: ModelShape, tp: int) -> str | None:
+    """The warning `pagedserve plan` prints and the engine logs when TP exceeds the KV heads."""
+    if shape.is_mla or tp <= shape.num_kv_heads:
+        return None
+    copies = kv_replication(shape, tp)
+    return (f"TP {tp} is larger than the model's {shape.num_kv_heads} KV heads: each KV head is replicated on "
+            f"{copies:g} ranks, so the group spends {copies:g}x the KV memory per token.")
+
+
 def kv_bytes_per_token(shape: ModelShape, kv_dtype_bytes: float, tp: int = 1, scale_bytes: int = 0) -> int:
     """KV bytes one token occupies on one GPU (one TP rank).
 

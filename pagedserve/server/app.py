@@ -32,6 +32,7 @@ from pagedserve.engine.output_processor import OutputKind
 from pagedserve.server.gate import Gate
 from pagedserve.server.protocol import (ChatCompletionRequest, ChatMessage, CompletionRequest, DetokenizeRequest,
                                         ErrorResponse, NamedToolChoice, TokenizeRequest)
+from pagedserve.server.request_trace import ArrivalStamp, RequestTrace, request_trace_path
 from pagedserve.structured.params import StructuredOutputsParams
 from pagedserve.structured.tool_parsers import get_tool_parser
 from pagedserve.structured.tools import (NamedCallStream, RequiredCallStream, ToolCall, calls_from_required,
@@ -131,6 +132,14 @@ class OpenAIServer:
         self.created = int(time.time())
         # One thread: the tokenizer is not made for concurrent calls, and the loop must not wait on it.
         self._tokenizer_thread = ThreadPoolExecutor(1, thread_name_prefix="pagedserve-tokenizer")
+        trace_path = self.engine.config.step_trace_path
+        self.request_trace = RequestTrace(request_trace_path(trace_path)) if trace_path else None
+
+    def trace_arrival(self, rid: str, request: Request) -> None:
+        """Streamed requests, with --step-trace-path: note when the HTTP request came and when it
+        is handed to the engine (just before submit), for the request trace."""
+        if self.request_trace is not None:
+            self.request_trace.arrived(rid, getattr(request.state, "t_http", None))
 
     async def off_loop(self, fn, *args):
         """Run a tokenizing call on the tokenizer thread (a long prompt never stalls the loop)."""
@@ -465,6 +474,11 @@ class OpenAIServer:
         finals: dict[int, RequestOutput] = {}
         include_usage = bool(stream_options and stream_options.include_usage)
         continuous = include_usage and bool(stream_options.continuous_usage_stats)
+        trace = self.request_trace
+        first_out: dict[int, float] = {}
+        last_out: dict[int, float] = {}
+        chunks: dict[int, int] = {}
+        tokens: dict[int, int] = {}
 
         def chunk(choices: list[dict], usage=None) -> str:
             payload = {"id": rid, "object": obj, "created": created, "model": self.model_name, "choices": choices}
@@ -477,19 +491,32 @@ class OpenAIServer:
                 if out.finished:
                     finals[i] = out
                 choices = []
+                new_tokens = 0
                 for comp in out.outputs:
                     index = i * n + comp.index
                     choices.append(make_choice(index, comp, index not in started, out))
                     started.add(index)
-                    num_generated += len(comp.token_ids) if count_tokens else 0
+                    new_tokens += len(comp.token_ids)
+                num_generated += new_tokens if count_tokens else 0
                 if choices:
+                    if trace is not None and new_tokens:
+                        now = time.monotonic()
+                        first_out.setdefault(i, now)
+                        last_out[i] = now
+                        chunks[i] = chunks.get(i, 0) + 1
+                        tokens[i] = tokens.get(i, 0) + new_tokens
                     yield chunk(choices, self._usage(prompts, num_generated, finals.values()) if continuous else None)
             if include_usage:
                 yield chunk([], self._usage(prompts, num_generated, finals.values()))
             yield "data: [DONE]\n\n"
+            if trace is not None:
+                trace.streamed(rid, [len(p.token_ids) for p in prompts], finals, first_out, last_out, chunks, tokens)
         except APIError as e:
             yield f"data: {json.dumps(error_body(e.status, e.message, e.type, e.param))}\n\n"
             yield "data: [DONE]\n\n"
+        finally:
+            if trace is not None:
+                trace.forget(rid)
 
     def completion_stream(self, body: CompletionRequest, rid: str, prompts: list[_Prompt], params: SamplingParams,
                           queue: asyncio.Queue, ids: list[str]) -> AsyncIterator[str]:
@@ -685,9 +712,11 @@ class _EngineStream(StreamingResponse):
 
 def build_app(async_engine: AsyncLLM, api_key: str | None = None, manage_engine: bool = True,
               max_request_bytes: int | None = None, enable_prompt_tokens_details: bool = False,
-              enable_auto_tool_choice: bool = False, tool_call_parser: str | None = None) -> FastAPI:
+              enable_auto_tool_choice: bool = False, tool_call_parser: str | None = None,
+              dashboard: bool = True) -> FastAPI:
     """The FastAPI app. With manage_engine the engine thread starts and stops with the app.
-    `max_request_bytes`: None = default_max_request_bytes(max_model_len); 0 = no limit."""
+    `max_request_bytes`: None = default_max_request_bytes(max_model_len); 0 = no limit.
+    `dashboard`: serve /dashboard (server/dashboard.py)."""
     server = OpenAIServer(async_engine, enable_prompt_tokens_details, enable_auto_tool_choice, tool_call_parser)
     metrics = async_engine.metrics
     if max_request_bytes is None:
@@ -702,11 +731,15 @@ def build_app(async_engine: AsyncLLM, api_key: str | None = None, manage_engine:
         finally:
             if manage_engine:
                 async_engine.shutdown()
+            if server.request_trace is not None:
+                server.request_trace.close()
 
     app = FastAPI(title="pagedserve", version=pagedserve.__version__, lifespan=lifespan)
     app.state.server = server
     app.state.async_engine = async_engine
     app.add_middleware(Gate, api_key=api_key, max_request_bytes=max_request_bytes or None)
+    if server.request_trace is not None:
+        app.add_middleware(ArrivalStamp)  # added last = outermost: the stamp precedes the gate
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, e: StarletteHTTPException):
@@ -776,6 +809,7 @@ def build_app(async_engine: AsyncLLM, api_key: str | None = None, manage_engine:
         prompts, params = await server.off_loop(server.prepare_completion, body)
         if body.stream:
             rid = f"cmpl-{uuid.uuid4().hex}"
+            server.trace_arrival(rid, request)
             queue, ids = server.submit(rid, prompts, params, body.priority, OutputKind.DELTA)
             return _EngineStream(server.completion_stream(body, rid, prompts, params, queue, ids), async_engine, ids)
         return await _unless_disconnected(request, server.completion(body, prompts, params))
@@ -785,6 +819,7 @@ def build_app(async_engine: AsyncLLM, api_key: str | None = None, manage_engine:
         plan = await server.off_loop(server.prepare_chat, body)
         if body.stream:
             rid = f"chatcmpl-{uuid.uuid4().hex}"
+            server.trace_arrival(rid, request)
             queue, ids = server.submit(rid, [plan.prompt], plan.params, body.priority, OutputKind.DELTA)
             return _EngineStream(server.chat_stream(body, rid, plan, queue, ids), async_engine, ids)
         return await _unless_disconnected(request, server.chat(body, plan))
@@ -811,4 +846,10 @@ def build_app(async_engine: AsyncLLM, api_key: str | None = None, manage_engine:
             raise APIError(400, "tokens: this model has no tokenizer", "tokens")
         return {"prompt": await server.off_loop(server.decode, body.tokens)}
 
+    if dashboard and async_engine.engine_core is None:
+        logger.warning("no /dashboard: its pool view reads the engine core, which runs in another process "
+                       "here (--engine-core-mode process); use --engine-core-mode thread to see it")
+    elif dashboard:
+        from pagedserve.server.dashboard import mount_dashboard
+        mount_dashboard(app, async_engine)
     return app

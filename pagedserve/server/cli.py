@@ -1,6 +1,7 @@
 """`pagedserve serve`: every engine knob as a vLLM-named flag, plus the server's own."""
 from __future__ import annotations
 
+import argparse
 import logging
 import os
 
@@ -12,7 +13,7 @@ logger = logging.getLogger("pagedserve.server")
 
 _SERVER_DEFAULTS = {"host": "127.0.0.1", "port": 8000, "api_key": None, "max_queue_len": None,
                     "max_request_bytes": None, "enable_prompt_tokens_details": False,
-                    "enable_auto_tool_choice": False, "tool_call_parser": None}
+                    "enable_auto_tool_choice": False, "tool_call_parser": None, "dashboard": True}
 
 
 def register(sub) -> None:
@@ -40,9 +41,16 @@ def register(sub) -> None:
     server.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_PARSERS),
                         help="how to read a model's tool calls under tool_choice auto: hermes (<tool_call> tags: "
                              "Hermes, Qwen) or llama3_json (Llama 3.x JSON calls)")
+    server.add_argument("--dashboard", action=argparse.BooleanOptionalAction, default=None,
+                        help="serve the live KV-pool dashboard at /dashboard (default on; public like /metrics, "
+                             "also with --api-key: it shows request ids and counts, never text)")
     server.add_argument("--log-interval", type=float, default=10.0,
                         help="seconds between stats log lines (0 = off)")
     server.add_argument("--uvicorn-log-level", default="info")
+    server.add_argument("--engine-core-mode", choices=("auto", "thread", "process"), default="auto",
+                        help="where the engine core (scheduler + executor) runs: a thread of the API process, "
+                             "or its own process fed over ZMQ; auto = process on CUDA, and on CPU the one "
+                             "measured faster (see README, Scaling out)")
     p.set_defaults(func=run)
 
 
@@ -67,6 +75,8 @@ def server_settings(args) -> dict:
         raise ValueError(f"max_request_bytes: must be an integer >= 0 (0 = no limit), got {size!r}")
     if not isinstance(port, int) or not 0 <= port <= 65535:
         raise ValueError(f"port: must be an integer in [0, 65535], got {port!r}")
+    if not isinstance(settings["dashboard"], bool):
+        raise ValueError(f"dashboard: must be true or false, got {settings['dashboard']!r}")
     if queue is not None and (not isinstance(queue, int) or queue < 0):
         raise ValueError(f"max_queue_len: must be an integer >= 0, got {queue!r}")
     parser = settings["tool_call_parser"]
@@ -77,10 +87,16 @@ def server_settings(args) -> dict:
     return settings
 
 
+# After the engine dies the server answers 503 for this long (so health probes and load
+# balancers see why), then exits non-zero.
+EXIT_AFTER_ENGINE_DEATH_SECONDS = 2.0
+
+
 def run(args) -> int:
-    import uvicorn
+    import asyncio
 
     from pagedserve.engine_args import engine_config_from_args
+    from pagedserve.server.dashboard import make_server
     from pagedserve.server.launcher import build_server
 
     settings = server_settings(args)
@@ -90,7 +106,25 @@ def run(args) -> int:
                                      max_request_bytes=settings["max_request_bytes"],
                                      enable_prompt_tokens_details=bool(settings["enable_prompt_tokens_details"]),
                                      enable_auto_tool_choice=bool(settings["enable_auto_tool_choice"]),
-                                     tool_call_parser=settings["tool_call_parser"])
+                                     tool_call_parser=settings["tool_call_parser"],
+                                     engine_core_mode=getattr(args, "engine_core_mode", "auto"),
+                                     dashboard=settings["dashboard"])
+    server = make_server(app, settings["host"], settings["port"], args.uvicorn_log_level)
+
+    def exit_soon(error: BaseException) -> None:
+        logger.error("the engine is dead (%s: %s); the server exits in %.0f s", type(error).__name__, error,
+                     EXIT_AFTER_ENGINE_DEATH_SECONDS)
+        asyncio.get_running_loop().call_later(EXIT_AFTER_ENGINE_DEATH_SECONDS, setattr, server, "should_exit", True)
+
+    async_engine.on_dead.append(exit_soon)
     logger.info("serving %s on http://%s:%d", async_engine.engine.model_name, settings["host"], settings["port"])
-    uvicorn.run(app, host=settings["host"], port=settings["port"], log_level=args.uvicorn_log_level)
+    if getattr(app.state, "dashboard", None) is not None:
+        logger.info("dashboard: http://%s:%d/dashboard", settings["host"], settings["port"])
+    try:
+        server.run()
+    finally:
+        async_engine.shutdown()  # a no-op if the app's lifespan already did it; never leave a process behind
+    if async_engine.dead_error is not None:
+        logger.error("exiting with status 1: the engine died: %s", async_engine.dead_error)
+        return 1
     return 0

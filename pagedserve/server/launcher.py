@@ -13,22 +13,57 @@ from pagedserve.server.app import build_app
 from pagedserve.engine.async_llm import AsyncLLM
 
 
+ENGINE_CORE_MODES = ("auto", "thread", "process")
+
+
+def resolve_engine_core_mode(mode: str, device: str) -> str:
+    """auto: its own process on CUDA (the GPU must never wait on the GIL); on CPU the
+    measured faster of the two (benchmarks/scaleout.py; README "Scaling out")."""
+    if mode not in ENGINE_CORE_MODES:
+        raise ValueError(f"engine_core_mode: must be one of {ENGINE_CORE_MODES}, got {mode!r}")
+    if mode != "auto":
+        return mode
+    return "process" if device == "cuda" else CPU_DEFAULT_ENGINE_CORE_MODE
+
+
+CPU_DEFAULT_ENGINE_CORE_MODE = "thread"
+
+
 def build_server(config: EngineConfig, api_key: str | None = None, max_queue_len: int | None = None,
                  log_interval: float = 10.0, max_request_bytes: int | None = None,
                  enable_prompt_tokens_details: bool = False, enable_auto_tool_choice: bool = False,
-                 tool_call_parser: str | None = None):
-    """(app, async_engine) for a fresh Engine; the engine thread starts with the app."""
-    from pagedserve.engine.llm_engine import Engine
+                 tool_call_parser: str | None = None, engine_core_mode: str = "thread",
+                 dashboard: bool = True):
+    """(app, async_engine). engine_core_mode: "thread" (the core steps in a thread of this
+    process, from an Engine), "process" (an engine-core process, started and ready before
+    this returns), or "auto". The core's side starts with the app."""
+    from pagedserve.engine.llm_engine import Engine, EngineFrontend
 
-    engine = Engine(config)
+    mode = resolve_engine_core_mode(engine_core_mode, config.device)
+    if mode == "process":
+        from pagedserve.engine.core_client import ProcessCoreClient
+
+        engine = EngineFrontend(config)
+        client = ProcessCoreClient(config, engine.eos_token_ids)
+    else:
+        engine, client = Engine(config), None
     metrics = EngineMetrics(engine.model_name, engine.config.max_model_len, log_interval=log_interval,
                             max_num_batched_tokens=engine.config.max_num_batched_tokens)
-    metrics.set_cache_config(engine.kv_cache_dtype, engine.config.block_size, engine.pool_sizing.num_blocks,
-                             engine.pool_sizing.bytes_per_token)
-    async_engine = AsyncLLM(engine, metrics, max_queue_len=max_queue_len)
+    if client is None:
+        num_blocks, bytes_per_token = engine.pool_sizing.num_blocks, engine.pool_sizing.bytes_per_token
+    else:  # the core process sized the pool; the bytes per token follow from the config alone
+        from pagedserve.core.engine_core import size_pool
+        from pagedserve.plan.kv_budget import ModelShape
+
+        num_blocks = client.initial_snapshot().stats.num_total_blocks
+        shape = ModelShape.from_hf_config(engine.model_config.hf_config)
+        bytes_per_token = size_pool(engine.config, shape, engine.dtype).bytes_per_token
+    metrics.set_cache_config(engine.kv_cache_dtype, engine.config.block_size, num_blocks, bytes_per_token)
+    async_engine = AsyncLLM(engine, metrics, max_queue_len=max_queue_len, client=client)
     return build_app(async_engine, api_key=api_key, max_request_bytes=max_request_bytes,
                      enable_prompt_tokens_details=enable_prompt_tokens_details,
-                     enable_auto_tool_choice=enable_auto_tool_choice, tool_call_parser=tool_call_parser), async_engine
+                     enable_auto_tool_choice=enable_auto_tool_choice, tool_call_parser=tool_call_parser,
+                     dashboard=dashboard), async_engine
 
 
 class ServerThread:

@@ -3,7 +3,9 @@
     pagedserve simulate --model llama-3.1-70b --gpu H100-SXM --tp 4 --gpu-memory-utilization 0.9 \\
         --max-num-seqs 64 --max-num-batched-tokens 8192 --workload long-context --request-rate 2 \\
         --num-prompts 2000
-    pagedserve simulate calibrate --trace steps.jsonl --model CKPT_DIR --out cost.json
+    pagedserve serve --model CKPT_DIR --step-trace-path steps.jsonl ...      # the live server, traced
+    pagedserve bench --dataset calibration --request-rate 2 --num-prompts 200 --result-file bench.json
+    pagedserve simulate calibrate --trace steps.jsonl --bench-result bench.json --model CKPT_DIR --out cost.json
     pagedserve simulate --device cpu --model CKPT_DIR --cost-model cost.json --kv-cache-memory 64MiB ...
 
 The engine's own scheduler and KV-cache manager run on a virtual clock; a cost model
@@ -40,7 +42,6 @@ def _add_deployment_args(p: argparse.ArgumentParser, engine_flags: bool = True) 
         add_engine_args(p)
     g = p.add_argument_group("simulated hardware")
     g.add_argument("--gpu", default=None, help="GPU preset (H100-SXM, A100-80GB, H200, L40S, ...); omit with --device cpu")
-    g.add_argument("--tensor-parallel-size", "-tp", "--tp", dest="tp", type=int, default=1)
     g.add_argument("--cost-model", default=None, metavar="COST.json",
                    help="cost constants from `simulate calibrate` (default: the GPU preset's stated defaults)")
 
@@ -55,42 +56,77 @@ def register(subparsers) -> None:
                    help="write the report, timelines and per-request preemptions as JSON")
     o.add_argument("--plot", "--plot-dir", dest="plot", default=None, metavar="DIR", help="write PNG plots here")
     o.add_argument("--save-records", action="store_true", help="include every request's timings in the JSON")
+    dash = p.add_argument_group("dashboard")
+    dash.add_argument("--dashboard", action="store_true",
+                      help="replay the run into the server's /dashboard page (it starts when the page connects; "
+                           "the page stays up after the run until Ctrl-C)")
+    dash.add_argument("--dashboard-speed", type=float, default=1.0, metavar="X",
+                      help="simulated seconds per wall second (inf = as fast as it runs)")
+    dash.add_argument("--dashboard-host", default="127.0.0.1")
+    dash.add_argument("--dashboard-port", type=int, default=8000)
     p.set_defaults(func=run)
 
     sub = p.add_subparsers(dest="sim_command", required=False)
-    c = sub.add_parser("calibrate", help="fit the cost model to a real engine's step trace (--step-trace-path)")
-    c.add_argument("--trace", required=True, help="JSON lines written by the engine (EngineConfig.step_trace_path)")
+    c = sub.add_parser("calibrate", help="fit the cost model to a real engine's step trace (--step-trace-path)",
+                       description="Fit the step cost (and, from the server's request trace, the serving "
+                                   "overhead) to what a live server logged; print the fit's error by step kind "
+                                   "and warn where the trace leaves a term unfitted.")
+    src = c.add_mutually_exclusive_group(required=True)
+    src.add_argument("--trace", nargs="+", metavar="TRACE",
+                     help="JSON lines written by the engine (--step-trace-path); several runs may be given")
+    src.add_argument("--from-bench", metavar="RESULT.json",
+                     help="a server that writes no step trace (vLLM): rebuild its steps from this `pagedserve bench "
+                          "--result-file` (every streamed token's arrival; see pagedserve/sim/reconstruct.py)")
+    c.add_argument("--metrics-before", default=None, metavar="FILE",
+                   help="with --from-bench: the server's /metrics scraped just before the run ...")
+    c.add_argument("--metrics-after", default=None, metavar="FILE",
+                   help="... and just after: the serving overhead is the client's TTFT minus the engine's own")
+    c.add_argument("--request-trace", default=None, nargs="+", metavar="FILE",
+                   help="the server's request trace, one per TRACE (default: each TRACE's companion "
+                        "STEM.requests.jsonl, where it exists)")
+    c.add_argument("--bench-result", default=None, nargs="+", metavar="FILE",
+                   help="`pagedserve bench --result-file` of the run that made each TRACE: adds the client's send "
+                        "and receive times to the serving overhead (what the server cannot see of itself)")
+    c.add_argument("--max-model-len", type=int, default=None,
+                   help="the longest context simulations will ask about (warns when the trace has none that long)")
+    c.add_argument("--combine", choices=("max", "sum"), default=None,
+                   help="compute and memory time: max = roofline (default on GPU), sum = added (default on CPU)")
+    c.add_argument("--json", action="store_true", help="print the fitted constants and the fit report as JSON")
     c.add_argument("--model", required=True, help="the checkpoint directory (config.json) or preset the trace ran")
     c.add_argument("--out", required=True, help="where to write the cost model JSON")
     c.add_argument("--gpu", default=None, help="the GPU the trace ran on (its peaks scale the efficiencies); omit for CPU")
-    c.add_argument("--tensor-parallel-size", "-tp", "--tp", dest="tp", type=int, default=1)
+    c.add_argument("--tensor-parallel-size", "-tp", "--tp", dest="tensor_parallel_size", type=int, default=1)
     c.add_argument("--dtype", default="auto", help="the dtype the engine ran (auto: float32 on CPU, checkpoint's on GPU)")
     c.add_argument("--block-size", type=int, default=16)
     c.add_argument("--attention-layout", choices=("paged", "padded"), default=None,
                    help="how the engine's attention backend spends work: padded = pagedserve's torch "
-                        "backend (default on CPU), paged = FlashAttention-style kernels (default on GPU)")
+                        "backend, paged = FlashAttention-style kernels (default on GPU); on CPU the default "
+                        "fits the share of padding the backend pays, so either backend is described")
     c.set_defaults(func=run_calibrate)
 
 
-def build_workload(args, vocab_size: int):
+def build_workload(args, vocab_size: int, max_len: int | None = None):
     from pagedserve.sim.simulator import load_trace_workload
 
     if args.workload_trace:
         return load_trace_workload(args.workload_trace)
     kw = dataset_kwargs(args, vocab_size)
+    if args.dataset == "calibration" and max_len:
+        kw["max_len"] = max_len  # as the bench caps it to the server's max_model_len
     return make_workload(args.dataset, args.num_prompts, request_rate=args.request_rate, burstiness=args.burstiness,
                          seed=args.seed or 0, dataset_path=args.dataset_path, **kw)
 
 
 def run(args) -> int:
     from pagedserve.engine_args import engine_config_from_args
-    from pagedserve.bench.report import format_summary, parse_goodput, results_from_records, summarize
+    from pagedserve.bench.report import parse_goodput
+    from pagedserve.sim.cost_model import ServingOverhead
     from pagedserve.sim.simulator import build_deployment, simulate
 
+    if args.dashboard:
+        _check_dashboard_args(args)
     if args.num_prompts < 1:
         raise ValueError(f"num_prompts: must be >= 1, got {args.num_prompts}")
-    if args.tp < 1:
-        raise ValueError(f"tensor_parallel_size: must be >= 1, got {args.tp}")
     slos = parse_goodput(args.goodput)
     config = engine_config_from_args(args)
     if args.model is None:
@@ -98,8 +134,8 @@ def run(args) -> int:
     if args.gpu is None and args.device != "cpu":
         raise ValueError("gpu: give a GPU preset (--gpu H100-SXM), or --device cpu with --cost-model")
     gpu = None if args.device == "cpu" else args.gpu
-    dep = build_deployment(config, args.model, gpu=gpu, tp=args.tp, cost_params=args.cost_model)
-    workload = build_workload(args, dep.vocab_size)
+    dep = build_deployment(config, args.model, gpu=gpu, cost_params=args.cost_model)
+    workload = build_workload(args, dep.vocab_size, dep.config.max_model_len)
     rate = "inf" if math.isinf(args.request_rate) else f"{args.request_rate:g}"
     cfg = dep.config
     print(f"pagedserve simulate: {dep.model_name} on {dep.device} x{dep.tp}; KV pool {dep.pool_note}; "
@@ -107,7 +143,50 @@ def run(args) -> int:
           f"max_model_len={cfg.max_model_len}; cost model: {dep.cost_model.params.source}", flush=True)
     print(f"workload: {args.workload_trace or args.dataset} x {len(workload)}, request rate {rate}, "
           f"burstiness {args.burstiness:g}, max concurrency {args.max_concurrency}", flush=True)
+    print(f"serving overhead: {ServingOverhead.from_dict(dep.cost_model.params.serving).describe()}", flush=True)
+    if cfg.step_trace_path:
+        print(f"step trace (virtual time): {cfg.step_trace_path}", flush=True)
+    if args.dashboard:
+        return _run_with_dashboard(args, dep, workload, slos)
     result = simulate(dep, workload, max_concurrency=args.max_concurrency, goodput_slos=slos, seed=args.seed or 0)
+    _report(args, dep, result, slos)
+    return 0
+
+
+def _check_dashboard_args(args) -> None:
+    if not args.dashboard_speed > 0:
+        raise ValueError(f"dashboard_speed: must be > 0 simulated seconds per second, got {args.dashboard_speed}")
+    if not 0 <= args.dashboard_port <= 65535:
+        raise ValueError(f"dashboard_port: must be in [0, 65535], got {args.dashboard_port}")
+
+
+def _run_with_dashboard(args, dep, workload, slos) -> int:
+    from pagedserve.server.dashboard import run_server
+    from pagedserve.sim.dashboard_replay import SimReplay, replay_info, workload_prompt_len
+    from pagedserve.sim.simulator import simulate
+
+    speed = args.dashboard_speed
+
+    def run_simulation(on_step, gate):
+        return simulate(dep, workload, max_concurrency=args.max_concurrency, goodput_slos=slos,
+                        seed=args.seed or 0, on_step=on_step, pool_snapshots=gate)
+
+    def on_done(result):
+        _report(args, dep, result, slos)
+        print("simulation finished; the dashboard stays up until Ctrl-C", flush=True)
+
+    replay = SimReplay(run_simulation, replay_info(dep, speed), workload_prompt_len(workload),
+                       dep.config.max_model_len, speed=speed, on_done=on_done)
+    print(f"dashboard: open http://{args.dashboard_host}:{args.dashboard_port}/dashboard — the replay "
+          f"(x{speed:g}) starts when the page connects", flush=True)
+    run_server(replay.app(), args.dashboard_host, args.dashboard_port, "warning")
+    return 1 if replay.error is not None else 0
+
+
+def _report(args, dep, result, slos) -> None:
+    from pagedserve.bench.report import format_summary, results_from_records, summarize
+    from pagedserve.sim.cost_model import run_beyond_coverage
+
     summary = summarize(results_from_records(result.records), result.metrics["duration"], slos,
                         server=result.server_view())
     print(format_summary(summary, "Simulated Serving Result"))
@@ -116,6 +195,8 @@ def run(args) -> int:
           f"recomputed tokens {result.num_recomputed_tokens}, blocks swapped out/in "
           f"{result.num_blocks_swapped_out}/{result.num_blocks_swapped_in}; "
           f"{result.num_steps} steps simulated in {result.sim_wall_s:.1f} s")
+    for warning in run_beyond_coverage(dep.cost_model.params.coverage, result.shapes):
+        print(f"warning: {warning}")
     if args.result_json:
         payload = result.to_dict(dep)
         if args.save_records:
@@ -132,34 +213,152 @@ def run(args) -> int:
         for path in plot_run(results_from_records(result.records), result.timeline.as_scraped(),
                              result.metrics["duration"], args.plot):
             print(f"wrote {path}")
-    return 0
 
 
 def run_calibrate(args) -> int:
-    from pagedserve.plan.models import load_model
-    from pagedserve.sim.cost_model import (CPU_NOMINAL_BANDWIDTH, CPU_NOMINAL_FLOPS, CostModel, CostParams,
-                                           ModelCost, fit, read_trace)
     from pagedserve.config import resolve_dtype
+    from pagedserve.plan.models import load_model
+    from pagedserve.server.request_trace import request_trace_path
+    from pagedserve.sim.cost_model import (CPU_NOMINAL_BANDWIDTH, CPU_NOMINAL_FLOPS, CostModel, CostParams,
+                                           ModelCost, fit, fit_serving,
+                                           match_client_records, read_request_trace, read_trace)
 
     info = load_model(args.model)
     if args.gpu:
         from pagedserve.plan.gpus import get_gpu
-        spec = get_gpu(args.gpu)
-        base = CostParams.for_gpu(spec)
+        base = CostParams.for_gpu(get_gpu(args.gpu))
         base.attention_layout = args.attention_layout or "paged"
+        base.combine = args.combine or "max"
         dtype = info.checkpoint_dtype if args.dtype == "auto" else args.dtype
     else:
         base = CostParams(peak_flops=CPU_NOMINAL_FLOPS, mem_bandwidth=CPU_NOMINAL_BANDWIDTH,
-                          attention_layout=args.attention_layout or "padded")
+                          attention_layout=args.attention_layout or "paged", combine=args.combine or "sum")
         dtype = resolve_dtype(args.dtype, info.checkpoint_dtype, "cpu")
-    mcost = ModelCost.from_shape(info.shape, dtype, None, args.tp)
-    records = read_trace(args.trace)
-    params, report = fit(records, mcost, base, block_size=args.block_size)
-    CostModel(mcost, params, args.block_size).save(args.out, {"fit": report, "model": info.name,
-                                                               "trace": str(args.trace), "dtype": dtype})
-    print(json.dumps({"params": params.to_dict(), "fit": report}, indent=2))
+    mcost = ModelCost.from_shape(info.shape, dtype, None, args.tensor_parallel_size)
+    if args.from_bench:
+        return _calibrate_from_bench(args, info, mcost, base, dtype)
+    for name, given in (("request_trace", args.request_trace), ("bench_result", args.bench_result)):
+        if given is not None and len(given) != len(args.trace):
+            raise ValueError(f"{name}: give one per --trace ({len(args.trace)}), got {len(given)}")
+    records = []
+    for path in args.trace:
+        # Runs are kept apart: a run's last step is followed by no gap (num_unfinished 0 or not).
+        run = read_trace(path)
+        run[-1].num_unfinished = 0
+        records += run
+    params, report = fit(records, mcost, base, block_size=args.block_size,
+                         fit_pad_share=args.attention_layout is None and not args.gpu,
+                         max_model_len=args.max_model_len)
+
+    requests, missing, matched = [], [], 0
+    for k, path in enumerate(args.trace):
+        request_path = args.request_trace[k] if args.request_trace else request_trace_path(path)
+        if not args.request_trace and not Path(request_path).is_file():
+            missing.append(str(request_path))
+            continue
+        run_requests = read_request_trace(request_path)
+        if args.bench_result:
+            matched += match_client_records(run_requests, json.loads(Path(args.bench_result[k]).read_text()))
+        requests += run_requests
+    serving_report = None
+    if requests:
+        serving, serving_report = fit_serving(requests, records)
+        serving_report["client_records_matched"] = matched if args.bench_result else None
+        params.serving = serving.to_dict()
+    if missing:
+        report["warnings"].append(f"no request trace ({', '.join(missing)}): the serving overhead (HTTP, "
+                                  f"tokenization, streaming) is "
+                                  + ("fitted on the other runs only" if requests else
+                                     "not modelled; TTFT will be low by it"))
+    CostModel(mcost, params, args.block_size).save(args.out, {"fit": report, "serving_fit": serving_report,
+                                                              "model": info.name, "trace": [str(t) for t in args.trace],
+                                                              "dtype": dtype})
+    if args.json:
+        print(json.dumps({"params": params.to_dict(), "fit": report, "serving_fit": serving_report}, indent=2))
+    else:
+        print(format_calibration(params, report, serving_report))
     print(f"wrote {args.out}")
     return 0
+
+
+def _calibrate_from_bench(args, info, mcost, base, dtype) -> int:
+    from pagedserve.sim.cost_model import CostModel, ServingOverhead, fit
+    from pagedserve.sim.reconstruct import serving_from_metrics, steps_from_bench
+
+    result = json.loads(Path(args.from_bench).read_text())
+    rebuilt = steps_from_bench(result)
+    params, report = fit(rebuilt.steps, mcost, base, block_size=args.block_size,
+                         fit_pad_share=args.attention_layout is None and not args.gpu,
+                         max_model_len=args.max_model_len)
+    report["reconstruction"] = {"threshold_s": rebuilt.threshold_s, "num_requests": rebuilt.num_requests,
+                                "num_skipped": rebuilt.num_skipped, "num_clusters": rebuilt.num_clusters,
+                                "num_idle_starts": rebuilt.num_idle_starts, "num_split": rebuilt.num_split}
+    report["warnings"] = rebuilt.notes + report["warnings"]
+    serving_report = None
+    if args.metrics_before and args.metrics_after:
+        admit, serving_report = serving_from_metrics(result, Path(args.metrics_before).read_text(),
+                                                     Path(args.metrics_after).read_text())
+        params.serving = ServingOverhead(admit_s=admit, source="client TTFT minus the engine's queue + prefill "
+                                                               "time (its /metrics)").to_dict()
+    else:
+        report["warnings"].append("no --metrics-before/--metrics-after: the serving overhead is not modelled")
+    CostModel(mcost, params, args.block_size).save(args.out, {"fit": report, "serving_fit": serving_report,
+                                                              "model": info.name, "from_bench": args.from_bench,
+                                                              "dtype": dtype})
+    if args.json:
+        print(json.dumps({"params": params.to_dict(), "fit": report, "serving_fit": serving_report}, indent=2))
+    else:
+        r = report["reconstruction"]
+        print(f"rebuilt {len(rebuilt.steps)} steps from {r['num_requests']} requests' token arrivals "
+              f"({r['num_clusters']} clusters at a {r['threshold_s'] * 1e3:.1f} ms threshold; {r['num_idle_starts']} "
+              f"after an idle spell left out; {r['num_skipped']} requests skipped)")
+        print(format_calibration(params, report, None))
+        if serving_report:
+            print(f"  measured means: client TTFT {serving_report['client_ttft_mean_s'] * 1e3:.1f} ms, engine queue "
+                  f"{serving_report['engine_queue_mean_s'] * 1e3:.1f} ms + prefill "
+                  f"{serving_report['engine_prefill_mean_s'] * 1e3:.1f} ms")
+    print(f"wrote {args.out}")
+    return 0
+
+
+def format_calibration(params, report: dict, serving_report: dict | None) -> str:
+    """What calibrate tells a person: the fit's error by step kind, what the trace covered,
+    the serving overhead, and every warning."""
+    from pagedserve.sim.cost_model import ServingOverhead, coverage_note, format_error_report
+
+    gap = report.get("step_gap") or {}
+    lines = [
+        f"calibrated on {report['num_used']} of {report['num_steps']} steps ({report['form']} form): mean |error| "
+        f"per step {report['mean_abs_rel_error']:.1%}, total time {report['total_time_error']:+.1%}",
+        f"trace covers: {coverage_note(report['coverage'])}",
+        f"between steps: median {gap.get('median_gap_s', 0) * 1e3:.1f} ms over {gap.get('num_gaps', 0)} gaps "
+        f"(included in each step's cost)",
+        f"attention padding share: {report['attention_pad_share']:g}; swaps: {report['host_bandwidth']}",
+    ]
+    if report.get("shape_errors"):
+        lines += [
+            "shape of the step cost, fitted to the engine thread's CPU time per step (error vs CPU time):",
+            format_error_report(report["shape_errors"]),
+            f"wall clock = {report['wall_per_cpu']:.2f} x CPU time + {report['per_output_overhead_s'] * 1e3:.2f} ms "
+            f"per token sampled (the engine thread waits for other processes and for the server's HTTP loop, "
+            f"which streams every token); every constant is scaled to the wall clock",
+        ]
+    lines += [
+        "per-step error vs the wall clock (step + gap to the next):",
+        format_error_report(report["errors"]),
+        f"serving overhead: {ServingOverhead.from_dict(params.serving).describe()}",
+    ]
+    if serving_report:
+        def ms(v):
+            return "n/a" if v is None else f"{v * 1e3:.1f} ms"
+        lines.append(f"  measured means: admission {ms(serving_report['admission_mean_s'])} (server side "
+                     f"{ms(serving_report['server_admission_mean_s'])}, client to server "
+                     f"{ms(serving_report['client_to_server_mean_s'])}); delivery "
+                     f"{ms(serving_report['delivery_mean_s'])} (server side {ms(serving_report['server_delivery_mean_s'])}"
+                     f", server to client {ms(serving_report['server_to_client_mean_s'])})")
+    for w in report["warnings"]:
+        lines.append(f"warning: {w}")
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":  # python -m pagedserve.sim.cli ...

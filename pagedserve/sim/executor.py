@@ -24,6 +24,10 @@ class SimExecutor:
         self._high = max(vocab_size, self._low + 1)
         self._ids = [self._rng.randrange(self._low, self._high) for _ in range(4099)]
         self._next = 0
+        # The largest shapes the run asked the cost model about (compared with what it was
+        # calibrated on: cost_model.run_beyond_coverage).
+        self.shapes = {"max_decode_batch": 0, "max_context": 0, "max_step_tokens": 0, "max_prefill_chunk": 0,
+                       "swap_blocks": 0}
 
     # -- what the engine core asks at build time ---------------------------------------
     def profile_kv_budget(self, gpu_memory_utilization: float, max_num_batched_tokens: int,
@@ -58,7 +62,27 @@ class SimExecutor:
                 sampled[r.request_id] = ids[k]
                 k = (k + 1) % len(ids)
         self._next = k
+        self._note_shape(out)
         duration = self.cost_model.step_time(out) if not out.is_empty else 0.0
+
         if self.clock is not None:
             self.clock.now += duration
         return StepResult(sampled=sampled, duration=duration, forward_time=duration)
+
+    def _note_shape(self, out) -> None:
+        shapes = self.shapes
+        decodes = chunk = ctx = 0
+        for r in out.scheduled:
+            n = len(r.token_ids)
+            if n == 1:
+                decodes += 1
+            elif n > chunk:
+                chunk = n
+            c = r.start_pos + n
+            if c > ctx:
+                ctx = c
+        shapes["max_decode_batch"] = max(shapes["max_decode_batch"], decodes)
+        shapes["max_prefill_chunk"] = max(shapes["max_prefill_chunk"], chunk)
+        shapes["max_context"] = max(shapes["max_context"], ctx)
+        shapes["max_step_tokens"] = max(shapes["max_step_tokens"], out.num_batched_tokens)
+        shapes["swap_blocks"] += len(out.blocks_to_swap_out) + len(out.blocks_to_swap_in)

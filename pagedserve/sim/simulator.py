@@ -7,12 +7,16 @@ model runner is replaced, by `SimExecutor` (a cost model). So preemptions, KV us
 queueing and tail latency come out of the real policy.
 
 One iteration:
-    admit every request whose arrival time <= now (and, in closed loop, while fewer
-    than max_concurrency are in flight) -> scheduler.add_request
-    out = scheduler.schedule(); result = executor.execute(out)
-    now += result.duration;  scheduler.update_from_output(out, result.sampled)
-    record token times, finishes, and the step's running/waiting/swapped/KV usage
-When nothing is in flight, the clock jumps to the next arrival. The simulator's own
+    admit every request whose arrival time + admission overhead <= now (and, in closed
+    loop, while fewer than max_concurrency are in flight) -> core.add_request
+    core.step(): schedule, execute (the virtual clock moves by the cost model's step
+    time), update
+    record token times (the step's end + delivery overhead), finishes, and the step's
+    running/waiting/swapped/KV usage
+When nothing is in flight, the clock jumps to the next arrival. The admission and
+delivery overheads are the serving layer's (HTTP, tokenization, detokenization, SSE:
+`cost_model.ServingOverhead`, fitted by calibrate from the server's request trace); a
+request's TTFT and E2E are measured from when the client sent it, as the bench measures. The simulator's own
 per-step work is O(batch); 10,000 long-context requests of Llama-3.1-70B on 4 x H100
 (228,708 steps) simulate in ~25 s on this 2-core machine.
 
@@ -35,9 +39,10 @@ from pagedserve.config import EngineConfig, resolve_dtype, resolve_kv_cache_dtyp
 from pagedserve.core.engine_core import (EngineCore, check_pool_fits, check_request_length, num_host_blocks_for,
                                          size_pool)
 from pagedserve.core.request import Request
+from pagedserve.core.snapshot import take_snapshot
 from pagedserve.plan.kv_budget import KVPoolSize
 from pagedserve.sampling import SamplingParams
-from pagedserve.sim.cost_model import CostModel, CostParams, ModelCost, load_params
+from pagedserve.sim.cost_model import CostModel, CostParams, ModelCost, ServingOverhead, load_params
 from pagedserve.sim.executor import SimExecutor
 from pagedserve.sim.report import RequestRecord, compute_metrics
 
@@ -81,19 +86,27 @@ class Deployment:
 
 def build_core(deployment: Deployment, executor, clock) -> EngineCore:
     """The engine's own core, built by the engine's own factory, on a virtual clock."""
-    return EngineCore.build(deployment.config, executor, deployment.pool, clock=clock)
+    return EngineCore.build(deployment.config, executor, deployment.pool, clock=clock, cpu_clock=clock)
 
 
-def build_deployment(config: EngineConfig, model: str, *, gpu: str | None = None, tp: int = 1,
+def build_deployment(config: EngineConfig, model: str, *, gpu: str | None = None, tp: int | None = None,
                      cost_params: CostParams | str | Path | None = None) -> Deployment:
     """Resolve knobs and size the pool exactly as `serve` (on CPU) or `plan` (on a GPU) would.
 
     GPU: pool = plan.budget.compute_plan (total x gpu_memory_utilization - weights/TP -
     activations - sampler - overhead, cut into blocks by size_kv_pool), unless
     num_kv_blocks / kv_cache_memory are given. CPU: engine.size_pool on kv_cache_memory /
-    num_kv_blocks, the very function the engine calls.
+    num_kv_blocks, the very function the engine calls. `tp` defaults to the config's
+    tensor_parallel_size (the pool is one rank's, as on the real engine).
     """
     from pagedserve.plan.models import load_model
+
+    if tp is None:
+        tp = config.tensor_parallel_size
+    elif tp != config.tensor_parallel_size:
+        config.tensor_parallel_size = tp
+        config.distributed_executor_backend = None
+        config.validate()
 
     info = load_model(model)
     shape = info.shape
@@ -123,8 +136,6 @@ def build_deployment(config: EngineConfig, model: str, *, gpu: str | None = None
         mcost = ModelCost.from_shape(shape, weight_dtype, plan.kv_dtype, tp)
         device = spec.name
     else:
-        if tp != 1:
-            raise ValueError("tensor_parallel_size: the CPU engine runs one rank; use --gpu for TP")
         config.device = "cpu"
         config.resolve(shape.max_position_embeddings or 8192)
         dtype = resolve_dtype(config.dtype, info.checkpoint_dtype, "cpu")
@@ -137,7 +148,7 @@ def build_deployment(config: EngineConfig, model: str, *, gpu: str | None = None
             raise ValueError("cost_model: on --device cpu give --cost-model COST.json "
                              "(made by `pagedserve simulate calibrate` from an engine step trace)")
         params = cost_params
-        mcost = ModelCost.from_shape(shape, dtype, kv_dtype, 1)
+        mcost = ModelCost.from_shape(shape, dtype, kv_dtype, tp)
         device = "cpu"
     check_pool_fits(KVPoolSize(num_blocks, config.block_size, bytes_per_block // config.block_size), config)
     return Deployment(config, num_blocks, CostModel(mcost, params, config.block_size), info.name,
@@ -190,6 +201,8 @@ class SimResult:
     preemption_costs: object = None  # auto mode: what the core weighed at the end (PreemptionCosts)
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
+    shapes: dict = field(default_factory=dict)   # the largest step shapes the run asked the cost model about
+    serving: ServingOverhead = field(default_factory=ServingOverhead)
 
     def server_view(self) -> dict:
         """What `pagedserve bench` reads from a live server's /metrics during a run, from the
@@ -229,6 +242,8 @@ class SimResult:
             "mean_kv_usage": (sum(self.timeline.kv_usage) / len(self.timeline.kv_usage)) if self.timeline.kv_usage else 0.0,
             "busy_fraction": self.busy_time / self.metrics["duration"] if self.metrics["duration"] else 0.0,
             "sim_wall_s": self.sim_wall_s,
+            "serving_overhead": self.serving.to_dict(),
+            "step_shapes": self.shapes,
             "timeline": self.timeline.to_dict(),
         })
         if deployment is not None:
@@ -285,12 +300,14 @@ def _prompt_ids(w: WorkloadRequest, index: int, vocab_size: int, rng: random.Ran
 def simulate(deployment: Deployment, workload: Sequence[WorkloadRequest], *, max_concurrency: int | None = None,
              goodput_slos: dict[str, float] | None = None, executor=None, seed: int = 0,
              on_step: Callable | None = None, max_steps: int | None = None,
-             clock: VirtualClock | None = None) -> SimResult:
+             clock: VirtualClock | None = None, pool_snapshots=None) -> SimResult:
     """Run `workload` through the deployment's engine core on a virtual clock.
 
     `executor` defaults to SimExecutor(deployment.cost_model) advancing `clock`; tests pass
     a recording one that advances the clock they pass. `on_step(core_outputs)` is called
-    after every step.
+    after every step. `pool_snapshots` (a core.snapshot.SnapshotGate; the dashboard's replay)
+    attaches a pool snapshot to the steps it says, and a last state report (no step, a
+    snapshot of the drained pool) goes to `on_step` when the run ends.
     """
     wall0 = time.perf_counter()
     config = deployment.config
@@ -313,18 +330,28 @@ def simulate(deployment: Deployment, workload: Sequence[WorkloadRequest], *, max
     preemptions = recomputed = swapped_out = swapped_in = 0
     busy = 0.0
     max_len = config.max_model_len
+    serving = ServingOverhead.from_dict(deployment.cost_model.params.serving)
+
+    def sent_at(w: WorkloadRequest) -> float:
+        return max(w.arrival_time, slot_free_at) if max_concurrency is not None else w.arrival_time
+
+    def next_entry() -> float:
+        """When the next request reaches the engine: sent, plus the serving layer's admission."""
+        w = workload[order[next_idx]]
+        return sent_at(w) + serving.admit(w.prompt_len)
 
     def admit() -> None:
         nonlocal next_idx, in_flight
         while next_idx < len(order):
             i = order[next_idx]
             w = workload[i]
-            if w.arrival_time > clock.now:
-                return
             if max_concurrency is not None and in_flight >= max_concurrency:
                 return
+            sent = sent_at(w)
+            entry = sent + serving.admit(w.prompt_len)
+            if entry > clock.now:
+                return
             next_idx += 1
-            sent = max(w.arrival_time, slot_free_at) if max_concurrency is not None else w.arrival_time
             rec = RequestRecord(str(i), sent, w.prompt_len, w.output_len)
             records[i] = rec
             try:
@@ -334,7 +361,7 @@ def simulate(deployment: Deployment, workload: Sequence[WorkloadRequest], *, max
                 rec.error = str(e)
                 continue
             params = SamplingParams(max_tokens=w.output_len, ignore_eos=True)
-            core.add_request(Request(rec.request_id, _prompt_ids(w, i, vocab, id_rng), params, frozenset(), sent,
+            core.add_request(Request(rec.request_id, _prompt_ids(w, i, vocab, id_rng), params, frozenset(), entry,
                                      0, max_len))
             live[rec.request_id] = rec
             in_flight += 1
@@ -345,36 +372,39 @@ def simulate(deployment: Deployment, workload: Sequence[WorkloadRequest], *, max
         if not core.has_unfinished_requests():
             if next_idx >= len(order):
                 break
-            clock.now = max(clock.now, workload[order[next_idx]].arrival_time)
+            clock.now = max(clock.now, next_entry())
             continue
         outs = core.step()
         st = outs.stats
         if not st.num_batched_tokens and not st.num_blocks_swapped_out and not st.num_blocks_swapped_in:
             # Nothing could run: only an arrival can change that (the engine would idle).
             if next_idx < len(order) and (max_concurrency is None or in_flight < max_concurrency):
-                clock.now = max(clock.now, workload[order[next_idx]].arrival_time)
+                clock.now = max(clock.now, next_entry())
                 continue
             raise RuntimeError(f"simulation stuck at t={clock.now:.3f}s: {st.num_waiting} waiting, "
                                f"{st.num_running} running, nothing schedulable")
         busy += outs.execute_time
-        now = outs.timestamp
+        # The client sees the step's tokens after the serving layer delivered them.
+        now = outs.timestamp + serving.deliver(len(outs.outputs)) if outs.outputs else outs.timestamp
         for out in outs.outputs:
             rec = live[out.request_id]
+            # One stream delivers in order: a token never overtakes the one before it.
+            seen = max(now, rec.token_times[-1]) if rec.token_times else now
             if rec.first_token_time is None:
-                rec.first_token_time = now
-            rec.token_times.append(now)
+                rec.first_token_time = seen
+            rec.token_times.append(seen)
             if out.finished:
                 live.pop(out.request_id)
-                rec.finish = now
+                rec.finish = seen
                 rec.num_preemptions = out.num_preemptions
                 in_flight -= 1
-                slot_free_at = now
+                slot_free_at = seen
         n_pre = sum(st.num_preempted.values())
         preemptions += n_pre
         recomputed += st.num_recomputed_tokens
         swapped_out += st.num_blocks_swapped_out
         swapped_in += st.num_blocks_swapped_in
-        timeline.time.append(now)
+        timeline.time.append(outs.timestamp)
         timeline.num_running.append(st.num_running)
         timeline.num_waiting.append(st.num_waiting)
         timeline.num_swapped.append(st.num_swapped)
@@ -382,15 +412,22 @@ def simulate(deployment: Deployment, workload: Sequence[WorkloadRequest], *, max
         timeline.num_batched_tokens.append(st.num_batched_tokens)
         timeline.num_preempted.append(n_pre)
         steps += 1
+        if pool_snapshots is not None:
+            outs.pool_snapshot = pool_snapshots.take(scheduler)
         if on_step is not None:
             on_step(outs)
         if max_steps is not None and steps >= max_steps:
             break
+    if pool_snapshots is not None and on_step is not None:
+        final = core.snapshot()
+        final.pool_snapshot = take_snapshot(scheduler)
+        on_step(final)
 
+    core.shutdown()  # closes the step trace, if config.step_trace_path asked for one
     records = [r for r in records if r is not None]
     duration = max((r.finish for r in records if r.finish is not None), default=clock.now)
     metrics = compute_metrics(records, duration, goodput_slos=goodput_slos)
     return SimResult(records, metrics, timeline, steps, deployment.num_blocks, preemptions, recomputed,
                      swapped_out, swapped_in, time.perf_counter() - wall0, busy,
                      dict(scheduler.total_preemptions_by_mode), scheduler.costs, scheduler.kv.prefix_queries,
-                     scheduler.kv.prefix_hits)
+                     scheduler.kv.prefix_hits, dict(getattr(executor, "shapes", {})), serving)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import re
 import sys
 import time
@@ -54,10 +55,12 @@ def thresholds_from_args(args) -> Thresholds:
     t = Thresholds(kv_high=args.kv_high, kv_low=args.kv_low, kv_pinned_share=args.kv_pinned_share,
                    util_low=args.util_low, util_high=args.util_high,
                    preemptions_per_min=args.preemptions_per_min, long_prompt_tokens=args.long_prompt_tokens,
-                   queue_share=args.queue_share, gpu_memory_utilization_margin=args.gpu_memory_utilization_margin)
+                   queue_share=args.queue_share, queue_ttft_share=args.queue_ttft_share,
+                   short_prompt_tokens=args.short_prompt_tokens,
+                   gpu_memory_utilization_margin=args.gpu_memory_utilization_margin)
     for name, value in parse_slo(args.slo or []).items():
         setattr(t, name, value)
-    for name in ("kv_high", "kv_low", "kv_pinned_share", "util_low", "util_high", "queue_share",
+    for name in ("kv_high", "kv_low", "kv_pinned_share", "util_low", "util_high", "queue_share", "queue_ttft_share",
                  "gpu_memory_utilization_margin"):
         value = getattr(t, name)
         if not 0.0 <= value <= 1.0:
@@ -70,11 +73,15 @@ def thresholds_from_args(args) -> Thresholds:
 
 
 def scrape_interval(url: str, interval_s: float, sample_every_s: float, timeout: float,
-                    clock=time.monotonic, sleep=time.sleep) -> tuple[list[Snapshot], float]:
+                    clock=time.monotonic, sleep=time.sleep,
+                    first_text: list[str] | None = None) -> tuple[list[Snapshot], float]:
     """Scrape at the start, every `sample_every_s`, and at the end; return the snapshots and the
-    measured time between the first and the last."""
+    measured time between the first and the last (`first_text` gets the first scrape's text)."""
     start = clock()
-    snapshots = [parse_metrics(fetch_text(url, timeout))]
+    text = fetch_text(url, timeout)
+    if first_text is not None:
+        first_text.append(text)
+    snapshots = [parse_metrics(text)]
     first_done = clock()
     k = 1
     while True:
@@ -87,7 +94,26 @@ def scrape_interval(url: str, interval_s: float, sample_every_s: float, timeout:
     return snapshots, max(clock() - start, 1e-9)
 
 
+def detect_device(texts: list[str]) -> str:
+    """cpu / gpu from what a server says of itself in its metrics, else unknown. vLLM's
+    cache_config_info carries its engine's settings as labels; a CPU build reports a CPU
+    KV-cache space there."""
+    for text in texts:
+        for line in text.splitlines():
+            if not line.startswith("vllm:cache_config_info"):
+                continue
+            labels = dict(re.findall(r'(\w+)="([^"]*)"', line))
+            if labels.get("cpu_kvcache_space_bytes") not in (None, "", "None"):
+                return "cpu"
+            if labels.get("num_gpu_blocks") not in (None, "", "None", "0"):
+                return "gpu"
+    return "unknown"
+
+
 def run(args) -> int:
+    # A report is for people: one httpx INFO line per scrape is noise in it.
+    for name in ("httpx", "httpcore"):
+        logging.getLogger(name).setLevel(logging.WARNING)
     thresholds = thresholds_from_args(args)
     gpu_util = None
     if args.gpu_util is not None:
@@ -103,21 +129,25 @@ def run(args) -> int:
             except OSError as e:
                 raise ValueError(f"cannot read {path}: {e.strerror}") from None
         snapshots = [parse_metrics(text) for text in texts]
+        device = args.device if args.device != "auto" else detect_device(texts)
         interval_s, sampled = args.interval, False
         source = f"{args.from_files[0]} → {args.from_files[1]} (interval taken from --interval)"
     else:
         sample_every = min(args.sample_every, args.interval)
         url = metrics_url(args.metrics_url)
         if not args.json:
-            print(f"scraping {url} for {args.interval:g} s (a sample every {sample_every:g} s)...",
+            print(f"scraping {url} for {args.interval:.1f} s (a sample every {sample_every:.1f} s)...",
                   file=sys.stderr)
-        snapshots, interval_s = scrape_interval(url, args.interval, sample_every, args.timeout)
+        first_text: list[str] = []
+        snapshots, interval_s = scrape_interval(url, args.interval, sample_every, args.timeout,
+                                                first_text=first_text)
+        device = args.device if args.device != "auto" else detect_device(first_text)
         sampled = True
         source = url
     if not any(s.counters or s.gauges or s.histograms for s in snapshots):
         raise ValueError(f"no metrics found in {source}")
     obs = observe(snapshots[0], snapshots[-1], snapshots, interval_s, thresholds, gpu_util=gpu_util,
-                  gauges_sampled=sampled)
+                  gauges_sampled=sampled, device=device)
     report = advise(obs, thresholds)
     if args.json:
         print(json.dumps(dict(source=source, **report.to_dict()), indent=2))
@@ -159,6 +189,13 @@ def register(subparsers) -> argparse.ArgumentParser:
                    help="P90 prompt length counted as long")
     p.add_argument("--queue-share", type=float, default=d.queue_share,
                    help="share of samples with waiting > 0 counted as queueing")
+    p.add_argument("--queue-ttft-share", type=float, default=d.queue_ttft_share,
+                   help="queue-time P99 at least this share of TTFT P99 also counts as queueing")
+    p.add_argument("--short-prompt-tokens", type=float, default=d.short_prompt_tokens,
+                   help="P90 prompt length below which prefill cannot be what blocks TTFT")
+    p.add_argument("--device", choices=("auto", "cpu", "gpu"), default="auto",
+                   help="the server's device, for how its knobs are spelled (auto: from its metrics where they "
+                        "say, else both spellings)")
     p.add_argument("--gpu-memory-utilization-margin", type=float, default=d.gpu_memory_utilization_margin,
                    help="highest gpu_memory_utilization the advice will suggest")
     p.set_defaults(func=run)

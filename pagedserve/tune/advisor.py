@@ -11,7 +11,14 @@ monitoring section reads (KV pinned at the top, TTFT, ITL):
                      (4 and 5 also name --kv-cache-dtype fp8 while the cache is not 8-bit: ~2x the tokens per byte)
   6 ttft_queueing    P99 TTFT over SLO while requests queue  → capacity: max_num_seqs up if KV has room, else replicas
   7 ttft_prefill     P99 TTFT over SLO, no queue             → prefill blocks: chunked prefill
+    ttft_slow_steps  ... and prompts too short to block      → every step is slow: lower max_num_seqs
   8 itl_overload     P99 ITL over SLO, prompts short         → decode squeezed: lower max_num_seqs
+
+"Queueing" is judged on the waiting gauge and on the queue-time histogram: requests that waited
+(queue-time P99 at least `queue_ttft_share` of TTFT P99) were queued even when a sparse gauge
+caught few of them. Every knob is named as the target server spells it on its device
+(`KnobNames`): a vLLM server has no --max-queue-len, and on CPU its KV pool is
+VLLM_CPU_KVCACHE_SPACE / --kv-cache-memory-bytes, not gpu_memory_utilization.
 
 Everything here is plain data and pure functions: the CLI scrapes, this module judges.
 """
@@ -36,10 +43,45 @@ class Thresholds:
     preemptions_per_min: float = 0.0   # preemption rate above this is "rising"
     long_prompt_tokens: float = 1024   # P90 prompt length at or above this: "long prompts"
     queue_share: float = 0.5           # share of gauge samples with waiting > 0 that counts as queueing
+    queue_ttft_share: float = 0.5      # queue-time P99 at least this share of TTFT P99 also counts as queueing
+    short_prompt_tokens: float = 256   # prompts below this (P90) are too short for prefill to block others
     gpu_memory_utilization_margin: float = 0.90  # the articles' safe top for gpu_memory_utilization
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+
+@dataclass(frozen=True)
+class KnobNames:
+    """How the target server spells each knob the rules move, on its device."""
+
+    server: str                   # pagedserve | vllm | other
+    device: str                   # cpu | gpu | unknown
+    max_num_seqs: str
+    max_num_batched_tokens: str
+    enable_chunked_prefill: str
+    kv_pool: str                  # what sizes the KV pool
+    kv_pool_has_margin: bool      # a fraction of device memory (the articles' 0.90 margin applies)
+    queue_cap: str | None         # None: the server has no queue limit of its own
+    chunked_always_on: bool = False  # vLLM V1: nothing to enable; the chunk size is the knob
+
+
+def knob_names(naming: str, device: str = "unknown") -> KnobNames:
+    """`naming`: Observations.naming (which server the metrics came from); `device`: cpu, gpu or unknown."""
+    if naming.startswith("vllm"):
+        v1 = naming == "vllm"
+        pools = {"gpu": "--gpu-memory-utilization",
+                 "cpu": "VLLM_CPU_KVCACHE_SPACE (GiB, environment) or --kv-cache-memory-bytes"}
+        pools["unknown"] = f"{pools['gpu']} (GPU) / {pools['cpu']} (CPU)"
+        return KnobNames("vllm", device, "--max-num-seqs", "--max-num-batched-tokens", "--enable-chunked-prefill",
+                         pools[device], device == "gpu", None, chunked_always_on=v1)
+    if naming == "pagedserve":
+        pools = {"gpu": "--gpu-memory-utilization", "cpu": "--kv-cache-memory"}
+        pools["unknown"] = f"{pools['gpu']} (GPU) / {pools['cpu']} (CPU)"
+        return KnobNames("pagedserve", device, "--max-num-seqs", "--max-num-batched-tokens",
+                         "--enable-chunked-prefill", pools[device], device == "gpu", "--max-queue-len")
+    return KnobNames("other", device, "max_num_seqs", "max_num_batched_tokens", "chunked prefill",
+                     "the KV pool size (gpu_memory_utilization on vLLM-like GPU servers)", device == "gpu", None)
 
 
 @dataclass
@@ -79,6 +121,7 @@ class Observations:
     tokens_per_step: float | None
     counter_resets: list[str] = field(default_factory=list)
     kv_cache_dtype: str | None = None       # cache_config_info's cache_dtype label (None: not exposed)
+    device: str = "unknown"                 # cpu | gpu | unknown: how the server's knobs are spelled
 
     @property
     def has_traffic(self) -> bool:
@@ -94,12 +137,13 @@ class Finding:
     title: str
     symptom: str                      # with the numbers that triggered it
     cause: str
-    knob: str                         # the knob to move first
+    knob: str                         # the knob to move first (the engine-neutral name)
     direction: str                    # raise | lower | enable | add
     action: str                       # the move in words, with the fallback knob
     watch: str                        # what to read after the change
     numbers: dict[str, float | None]
     thresholds: dict[str, float]
+    flag: str = ""                    # the knob as the target server spells it on its device
 
 
 @dataclass
@@ -130,7 +174,8 @@ def _ms(seconds: float | None) -> float | None:
 
 
 def observe(first: Snapshot, last: Snapshot, samples: list[Snapshot], interval_s: float,
-            thresholds: Thresholds, gpu_util: float | None = None, gauges_sampled: bool = True) -> Observations:
+            thresholds: Thresholds, gpu_util: float | None = None, gauges_sampled: bool = True,
+            device: str = "unknown") -> Observations:
     """Rates and percentiles between `first` and `last`; gauge statistics over `samples` (first..last)."""
     if interval_s <= 0:
         raise ValueError(f"interval must be > 0 seconds, got {interval_s}")
@@ -213,6 +258,7 @@ def observe(first: Snapshot, last: Snapshot, samples: list[Snapshot], interval_s
         tokens_per_step=steps.mean() if steps is not None else None,
         counter_resets=sorted(set(resets)),
         kv_cache_dtype=next(iter(last.by_label(mn.CACHE_CONFIG_INFO, mn.CACHE_DTYPE_LABEL)), None),
+        device=device,
     )
 
 
@@ -242,16 +288,39 @@ def kv_dtype_hint(kv_cache_dtype: str | None) -> str:
             "cache (4x fp32) in the same memory, at a small accuracy cost")
 
 
+def _s(seconds: float) -> str:
+    """An interval for people: 30.3 s, 2.0 min."""
+    return f"{seconds / 60:.1f} min" if seconds >= 120 else f"{seconds:.1f} s"
+
+
 def advise(obs: Observations, thresholds: Thresholds) -> Report:
     """Apply the rules in the articles' order; `balanced` when none fires under load."""
     t = thresholds
     findings: list[Finding] = []
     notes: list[str] = []
+    k = knob_names(obs.naming, obs.device)
+    flags = {"max_num_seqs": k.max_num_seqs, "max_num_batched_tokens": k.max_num_batched_tokens,
+             "enable_chunked_prefill": k.enable_chunked_prefill, "gpu_memory_utilization": k.kv_pool,
+             "replicas": "replicas"}
+    gpu_pool, cpu_pool = knob_names(obs.naming, "gpu").kv_pool, knob_names(obs.naming, "cpu").kv_pool
+    gpu_up = f"raise {gpu_pool} within margin (≤ {t.gpu_memory_utilization_margin})"
+    cpu_up = f"raise {cpu_pool} (if the host has the memory)"
+    pool_up = {"gpu": gpu_up, "cpu": cpu_up}.get(k.device, f"{gpu_up} on a GPU, or {cpu_up.removeprefix('raise ')} "
+                                                            f"on a CPU")
+    if k.server == "other":
+        pool_up = f"raise {k.kv_pool}"
+    queue_cap = (f"meanwhile cap the queue ({k.queue_cap}) to fail fast" if k.queue_cap else
+                 "meanwhile cap the queue in front of the server (gateway or load balancer: it has no queue "
+                 "limit of its own) to fail fast")
 
     def add(rule: str, order: int, title: str, symptom: str, cause: str, knob: str, direction: str,
             action: str, watch: str, numbers: dict, used: tuple[str, ...]) -> None:
+        if knob == "enable_chunked_prefill" and k.chunked_always_on:
+            knob, direction = "max_num_batched_tokens", "lower"
+            action = (f"chunked prefill is always on in vLLM V1: lower {k.max_num_batched_tokens} (e.g. halve it) "
+                      "so a prefill chunk costs less per step")
         findings.append(Finding(rule, order, title, symptom, cause, knob, direction, action, watch, numbers,
-                                {name: getattr(t, name) for name in used}))
+                                {name: getattr(t, name) for name in used}, flags.get(knob, knob)))
 
     if not obs.gauges_sampled:
         notes.append("gauges (KV usage, running, waiting, swapped, busy ratio) come from the two snapshots only, "
@@ -266,7 +335,9 @@ def advise(obs: Observations, thresholds: Thresholds) -> Report:
     traffic = obs.has_traffic
     kv_mean, util = obs.kv_usage_mean, obs.utilisation
     kv_pinned = obs.kv_high_share is not None and obs.kv_high_share >= t.kv_pinned_share
-    queueing = obs.waiting_share is not None and obs.waiting_share >= t.queue_share
+    queued_by_histogram = (obs.queue_time_p99_ms is not None and obs.ttft_p99_ms is not None and obs.ttft_p99_ms > 0
+                           and obs.queue_time_p99_ms >= t.queue_ttft_share * obs.ttft_p99_ms)
+    queueing = (obs.waiting_share is not None and obs.waiting_share >= t.queue_share) or queued_by_histogram
     long_prompts = next((v for v in (obs.prompt_tokens_p90, obs.prompt_tokens_mean) if v is not None), None)
     prompts_are_long = long_prompts is not None and long_prompts >= t.long_prompt_tokens
 
@@ -283,8 +354,7 @@ def advise(obs: Observations, thresholds: Thresholds) -> Report:
             f"waiting mean {_f(obs.waiting_mean, 1)}",
             "max_num_seqs is too conservative: the KV pool has room the scheduler may not use." + load_hint,
             "max_num_seqs", "raise",
-            "raise max_num_seqs one step (e.g. ×1.5); once KV usage nears kv_high, raise "
-            f"gpu_memory_utilization toward {t.gpu_memory_utilization_margin}",
+            f"raise {k.max_num_seqs} one step (e.g. ×1.5); once KV usage nears kv_high, {pool_up}",
             "utilisation and KV usage rise; stop and back off one step when P99 TTFT/ITL near the SLO "
             "or preemptions appear",
             dict(utilisation=util, kv_usage_mean=kv_mean, running_mean=obs.running_mean,
@@ -299,8 +369,8 @@ def advise(obs: Observations, thresholds: Thresholds) -> Report:
             "the server process restarted; under high concurrency that is most often a CUDA OOM: the KV pool "
             "or the batch is too large for what weights and activations leave",
             "gpu_memory_utilization", "lower",
-            "check the server log for OOM; lower gpu_memory_utilization by 0.05, or lower "
-            "max_num_batched_tokens",
+            f"check the server log for OOM; lower {k.kv_pool}"
+            + (" by 0.05" if k.kv_pool_has_margin else "") + f", or lower {k.max_num_batched_tokens}",
             "no further restarts under the same load test; then preemptions and KV usage",
             dict(counters_reset=float(len(obs.counter_resets))), ())
 
@@ -313,8 +383,8 @@ def advise(obs: Observations, thresholds: Thresholds) -> Report:
             "long prefills hold whole steps, so every running decode waits for them: chunked prefill is off "
             "or its chunk (max_num_batched_tokens) is too large",
             "enable_chunked_prefill", "enable",
-            "enable chunked prefill; if it is on, lower max_num_batched_tokens (e.g. halve it) so a prefill "
-            "chunk costs less per step",
+            f"enable chunked prefill ({k.enable_chunked_prefill}); if it is on, lower {k.max_num_batched_tokens} "
+            "(e.g. halve it) so a prefill chunk costs less per step",
             "ITL P99 falls under the SLO; TTFT P99 may rise a little; throughput should hold",
             dict(itl_p99_ms=obs.itl_p99_ms, prompt_tokens_p90=obs.prompt_tokens_p90,
                  prompt_tokens_mean=obs.prompt_tokens_mean),
@@ -323,14 +393,13 @@ def advise(obs: Observations, thresholds: Thresholds) -> Report:
     # 4. Frequent preemption, some requests very slow → concurrency beyond what the KV pool carries.
     if _over(obs.preemptions_per_min, t.preemptions_per_min):
         add("preemptions", 4, "preemptions rising, some requests very slow",
-            f"{obs.preemptions:g} preemptions in {obs.interval_s:g} s = {_f(obs.preemptions_per_min, 1)}/min > "
+            f"{obs.preemptions:g} preemptions in {_s(obs.interval_s)} = {_f(obs.preemptions_per_min, 1)}/min > "
             f"{t.preemptions_per_min:g}/min; KV usage mean {_f(kv_mean)} max {_f(obs.kv_usage_max)}, "
             f"swapped mean {_f(obs.swapped_mean, 1)}",
             "concurrency exceeds what the KV pool carries: sequences grow, the pool runs dry and the "
             "scheduler evicts (swap or recompute)",
             "max_num_seqs", "lower",
-            "lower max_num_seqs one step (e.g. ×0.75); or raise gpu_memory_utilization, but only within "
-            f"margin (≤ {t.gpu_memory_utilization_margin})" + kv_dtype_hint(obs.kv_cache_dtype),
+            f"lower {k.max_num_seqs} one step (e.g. ×0.75); or {pool_up}" + kv_dtype_hint(obs.kv_cache_dtype),
             "preemptions back to 0 per minute; throughput and P99 should improve, KV usage stays below the top",
             dict(preemptions=obs.preemptions, preemptions_per_min=obs.preemptions_per_min,
                  kv_usage_mean=kv_mean, kv_usage_max=obs.kv_usage_max, swapped_mean=obs.swapped_mean),
@@ -343,8 +412,8 @@ def advise(obs: Observations, thresholds: Thresholds) -> Report:
             f"(≥ kv_pinned_share {_pct(t.kv_pinned_share)}); mean {_f(kv_mean)}, max {_f(obs.kv_usage_max)}",
             "concurrency is at the top: the pool holds all it can, any more load queues or preempts",
             "gpu_memory_utilization", "raise",
-            f"raise gpu_memory_utilization within margin (≤ {t.gpu_memory_utilization_margin}) to enlarge "
-            "the pool; if it is already there, lower max_num_seqs" + kv_dtype_hint(obs.kv_cache_dtype),
+            f"{pool_up} to enlarge the pool; if it is already there, lower {k.max_num_seqs}"
+            + kv_dtype_hint(obs.kv_cache_dtype),
             "KV usage drops below kv_high; no OOM; preemptions stay at 0",
             dict(kv_high_share=obs.kv_high_share, kv_usage_mean=kv_mean, kv_usage_max=obs.kv_usage_max),
             ("kv_high", "kv_pinned_share"))
@@ -356,28 +425,42 @@ def advise(obs: Observations, thresholds: Thresholds) -> Report:
                        kv_usage_max=obs.kv_usage_max)
         queue_text = (f"TTFT P99 {_f(obs.ttft_p99_ms, 0)} ms > ttft_p99 SLO {t.ttft_p99_ms:g} ms; waiting > 0 in "
                       f"{_pct(obs.waiting_share)} of samples (mean {_f(obs.waiting_mean, 1)}, max "
-                      f"{_f(obs.waiting_max, 0)}), queue time P99 {_f(obs.queue_time_p99_ms, 0)} ms")
+                      f"{_f(obs.waiting_max, 0)}), queue time P99 {_f(obs.queue_time_p99_ms, 0)} ms"
+                      + (f" (≥ {t.queue_ttft_share:g} of TTFT P99: requests queued)" if queued_by_histogram else ""))
         if queueing:
             room = not kv_pinned and (obs.kv_usage_max is None or obs.kv_usage_max < t.kv_high)
             if room:
                 knob, direction = "max_num_seqs", "raise"
-                action = ("raise max_num_seqs: the KV pool has room to run what waits; if KV then pins or "
+                action = (f"raise {k.max_num_seqs}: the KV pool has room to run what waits; if KV then pins or "
                           "preemptions start, the server is at capacity: add replicas")
             else:
                 knob, direction = "replicas", "add"
                 action = ("add capacity (replicas / GPUs): the KV pool is full, so more concurrency would only "
-                          "preempt; meanwhile cap the queue (--max-queue-len) to fail fast")
+                          f"preempt; {queue_cap}")
             add("ttft_queueing", 6, "high TTFT with requests queueing", queue_text,
                 "requests wait for a slot: the offered load exceeds the server's capacity", knob, direction,
                 action, "waiting falls to ~0 and TTFT P99 under the SLO; ITL P99 must stay within its SLO",
-                numbers, ("ttft_p99_ms", "queue_share", "kv_high"))
-        else:
+                numbers, ("ttft_p99_ms", "queue_share", "queue_ttft_share", "kv_high"))
+        elif long_prompts is None or long_prompts >= t.short_prompt_tokens:
             add("ttft_prefill", 7, "high TTFT without a queue", queue_text,
                 "prefill is blocked behind other prefills (whole long prompts per step)",
                 "enable_chunked_prefill", "enable",
-                "enable chunked prefill and check max_num_batched_tokens is not far above the common prompt "
-                "length",
-                "TTFT P99 under the SLO; ITL P99 unchanged", numbers, ("ttft_p99_ms", "queue_share"))
+                f"enable chunked prefill ({k.enable_chunked_prefill}) and check {k.max_num_batched_tokens} is not "
+                "far above the common prompt length",
+                "TTFT P99 under the SLO; ITL P99 unchanged", dict(numbers, prompt_tokens_p90=obs.prompt_tokens_p90),
+                ("ttft_p99_ms", "queue_share", "queue_ttft_share", "short_prompt_tokens"))
+        else:
+            add("ttft_slow_steps", 7, "high TTFT without a queue, short prompts",
+                queue_text + f"; prompts short (P90 {_f(long_prompts, 0)} < short_prompt_tokens "
+                             f"{t.short_prompt_tokens:g})",
+                "a prompt this short cannot block others: every step is slow (a large decode batch), so a new "
+                "request waits out a step and then shares one",
+                "max_num_seqs", "lower",
+                f"lower {k.max_num_seqs} one step (e.g. ×0.75) so each step is shorter; if TTFT stays high at a "
+                "small batch, the device is too slow for the SLO",
+                "TTFT P99 under the SLO; throughput drops a little; waiting must stay ~0",
+                dict(numbers, prompt_tokens_p90=obs.prompt_tokens_p90),
+                ("ttft_p99_ms", "queue_share", "queue_ttft_share", "short_prompt_tokens"))
 
     # 8. ITL over SLO with short prompts → decode squeezed by too large a batch.
     # With the GPU underfed a smaller batch would not help ITL: rule 1 already says to raise concurrency.
@@ -391,7 +474,7 @@ def advise(obs: Observations, thresholds: Thresholds) -> Report:
             "the decode batch is too large for the latency target" + (": the GPU is saturated (overload)"
                                                                       if saturated else ""),
             "max_num_seqs", "lower",
-            "lower max_num_seqs one step (e.g. ×0.75) and re-run the same load test",
+            f"lower {k.max_num_seqs} one step (e.g. ×0.75) and re-run the same load test",
             "ITL P99 under the SLO; throughput drops only a little; waiting should not grow",
             dict(itl_p99_ms=obs.itl_p99_ms, running_mean=obs.running_mean, utilisation=util),
             ("itl_p99_ms", "long_prompt_tokens", "util_high"))
@@ -402,11 +485,12 @@ def advise(obs: Observations, thresholds: Thresholds) -> Report:
         directions.setdefault(f.knob, set()).add(f.direction)
     for knob, ways in directions.items():
         if {"raise", "lower"} <= ways:
-            notes.append(f"findings disagree on {knob}: follow the first one, re-run the load test, advise again")
+            notes.append(f"findings disagree on {flags.get(knob, knob)}: follow the first one, re-run the load test, "
+                         "advise again")
     if findings:
         verdict = "needs_tuning"
         summary = f"{len(findings)} finding(s); move the first knob first, one change per load-test run: " + \
-            ", ".join(f"{f.knob} ({f.direction})" for f in findings)
+            ", ".join(f"{f.flag or f.knob} ({f.direction})" for f in findings)
     elif not traffic:
         verdict = "idle"
         summary = ("no traffic in the interval (no tokens, nothing running or waiting): run a load test "
@@ -429,7 +513,7 @@ def format_report(report: Report, source: str) -> str:
     o, t = report.observations, report.thresholds
     lines = [
         f"pagedserve advise — {source}",
-        f"  naming: {o.naming}; interval {o.interval_s:g} s; {o.num_gauge_samples} gauge samples"
+        f"  naming: {o.naming} (device: {o.device}); interval {_s(o.interval_s)}; {o.num_gauge_samples} gauge samples"
         + ("" if o.gauges_sampled else " (the two snapshots only)"),
         f"  throughput: prompt {_f(o.prompt_tokens_per_s, 1)} tok/s, generation {_f(o.generation_tokens_per_s, 1)} "
         f"tok/s, finished {_f(o.requests_per_s, 2)} req/s",
@@ -457,7 +541,7 @@ def format_report(report: Report, source: str) -> str:
             f"{i}. [{f.rule}] {f.title}",
             f"   symptom: {f.symptom}",
             f"   likely cause: {f.cause}",
-            f"   knob first: {f.knob} ({f.direction}) — {f.action}",
+            f"   knob first: {f.flag or f.knob} ({f.direction}) — {f.action}",
             f"   watch after: {f.watch}",
         ]
         if limits:

@@ -66,7 +66,7 @@ def run(args) -> int:
     if gpu is None and args.device != "cpu":
         raise ValueError("gpu: give a GPU preset (--gpu H100-SXM), or --device cpu with --cost-model")
     import copy
-    base_dep = build_deployment(copy.deepcopy(base), args.model, gpu=gpu, tp=args.tp, cost_params=args.cost_model)
+    base_dep = build_deployment(copy.deepcopy(base), args.model, gpu=gpu, cost_params=args.cost_model)
     workload = build_workload(args, base_dep.vocab_size)
     mean_len = sum(w.prompt_len + w.output_len for w in workload) / len(workload)
     if base.max_model_len is None:
@@ -74,7 +74,7 @@ def run(args) -> int:
         longest = max(w.prompt_len + w.output_len for w in workload)
         base.max_model_len = min(-(-longest // base.block_size) * base.block_size,
                                  base_dep.config.max_model_len)
-        base_dep = build_deployment(copy.deepcopy(base), args.model, gpu=gpu, tp=args.tp,
+        base_dep = build_deployment(copy.deepcopy(base), args.model, gpu=gpu,
                                     cost_params=args.cost_model)
     bound = int(base_dep.num_blocks / blocks_per_request(math.ceil(mean_len), base_dep.config.block_size))
     grid = tuner.parse_sweep(args.sweep) if args.sweep else None
@@ -83,7 +83,7 @@ def run(args) -> int:
         for kv_dtype in grid["kv_cache_dtype"]:
             config = copy.deepcopy(base)
             config.kv_cache_dtype = kv_dtype
-            dep = build_deployment(config, args.model, gpu=gpu, tp=args.tp, cost_params=args.cost_model)
+            dep = build_deployment(config, args.model, gpu=gpu, cost_params=args.cost_model)
             bound = max(bound, int(dep.num_blocks / blocks_per_request(math.ceil(mean_len), dep.config.block_size)))
     grid = grid or _default_grid(base_dep, bound)
     points, pruned = tuner.expand_grid(grid, max_num_seqs_bound=bound, max_model_len=base.max_model_len)
@@ -97,7 +97,7 @@ def run(args) -> int:
         print(f"  pruned {why}")
 
     def sim_point(config, knobs):
-        dep = build_deployment(config, args.model, gpu=gpu, tp=args.tp, cost_params=args.cost_model)
+        dep = build_deployment(config, args.model, gpu=gpu, cost_params=args.cost_model)
         result = simulate(dep, workload, max_concurrency=args.max_concurrency, goodput_slos=goodput,
                           seed=args.seed or 0)
         busy = result.busy_time / result.metrics["duration"] if result.metrics["duration"] else math.nan
@@ -131,18 +131,17 @@ def run(args) -> int:
 
 def _serve_flags(base, knobs: dict, args) -> str:
     """The knobs the operator fixed on this command line, then the ones tuning chose."""
-    from pagedserve.engine_args import _FLAGS
+    from pagedserve.engine_args import _FLAGS, _dest
     from pagedserve.tune.tuner import knob_flags
 
-    skip = {"model", "config", "device", "step_trace_path", "served_model_name", "tokenizer"}
+    skip = {"model", "config", "device", "step_trace_path", "served_model_name", "tokenizer",
+            "distributed_executor_backend"}
     fixed = {}
     for flag, _ in _FLAGS:
-        name = flag[2:].replace("-", "_")
+        name = _dest(flag)
         if name not in skip and getattr(args, name, None) is not None:
             fixed[name] = getattr(base, name)
     fixed.setdefault("max_model_len", base.max_model_len)
-    if args.tp > 1:
-        fixed["tensor_parallel_size"] = args.tp
     if "gpu_memory_utilization" not in knobs and args.device != "cpu":
         fixed["gpu_memory_utilization"] = base.gpu_memory_utilization
     return knob_flags({**fixed, **knobs})

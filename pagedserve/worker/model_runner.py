@@ -13,6 +13,12 @@ Two per-request extras ride on that state:
 - prompt logprobs: each prefill chunk's prompt rows are scored as the chunk runs (row p
   predicts prompt token p + 1); a counter keeps tokens already scored from being scored
   again when a preempted request recomputes its prompt.
+
+Under tensor parallelism one ModelRunner runs in each rank's process (worker/worker.py),
+holding its shard of the weights and a pool of its KV heads only, with the same number of
+blocks and the same block tables as every other rank: each rank applies the same
+SchedulerOutput, runs the same forward (the collectives keep them in step), and copies its
+own blocks on swap. Only rank 0 samples; the others return an empty StepResult.
 """
 from __future__ import annotations
 
@@ -29,6 +35,7 @@ from pagedserve.attention.kv_quant import QuantizedKVCache, kv_format
 from pagedserve.core.outputs import StepResult, TokenLogprobs
 from pagedserve.core.scheduler import NewRequestData, ScheduledRequest, SchedulerOutput
 from pagedserve.sampling import SamplingParams
+from pagedserve.model.config import TPShard
 from pagedserve.model.loader import TORCH_DTYPES, ModelConfig, load_model
 from pagedserve.structured.compiler import GrammarCompiler, GrammarMatcher
 from pagedserve.worker.sampler import Sampler
@@ -82,10 +89,13 @@ class CachedRequestState:
     context_len: int = 0                   # tokens fed up to the end of this step
 
     @classmethod
-    def new(cls, data: NewRequestData, grammar_compiler: GrammarCompiler | None = None) -> "CachedRequestState":
+    def new(cls, data: NewRequestData, grammar_compiler: GrammarCompiler | None = None,
+            samples: bool = True) -> "CachedRequestState":
+        """`samples`: False on tensor-parallel ranks other than 0, which never sample and so
+        keep no grammar matcher."""
         state = cls(data.request_id, data.prompt_token_ids, data.sampling_params, list(data.prompt_token_ids), [])
         spec = data.sampling_params.structured_outputs
-        if spec is not None:
+        if spec is not None and samples:
             if grammar_compiler is None:
                 raise ValueError("structured_outputs: this executor has no grammar compiler")
             state.grammar = grammar_compiler.new_matcher(spec)
@@ -123,8 +133,9 @@ class StepInputs:
 class ModelRunner:
     def __init__(self, model_config: ModelConfig, dtype: str, device: str, block_size: int,
                  eos_token_ids: frozenset[int], seed: int, grammar_compiler: GrammarCompiler | None = None,
-                 kv_cache_dtype: str | None = None) -> None:
+                 shard: TPShard | None = None, kv_cache_dtype: str | None = None) -> None:
         self.model_config = model_config
+        self.shard = shard or TPShard.of(model_config)
         self.device = torch.device(device)
         self.dtype = TORCH_DTYPES[dtype]
         self.kv_format = kv_format(kv_cache_dtype)  # None: the pool is in the compute dtype
@@ -132,7 +143,7 @@ class ModelRunner:
         if self.device.type == "cpu":
             keep_freed_memory_in_process()
         torch.manual_seed(seed)
-        self.model = load_model(model_config, dtype, device)
+        self.model = load_model(model_config, dtype, device, self.shard)
         self.sampler = Sampler(eos_token_ids, seed, self.device)
         self.num_blocks = 0
         self.kv_cache = self.host_cache = None
@@ -144,7 +155,7 @@ class ModelRunner:
         CUDA so block copies can be asynchronous)."""
         cfg = self.model_config
         self.num_blocks = num_blocks
-        shape = (cfg.num_layers, 2, num_blocks * self.block_size, cfg.num_kv_heads, cfg.head_dim)
+        shape = (cfg.num_layers, 2, num_blocks * self.block_size, self.shard.num_kv_heads, cfg.head_dim)
         self.kv_cache = self._allocate_pool(shape, self.device)
         host_shape = shape[:2] + (num_host_blocks * self.block_size,) + shape[3:]
         self.host_cache = self._allocate_pool(host_shape, torch.device("cpu")) if num_host_blocks else None
@@ -168,7 +179,7 @@ class ModelRunner:
         cfg = self.model_config
         # A pool in the KV dtype, so a quantized cache's write and read temporaries count in the peak.
         scratch = self._allocate_pool((cfg.num_layers, 2, max_num_batched_tokens + self.block_size,
-                                       cfg.num_kv_heads, cfg.head_dim), self.device)
+                                       self.shard.num_kv_heads, cfg.head_dim), self.device)
         scratch_bytes = sum(t.numel() * t.element_size() for t in self._pool_tensors(scratch))
         blocks = np.arange(-(-max_num_batched_tokens // self.block_size), dtype=np.int64)
         meta, positions = build_metadata([], [(blocks, 0, max_num_batched_tokens)], self.block_size,
@@ -176,7 +187,9 @@ class ModelRunner:
         ids = torch.zeros(max_num_batched_tokens, dtype=torch.long, device=self.device)
         hidden = self.model(ids, torch.from_numpy(positions).to(self.device), scratch, meta)
         rows = hidden[-min(max_num_seqs, max_num_batched_tokens):]
-        torch.log_softmax(self.model.compute_logits(rows), dim=-1)
+        logits = self.model.compute_logits(rows)
+        if logits is not None:
+            torch.log_softmax(logits, dim=-1)
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device) - before - scratch_bytes
         del scratch, hidden, rows
@@ -247,7 +260,8 @@ class ModelRunner:
             self.requests.pop(rid, None)
         self.sampler.forget(out.finished_ids)
         for data in out.new_requests:
-            self.requests[data.request_id] = CachedRequestState.new(data, self.grammar_compiler)
+            self.requests[data.request_id] = CachedRequestState.new(data, self.grammar_compiler,
+                                                                    samples=self.shard.rank == 0)
         states = []
         for sr in out.scheduled:
             state = self.requests[sr.request_id]
@@ -313,6 +327,8 @@ class ModelRunner:
         if not sampling:
             return
         logits = self.model.compute_logits(hidden[inputs.last_rows])
+        if logits is None:  # a tensor-parallel rank other than 0: the gathered logits are on rank 0
+            return
         sync_grammars(sampling)
         tokens, logprobs = self.sampler(logits, sampling)
         for state, tok, lp in zip(sampling, tokens, logprobs):
@@ -321,6 +337,13 @@ class ModelRunner:
                 state.grammar.accept(tok)
             if lp is not None:
                 result.logprobs[state.request_id] = lp
+
+    @property
+    def kv_cache_bytes(self) -> int:
+        """Bytes of this rank's device KV pool, as allocated."""
+        if self.kv_cache is None:
+            return 0
+        return sum(t.numel() * t.element_size() for t in self._pool_tensors(self.kv_cache))  # scales included
 
     def _score_prompts(self, hidden: torch.Tensor, states: list[CachedRequestState],
                        sched: list[ScheduledRequest], result: StepResult) -> None:
@@ -344,7 +367,10 @@ class ModelRunner:
         out: list[TokenLogprobs] = []
         for lo in range(0, len(targets), PROMPT_LOGPROBS_ROWS_PER_PASS):
             chunk_targets = targets[lo:lo + PROMPT_LOGPROBS_ROWS_PER_PASS]
-            logits = self.model.compute_logits(hidden_rows[lo:lo + len(chunk_targets)]).float()
+            logits = self.model.compute_logits(hidden_rows[lo:lo + len(chunk_targets)])
+            if logits is None:  # a tensor-parallel rank > 0: the gather (every rank joins it) went to rank 0
+                continue
+            logits = logits.float()
             lps = torch.log_softmax(logits, dim=-1)
             target_ids = torch.tensor(chunk_targets, device=lps.device)
             target_lps = lps.gather(1, target_ids[:, None])

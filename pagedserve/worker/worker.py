@@ -1,0 +1,198 @@
+"""One tensor-parallel rank: a ModelRunner holding its shard, driven by messages.
+
+The engine core's executor (worker/multiproc_executor.py: one process per rank;
+worker/ray_executor.py: one Ray actor per rank) encodes each message once and hands the
+same bytes to every rank:
+
+    ExecuteMsg(SchedulerOutput)   every rank applies the same diff and runs the same forward
+                                  (the collectives keep them in step); rank 0 alone replies,
+                                  with the StepResult
+    CallMsg(method, args)         start-up and measurements (profile, allocate the pool,
+                                  stats); every rank replies
+    ShutdownMsg                   leave the loop
+
+A rank that fails replies with an error naming itself and exits: its peers then fail in
+their next collective, and the executor reports the first failure. Messages are msgspec
+(SchedulerOutput is a Struct of plain data), so a step's broadcast costs what its diff
+holds: new requests' prompts once, then a few ids per scheduled request.
+"""
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import signal
+import socket
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import msgspec
+
+from pagedserve.config import EngineConfig
+from pagedserve.core.outputs import StepResult
+from pagedserve.core.scheduler import SchedulerOutput
+
+logger = logging.getLogger("pagedserve.worker")
+
+# A collective waiting this long on a peer means the group is broken (a peer died without
+# its socket closing). The executor notices a dead process much sooner, by its sentinel.
+COLLECTIVE_TIMEOUT = timedelta(seconds=120)
+
+
+class ExecuteMsg(msgspec.Struct, tag="execute", array_like=True):
+    out: SchedulerOutput
+
+
+class CallMsg(msgspec.Struct, tag="call", array_like=True):
+    method: str
+    args: list[Any] = []
+
+
+class ShutdownMsg(msgspec.Struct, tag="shutdown", array_like=True):
+    pass
+
+
+class Reply(msgspec.Struct, array_like=True):
+    value: Any = None
+    result: StepResult | None = None
+    error: str | None = None
+
+
+WorkerMsg = ExecuteMsg | CallMsg | ShutdownMsg
+ENCODER = msgspec.msgpack.Encoder()
+MSG_DECODER = msgspec.msgpack.Decoder(WorkerMsg)
+REPLY_DECODER = msgspec.msgpack.Decoder(Reply)
+
+
+@dataclass
+class WorkerSpec:
+    """What every rank is started with (picklable: it crosses spawn and Ray)."""
+
+    config: EngineConfig
+    dtype: str
+    eos_token_ids: list[int]
+    num_threads: int   # torch intra-op threads of this rank (cores / ranks on one machine)
+
+
+def set_parent_death_signal() -> None:
+    """Linux: this process is killed when its parent dies, so a SIGKILLed server leaves no
+    orphaned engine or worker behind."""
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+    except OSError:
+        return
+    PR_SET_PDEATHSIG = 1
+    libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+class Worker:
+    def __init__(self, spec: WorkerSpec, rank: int, tp: int) -> None:
+        self.spec = spec
+        self.rank = rank
+        self.tp = tp
+        self.runner = None
+        self.decode_seconds = 0.0
+        self.execute_seconds = 0.0
+        self.num_steps = 0
+
+    def init_distributed(self, master_addr: str, master_port: int, device: str) -> None:
+        import torch
+        import torch.distributed as dist
+
+        torch.set_num_threads(self.spec.num_threads)
+        backend = "nccl" if device.startswith("cuda") else "gloo"
+        if device.startswith("cuda"):
+            torch.cuda.set_device(torch.device(device))
+        dist.init_process_group(backend, init_method=f"tcp://{master_addr}:{master_port}", rank=self.rank,
+                                world_size=self.tp, timeout=COLLECTIVE_TIMEOUT)
+
+    def load(self, device: str) -> None:
+        from pagedserve.config import resolve_kv_cache_dtype
+        from pagedserve.model.config import TPShard, read_model_config
+        from pagedserve.worker.model_runner import ModelRunner
+
+        config = self.spec.config
+        model_config = read_model_config(config.model)
+        shard = TPShard.of(model_config, self.tp, self.rank)
+        eos = frozenset(self.spec.eos_token_ids)
+        grammar_compiler = None
+        if self.rank == 0:  # only rank 0 samples, so only it needs structured outputs' masks
+            from pagedserve.engine.llm_engine import load_tokenizer, make_grammar_compiler
+            grammar_compiler = make_grammar_compiler(load_tokenizer(config), model_config.vocab_size, eos)
+        # each rank's pool in the KV dtype: its share of the heads at the quantized bytes per token
+        kv_cache_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, self.spec.dtype)
+        self.runner = ModelRunner(model_config, self.spec.dtype, device, config.block_size, eos, config.seed,
+                                  grammar_compiler=grammar_compiler, shard=shard, kv_cache_dtype=kv_cache_dtype)
+
+    def stats(self) -> dict:
+        from pagedserve.model.parallel import COMM_TIME
+        return {"rank": self.rank, "pid": os.getpid(), "decode_seconds": self.decode_seconds,
+                "execute_seconds": self.execute_seconds, "num_steps": self.num_steps, **COMM_TIME}
+
+    def reset_stats(self) -> None:
+        from pagedserve.model.parallel import COMM_TIME
+        self.decode_seconds = self.execute_seconds = 0.0
+        self.num_steps = 0
+        COMM_TIME.update(all_reduce=0.0, gather=0.0, calls=0)
+
+    def handle(self, payload: bytes) -> bytes | None | ShutdownMsg:
+        """One message in; the reply's bytes (None: nothing to reply). Raises on failure."""
+        t0 = time.perf_counter()
+        msg = MSG_DECODER.decode(payload)
+        t1 = time.perf_counter()
+        if isinstance(msg, ExecuteMsg):
+            self.decode_seconds += t1 - t0
+            result = self.runner.execute(msg.out)
+            self.execute_seconds += time.perf_counter() - t1
+            self.num_steps += 1
+            return ENCODER.encode(Reply(result=result)) if self.rank == 0 else None
+        if isinstance(msg, CallMsg):
+            target = getattr(self, msg.method, None)
+            if target is None:
+                target = getattr(self.runner, msg.method)
+            value = target(*msg.args) if callable(target) else target
+            return ENCODER.encode(Reply(value=value))
+        return msg
+
+
+def run_worker_process(spec: WorkerSpec, rank: int, tp: int, master_port: int, cmd_conn, reply_conn) -> None:
+    """The body of one mp rank: connect the group, load the shard, then serve messages
+    until ShutdownMsg, a closed pipe (the engine is gone) or an error (reported, exit 1)."""
+    set_parent_death_signal()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group; the server shuts us down
+    logging.basicConfig(level=logging.INFO, format=f"%(levelname)s %(asctime)s rank{rank} %(name)s: %(message)s")
+    config = spec.config
+    device = config.device if config.device == "cpu" else f"cuda:{rank}"
+    worker = Worker(spec, rank, tp)
+    try:
+        worker.init_distributed("127.0.0.1", master_port, device)
+        worker.load(device)
+        reply_conn.send_bytes(ENCODER.encode(Reply(value=os.getpid())))
+        while True:
+            reply = worker.handle(cmd_conn.recv_bytes())
+            if isinstance(reply, ShutdownMsg):
+                break
+            if reply is not None:
+                reply_conn.send_bytes(reply)
+    except EOFError:  # the executor closed the pipe: the engine is gone
+        os._exit(0)
+    except BaseException as e:  # noqa: BLE001 - report who failed, then die at once (peers may be gone)
+        logger.exception("rank %d failed", rank)
+        try:
+            reply_conn.send_bytes(ENCODER.encode(Reply(error=f"rank {rank} (pid {os.getpid()}): "
+                                                               f"{type(e).__name__}: {e}")))
+        except OSError:
+            pass
+        os._exit(1)
+    # Leave at once: the group dies with its processes, and a clean teardown of torch under
+    # load took seconds per rank for nothing.
+    logging.shutdown()
+    os._exit(0)

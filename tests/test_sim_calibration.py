@@ -1,0 +1,356 @@
+"""Calibrating the simulator on a live server: the serving-overhead fit, the CPU-then-wall step
+fit, the warnings for what a trace leaves unfitted, the simulator applying what was fitted,
+the server's request trace, and `simulate --step-trace-path`. Synthetic traces are built from
+known constants, so every fitted number is checked against the truth it came from."""
+from __future__ import annotations
+
+import json
+import math
+import random
+
+import pytest
+
+from pagedserve.bench.workloads import WorkloadRequest, make_workload, ramp_arrival_times
+from pagedserve.config import EngineConfig
+from pagedserve.core.engine_core import StepTrace
+from pagedserve.plan.kv_budget import ModelShape
+from pagedserve.sim.cost_model import (CostModel, CostParams, ModelCost, ServingOverhead, error_report, fit,
+                                       fit_serving, match_client_records, run_beyond_coverage, step_costs,
+                                       step_features)
+from pagedserve.sim.simulator import build_deployment, simulate
+
+SHAPE = ModelShape(num_layers=2, hidden_size=8, num_attention_heads=2, num_kv_heads=1, head_dim=4,
+                   intermediate_size=16, vocab_size=10)
+
+
+def cpu_truth(**kw) -> CostParams:
+    base = dict(peak_flops=1e6, mem_bandwidth=1e6, gemm_mfu=0.5, gemm_mbu=0.0, attn_mfu=0.25, attn_mbu=0.5,
+                step_overhead_s=0.004, per_request_overhead_s=0.0005, per_prefill_overhead_s=0.002,
+                combine="sum", attention_pad_share=1.0)
+    base.update(kw)
+    return CostParams(**base)
+
+
+def synthetic_steps(cm: CostModel, n: int = 400, seed: int = 0, swaps: bool = False, wall_per_cpu: float = 1.0,
+                    per_output_s: float = 0.0, gap_s: float = 0.0) -> list[StepTrace]:
+    """Steps of every kind with exact CPU times from `cm`, wall = wall_per_cpu x CPU + per_output x
+    outputs, laid end to end with `gap_s` between them."""
+    rng = random.Random(seed)
+    out, t = [], 100.0
+    for _ in range(n):
+        kind = rng.random()
+        batch = rng.randint(1, 12)
+        new = [1] * batch
+        if kind < 0.3:
+            new[0] = rng.randint(2, 200)
+        elif kind < 0.35:
+            new = [rng.randint(2, 200) for _ in range(rng.randint(1, 3))]
+        ctx = [k + rng.randint(0, 600) for k in new]
+        outputs = sum(1 for k, c in zip(new, ctx) if k == 1 or rng.random() < 0.5)
+        blocks = rng.choice([0, 0, 0, 4, 12]) if swaps else 0
+        cpu = cm.predict(new, ctx, blocks, 0)
+        wall = wall_per_cpu * cpu + per_output_s * outputs
+        t += wall
+        out.append(StepTrace(new, ctx, blocks, duration=wall, step_time=wall, t_end=t, cpu_time=cpu,
+                             num_outputs=outputs, num_unfinished=5))
+        t += gap_s
+    return out
+
+
+# -- the step fit ---------------------------------------------------------------------------
+def test_fit_cpu_shape_then_wall_recovers_the_constants():
+    m = ModelCost.from_shape(SHAPE, "float32", None, 1)
+    truth = CostModel(m, cpu_truth())
+    steps = synthetic_steps(truth, wall_per_cpu=3.0, per_output_s=0.002, gap_s=0.001)
+    base = CostParams(peak_flops=1e6, mem_bandwidth=1e6, combine="sum")
+    params, report = fit(steps, m, base, fit_pad_share=True, host_bandwidth_fallback=(1e9, "stated"))
+    # The gap between steps is part of a step's cost to the server.
+    assert report["step_gap"]["median_gap_s"] == pytest.approx(0.001, rel=1e-6)
+    assert report["wall_per_cpu"] == pytest.approx(3.0, rel=0.03)
+    assert report["per_output_overhead_s"] == pytest.approx(0.002 + 0.001 / 6, rel=0.5)  # the gap rides along
+    assert report["attention_pad_share"] == 1.0
+    fitted = CostModel(m, params)
+    for r, wall in zip(steps[:60], step_costs(steps[:61])[0]):
+        assert fitted.predict(r.new_tokens, r.context_lens, 0, r.num_outputs) == pytest.approx(wall, rel=0.05)
+    assert abs(report["total_time_error"]) < 0.01
+    assert report["shape_errors"]["all"]["mean_abs_rel_error"] < 0.01  # CPU times are exact here
+
+
+def test_fit_picks_the_attention_padding_the_backend_pays():
+    m = ModelCost.from_shape(SHAPE, "float32", None, 1)
+    base = CostParams(peak_flops=1e6, mem_bandwidth=1e6, combine="sum")
+    for share in (0.0, 1.0):
+        truth = CostModel(m, cpu_truth(attention_pad_share=share, attn_mfu=0.02, attn_mbu=0.05))
+        _, report = fit(synthetic_steps(truth, seed=3), m, base, fit_pad_share=True,
+                        host_bandwidth_fallback=(1e9, "stated"))
+        assert report["attention_pad_share"] == share
+
+
+def test_calibrate_without_swaps_warns_and_never_fits_host_bandwidth_zero():
+    m = ModelCost.from_shape(SHAPE, "float32", None, 1)
+    base = CostParams(peak_flops=1e6, mem_bandwidth=1e6, combine="sum")
+    steps = synthetic_steps(CostModel(m, cpu_truth()), swaps=False)
+    params, report = fit(steps, m, base, host_bandwidth_fallback=(2e9, "a stated figure"))
+    assert params.host_bandwidth == 2e9 and params.host_link_efficiency == 1.0
+    assert any("no swaps in the trace" in w and "2.00 GB/s" in w for w in report["warnings"])
+    # a swap now costs what the fallback says, not nothing
+    swap = CostModel(m, params).breakdown(step_features(m, [1], [10], num_swap_blocks=4, block_size=16)).swap
+    assert swap == pytest.approx(4 * 16 * m.kv_bytes_per_token / 2e9)
+    # with no fallback and no stated bandwidth, one is measured here: still > 0, still warned about
+    params, report = fit(steps, m, base)
+    assert params.host_bandwidth > 0
+    assert any("memcpy measured on this machine" in w for w in report["warnings"])
+
+
+def test_calibrate_with_swaps_fits_the_host_bandwidth():
+    m = ModelCost.from_shape(SHAPE, "float32", None, 1)
+    truth = cpu_truth(host_bandwidth=5e3, host_link_efficiency=1.0)
+    steps = synthetic_steps(CostModel(m, truth), swaps=True)
+    params, report = fit(steps, m, CostParams(peak_flops=1e6, mem_bandwidth=1e6, combine="sum"))
+    assert params.host_bandwidth * params.host_link_efficiency == pytest.approx(5e3, rel=0.02)
+    assert not any("swap" in w for w in report["warnings"])
+    assert report["coverage"]["swap_blocks"] == sum(r.num_swap_blocks for r in steps)
+
+
+def test_calibrate_warns_where_the_trace_is_thin():
+    m = ModelCost.from_shape(SHAPE, "float32", None, 1)
+    cm = CostModel(m, cpu_truth())
+    only_small_decodes = [StepTrace([1] * b, [20 + b] * b, duration=cm.predict([1] * b, [20 + b] * b),
+                                    cpu_time=cm.predict([1] * b, [20 + b] * b)) for b in (1, 2, 3) * 10]
+    _, report = fit(only_small_decodes, m, CostParams(peak_flops=1e6, mem_bandwidth=1e6, combine="sum"),
+                    host_bandwidth_fallback=(1e9, "x"), max_model_len=1024)
+    text = " | ".join(report["warnings"])
+    for needle in ("only 30 steps", "no mixed steps", "no prefill steps", "decode batches only up to 3",
+                   "no long contexts", "no swaps"):
+        assert needle in text, needle
+    assert run_beyond_coverage(report["coverage"], {"max_decode_batch": 16, "max_context": 23,
+                                                    "max_step_tokens": 3, "max_prefill_chunk": 0,
+                                                    "swap_blocks": 8}) == [
+        "the run reached a decode batch of 16, the calibration trace only 3: that part of the step cost is "
+        "extrapolated",
+        "the run swapped 8 blocks; the calibration trace had no swaps, so the swap cost is the fallback host "
+        "bandwidth, not a fitted one"]
+
+
+def test_error_report_by_step_kind_by_hand():
+    steps = [StepTrace([1, 1], [10, 20]), StepTrace([5, 1], [5, 30]), StepTrace([7], [7]), StepTrace([1], [600])]
+    rep = error_report(steps, [1.1, 2.0, 2.0, 0.9], [1.0, 2.5, 2.0, 1.0])
+    assert rep["by_kind"]["decode"]["num_steps"] == 2
+    assert rep["by_kind"]["decode"]["bias"] == pytest.approx((0.1 - 0.1) / 2)
+    assert rep["by_kind"]["decode"]["total_time_error"] == pytest.approx(2.0 / 2.0 - 1)
+    assert rep["by_kind"]["mixed"]["bias"] == pytest.approx(-0.2)
+    assert rep["by_kind"]["prefill"]["mean_abs_rel_error"] == 0.0
+    assert set(rep["decode_by_context"]) == {"0-127", "512-2047"}
+    assert rep["decode_by_batch"]["2-4"]["bias"] == pytest.approx(0.1)
+
+
+# -- the serving overhead -------------------------------------------------------------------
+def synthetic_serving(truth: ServingOverhead, n: int = 120, seed: int = 0, client_skew: float = 0.0):
+    """Requests and steps whose admission and delivery follow `truth` exactly."""
+    rng = random.Random(seed)
+    steps, requests = [], []
+    t = 1000.0
+    for i in range(n):
+        prompt = rng.randint(4, 900)
+        t_http = t + rng.random()
+        t_submit = t_http + client_skew + truth.admit(prompt) - client_skew
+        first_n, last_n = rng.randint(1, 16), rng.randint(1, 16)
+        t_first = t_submit + 0.05 + rng.random()
+        t_last = t_first + 0.5 + rng.random()
+        steps += [StepTrace([1] * first_n, [prompt] * first_n, t_end=t_first, num_outputs=first_n),
+                  StepTrace([1] * last_n, [prompt + 9] * last_n, t_end=t_last, num_outputs=last_n)]
+        requests.append({"request_id": f"r{i}", "prompt_len": prompt, "t_http": t_http, "t_submit": t_submit,
+                         "t_first_token": t_first, "t_first_out": t_first + truth.deliver(first_n),
+                         "t_last_token": t_last, "t_last_out": t_last + truth.deliver(last_n)})
+        t = t_last + 2.0
+    return requests, steps
+
+
+def test_fit_serving_recovers_known_overhead_constants():
+    truth = ServingOverhead(admit_s=0.012, admit_per_prompt_token_s=20e-6, deliver_s=0.004, deliver_per_output_s=0.0007)
+    requests, steps = synthetic_serving(truth)
+    fitted, report = fit_serving(requests, steps)
+    assert fitted.admit_s == pytest.approx(0.012, rel=1e-6)
+    assert fitted.admit_per_prompt_token_s == pytest.approx(20e-6, rel=1e-6)
+    assert fitted.deliver_s == pytest.approx(0.004, rel=1e-6)
+    assert fitted.deliver_per_output_s == pytest.approx(0.0007, rel=1e-6)
+    assert report["num_deliveries"] == 2 * len(requests)
+    assert abs(report["admission_residual_p99_s"]) < 1e-9
+    with pytest.raises(ValueError, match="request_trace"):
+        fit_serving(requests[:2], steps)
+
+
+def test_admission_is_fitted_on_requests_that_found_the_server_free():
+    """A burst queues at the HTTP loop and the tokenizer: those waits are the burst's, not the
+    per-request cost; the fit uses the requests that arrived with nothing ahead of them."""
+    truth = ServingOverhead(admit_s=0.010, deliver_s=0.003)
+    requests, steps = synthetic_serving(truth, n=20)
+    t = requests[-1]["t_last_out"] + 5.0
+    for j in range(10):  # ten sent at once: the j-th waits for j others (20 ms each) first
+        submit = t + 0.010 + 0.020 * j
+        steps.append(StepTrace([1], [8], t_end=submit + 1.0, num_outputs=1))
+        requests.append({"request_id": f"burst{j}", "prompt_len": 8, "t_http": t, "t_submit": submit,
+                         "t_first_token": submit + 1.0, "t_first_out": submit + 1.003,
+                         "t_last_token": None, "t_last_out": None})
+    fitted, report = fit_serving(requests, steps)
+    assert fitted.admit_s + fitted.admit_per_prompt_token_s * 8 == pytest.approx(0.010, abs=1e-3)
+    assert report["num_admissions"] == 21 and report["admissions_from"].startswith("requests that found")
+
+
+def test_client_records_add_what_the_server_cannot_see():
+    truth = ServingOverhead(admit_s=0.010, deliver_s=0.003)
+    requests, steps = synthetic_serving(truth, n=40)
+    start = 900.0
+    bench = {"run_start_monotonic": start, "requests": []}
+    for q in requests:  # the client sent each 5 ms before the server saw it, got its tokens 2 ms after
+        send = q["t_http"] - 0.005
+        ttft = q["t_first_out"] + 0.002 - send
+        bench["requests"].append({"success": True, "prompt_len": q["prompt_len"], "start": send - start,
+                                  "ttft": ttft, "itl": [0.1, q["t_last_out"] + 0.002 - send - ttft - 0.1]})
+    random.Random(1).shuffle(bench["requests"])
+    assert match_client_records(requests, bench) == len(requests)
+    fitted, report = fit_serving(requests, steps)
+    assert fitted.admit_s == pytest.approx(0.015, abs=1e-9)
+    assert fitted.deliver_s == pytest.approx(0.005, abs=1e-9)
+    assert report["client_to_server_mean_s"] == pytest.approx(0.005)
+    assert report["server_to_client_mean_s"] == pytest.approx(0.002)
+    with pytest.raises(ValueError, match="run_start_monotonic"):
+        match_client_records(requests, {"requests": []})
+
+
+def test_simulator_adds_the_serving_overhead_to_ttft_and_e2e(tmp_path):
+    from test_sim import cpu_params, write_config
+
+    model_dir = write_config(tmp_path / "m")
+    workload = [WorkloadRequest(None, None, 40, 5, arrival_time=10.0 * i) for i in range(4)]  # never overlap
+
+    def run(serving: ServingOverhead):
+        params = cpu_params()
+        params.serving = serving.to_dict()
+        dep = build_deployment(EngineConfig(num_kv_blocks=64, max_model_len=256), str(model_dir), cost_params=params)
+        return simulate(dep, workload)
+
+    plain = run(ServingOverhead())
+    slowed = run(ServingOverhead(admit_s=0.1, admit_per_prompt_token_s=0.001, deliver_s=0.05,
+                                 deliver_per_output_s=0.01))
+    for a, b in zip(plain.records, slowed.records):
+        assert b.arrival == a.arrival  # TTFT counts from the client's send, as the bench does
+        # alone in the engine: admission 0.1 + 40 x 0.001, then each token one step-output later + 0.06
+        assert b.ttft == pytest.approx(a.ttft + 0.14 + 0.06)
+        assert b.e2el == pytest.approx(a.e2el + 0.14 + 0.06)
+        assert b.itls() == pytest.approx(a.itls())
+    assert slowed.to_dict()["serving_overhead"]["admit_s"] == 0.1
+
+
+# -- the calibration workload -----------------------------------------------------------------
+def test_calibration_workload_spans_shapes_and_ramps_the_rate():
+    w = make_workload("calibration", 400, request_rate=2.0, input_len=200, output_len=50, vocab_size=1000,
+                      max_len=300)
+    prompts, outputs = [r.prompt_len for r in w], [r.output_len for r in w]
+    assert min(prompts) <= 12 and max(prompts) >= 250
+    assert min(outputs) <= 6 and max(outputs) >= 60
+    assert all(p + o <= 300 for p, o in zip(prompts, outputs))
+    assert all(len(r.prompt_token_ids) == r.prompt_len for r in w)
+    gaps = [b.arrival_time - a.arrival_time for a, b in zip(w, w[1:])]
+    first, last = sum(gaps[:100]) / 100, sum(gaps[-100:]) / 100
+    assert first > 3 * last  # from 0.1x to 2x the rate: gaps shrink
+    assert ramp_arrival_times(3, 1.0, seed=1) == ramp_arrival_times(3, 1.0, seed=1)
+    with pytest.raises(ValueError, match="request_rate"):
+        make_workload("calibration", 10, request_rate=math.inf)
+
+
+# -- the live trace and the simulated trace ------------------------------------------------------
+def test_server_writes_a_request_trace_matched_to_its_steps(tmp_path, tiny_llama):
+    import httpx
+
+    from pagedserve.server.launcher import ServerThread, build_server
+
+    steps_path = tmp_path / "steps.jsonl"
+    config = EngineConfig(model=str(tiny_llama), num_kv_blocks=64, max_model_len=128, step_trace_path=str(steps_path))
+    app, _ = build_server(config)
+    with ServerThread(app) as st:
+        for prompt, n in (([5, 6, 7, 8], 6), ([9, 10], 3)):
+            with httpx.stream("POST", st.url + "/v1/completions", json={
+                    "prompt": prompt, "max_tokens": n, "ignore_eos": True, "stream": True}) as r:
+                assert r.status_code == 200
+                assert sum(1 for line in r.iter_lines() if line.startswith("data: {")) >= n
+        # not traced: a response without per-token timing
+        assert httpx.post(st.url + "/v1/completions", json={"prompt": [5, 6], "max_tokens": 2}).status_code == 200
+    steps = [StepTrace.from_dict(json.loads(line)) for line in steps_path.read_text().splitlines()]
+    lines = [json.loads(line) for line in (tmp_path / "steps.requests.jsonl").read_text().splitlines()]
+    assert [(q["prompt_len"], q["num_tokens"], q["num_chunks"]) for q in lines] == [(4, 6, 6), (2, 3, 3)]
+    by_end = {s.t_end: s for s in steps}
+    for q in lines:
+        assert q["t_http"] <= q["t_submit"] <= q["t_scheduled"] <= q["t_first_token"] <= q["t_first_out"]
+        assert q["t_first_out"] <= q["t_last_out"] and q["t_last_token"] <= q["t_last_out"]
+        assert by_end[q["t_first_token"]].num_outputs >= 1  # the very step, by its end time
+        assert by_end[q["t_last_token"]].num_outputs >= 1
+    assert all(s.cpu_time > 0 and s.t_end > 0 for s in steps)
+    assert steps[-1].num_unfinished == 0
+
+
+def test_simulate_writes_the_step_trace_it_is_asked_for(tmp_path, capsys):
+    from pagedserve.cli import main
+    from test_sim import cpu_params, write_config
+
+    model_dir = write_config(tmp_path / "m")
+    cost = tmp_path / "cost.json"
+    params = cpu_params()
+    params.serving = ServingOverhead(admit_s=0.01, deliver_s=0.002, source="test").to_dict()
+    cost.write_text(json.dumps({"params": params.to_dict()}))
+    trace, result = tmp_path / "sim_steps.jsonl", tmp_path / "r.json"
+    assert main(["simulate", "--device", "cpu", "--model", str(model_dir), "--cost-model", str(cost),
+                 "--num-kv-blocks", "64", "--max-model-len", "256", "--num-prompts", "12", "--random-input-len", "40",
+                 "--random-output-len", "6", "--request-rate", "20", "--step-trace-path", str(trace),
+                 "--result-json", str(result)]) == 0
+    printed = capsys.readouterr().out
+    assert "serving overhead: admission 10.0 ms" in printed and "delivery 2.0 ms" in printed
+    steps = [StepTrace.from_dict(json.loads(line)) for line in trace.read_text().splitlines()]
+    data = json.loads(result.read_text())
+    assert len(steps) == data["num_steps"] > 0
+    from pagedserve.plan.models import load_model
+    cm = CostModel(ModelCost.from_shape(load_model(str(model_dir)).shape, "float32", "float32", 1), params)
+    t = 0.0
+    for s in steps:  # virtual time: each step lasts what the cost model says, on the virtual clock
+        assert s.step_time == pytest.approx(cm.predict(s.new_tokens, s.context_lens, s.num_swap_blocks, s.num_outputs))
+        assert s.cpu_time == pytest.approx(s.step_time)
+        assert s.t_end >= t + s.step_time - 1e-9
+        t = s.t_end
+    assert steps[-1].t_end <= data["duration"]
+
+
+# -- servers without a step trace (vLLM): steps rebuilt from the client's token arrivals --------
+def test_steps_rebuilt_from_token_arrivals_by_hand():
+    from pagedserve.sim.reconstruct import histogram_mean, serving_from_metrics, steps_from_bench
+
+    # Engine steps (end times): A alone (prefill, 2 decodes), then B joins; an idle spell; C alone.
+    # step 1 @1.00: A prefill (prompt 10)      step 2 @1.05: A decode
+    # step 3 @1.10: A decode, B prefill (20)   step 4 @1.15: A decode, B decode
+    # idle ... step 5 @3.00: C prefill (5)     step 6 @3.04: C decode
+    arrivals = {"A": [1.00, 1.05, 1.10, 1.15], "B": [1.1003, 1.1502], "C": [3.00, 3.04]}
+    prompts, sends = {"A": 10, "B": 20, "C": 5}, {"A": 0.9, "B": 1.02, "C": 2.95}
+    result = {"requests": [{"success": True, "prompt_len": prompts[k], "start": sends[k], "num_chunks": len(t),
+                            "output_tokens": len(t), "ttft": t[0] - sends[k],
+                            "itl": [b - a for a, b in zip(t, t[1:])]} for k, t in arrivals.items()]
+              + [{"success": False, "prompt_len": 3, "start": 0.0, "num_chunks": 0}]}
+    rebuilt = steps_from_bench(result, threshold_s=0.01)
+    assert rebuilt.num_clusters == 6 and rebuilt.num_idle_starts == 2 and rebuilt.num_skipped == 1
+    got = [(s.new_tokens, s.context_lens, round(s.step_time, 6)) for s in rebuilt.steps]
+    assert got == [([1], [11], 0.05),                  # A's 2nd token: decode at context 10 + 1
+                   ([1, 20], [12, 20], 0.05),          # A decodes while B's prompt runs
+                   ([1, 1], [13, 21], 0.05),
+                   ([1], [6], 0.04)]                   # after C's idle start (left out)
+    # Metrics: the client's TTFT minus the engine's queue + prefill is the serving overhead.
+    before = ("vllm:request_queue_time_seconds_sum{model_name=\"m\"} 1.0\n"
+              "vllm:request_queue_time_seconds_count{model_name=\"m\"} 10\n"
+              "vllm:request_prefill_time_seconds_sum{model_name=\"m\"} 2.0\n"
+              "vllm:request_prefill_time_seconds_count{model_name=\"m\"} 10\n")
+    after = ("vllm:request_queue_time_seconds_sum{model_name=\"m\"} 1.03\n"
+             "vllm:request_queue_time_seconds_count{model_name=\"m\"} 13\n"
+             "vllm:request_prefill_time_seconds_sum{model_name=\"m\"} 2.06\n"
+             "vllm:request_prefill_time_seconds_count{model_name=\"m\"} 13\n")
+    assert histogram_mean(before, after, "vllm:request_queue_time_seconds") == (pytest.approx(0.01), 3)
+    overhead, report = serving_from_metrics(result, before, after)
+    client = ((1.00 - 0.9) + (1.1003 - 1.02) + (3.00 - 2.95)) / 3
+    assert overhead == pytest.approx(client - 0.01 - 0.02)
+    assert report["client_ttft_mean_s"] == pytest.approx(client)
