@@ -612,6 +612,55 @@ def test_tune_recommends_fp8_when_the_pool_binds(tmp_path, capsys):
     assert "--kv-cache-dtype fp8" in capsys.readouterr().out
 
 
+# -- tensor parallelism: each rank's pool holds its heads at the quantized bytes ---------------------
+def test_tp2_int8_ranks_allocate_plans_quantized_pool_and_score_as_tp1(tiny_llama):
+    """tp=2 (gloo on CPU): each rank allocates the bytes `plan` gives for its share of the KV
+    heads at int8's value and scale bytes, and teacher-forced prompt logprobs equal tp=1's with
+    the same cache dtype (the ranks quantize their own heads the way one process does)."""
+    from pagedserve.plan.budget import PlanRequest, compute_plan
+    from pagedserve.plan.gpus import custom_gpu
+    from pagedserve.plan.models import load_model
+
+    budget = 400_000
+    args = dict(kv_cache_dtype="int8", kv_cache_memory=budget, max_model_len=256, max_num_batched_tokens=64,
+                preemption_mode="recompute")
+    prompts = [[(i * 31 + 11 * k) % 380 + 2 for i in range(20 + 40 * k)] for k in range(5)]
+    params = SamplingParams(max_tokens=1, prompt_logprobs=0)
+
+    def scored(llm):
+        return [np.array([e.logprob for e in o.prompt_logprobs[1:]]) for o in llm.generate(prompts, params,
+                                                                                          use_tqdm=False)]
+    want = scored(LLM(str(tiny_llama), **args))
+    tp2 = LLM(str(tiny_llama), tensor_parallel_size=2, **args)
+    try:
+        plan = compute_plan(PlanRequest(model=load_model(str(tiny_llama)), device=custom_gpu(0, name="CPU"),
+                                        device_kind="cpu", kv_cache_memory=budget, tensor_parallel_size=2,
+                                        kv_cache_dtype="int8", block_size=16, max_model_len=256))
+        # one of the two KV heads per rank: 16 values + a 4-byte scale, for K and V, 2 layers
+        assert plan.kv_bytes_per_token == 2 * 2 * 1 * (16 + 4) == tp2.engine.pool_sizing.bytes_per_token
+        assert tp2.engine.pool_sizing.num_blocks == plan.pool.num_blocks
+        assert tp2.engine.executor.rank_kv_bytes == [plan.pool.num_bytes] * 2
+        for got, ref in zip(scored(tp2), want):
+            np.testing.assert_allclose(got, ref, atol=1e-4, rtol=0)
+    finally:
+        tp2.engine.shutdown()
+
+
+def test_metrics_name_the_dtype_with_the_engine_core_in_another_process(tiny_llama):
+    """A split server's front-end never holds the pool: the dtype and bytes come from the config,
+    the block count from the core's first snapshot."""
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from pagedserve.server.launcher import ServerThread, build_server
+
+    app, _ = build_server(EngineConfig(model=str(tiny_llama), kv_cache_dtype="int8", num_kv_blocks=8,
+                                       max_model_len=128, preemption_mode="recompute"), engine_core_mode="process")
+    with ServerThread(app) as server:
+        families = {f.name: f for f in text_string_to_metric_families(httpx.get(server.url + "/metrics").text)}
+    info = families["pagedserve:cache_config_info"].samples
+    assert [(s.labels["cache_dtype"], s.labels["num_blocks"]) for s in info] == [("int8", "8")]
+    assert families["pagedserve:kv_cache_bytes_per_token"].samples[0].value == 160
 # -- the torch path is device-generic (it is what CUDA tensors go through) ---------------------------
 @pytest.mark.parametrize("name", QUANTIZED)
 def test_torch_path_runs_on_a_non_cpu_device(name):
