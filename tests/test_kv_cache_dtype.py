@@ -675,3 +675,53 @@ def test_torch_path_runs_on_a_non_cpu_device(name):
     k, v = (torch.randn(31, 2, 16, device=device, dtype=torch.bfloat16) for _ in range(2))
     out = torch_backend.paged_attention(q, k, v, pool[0, 0], pool[0, 1], meta, 0.25)
     assert (out.shape, out.dtype, out.device) == (q.shape, torch.bfloat16, device)
+
+
+# -- CUDA's Triton kernels read plain caches only: a quantized one goes to the torch reference -------
+@pytest.fixture
+def fresh_backend_choice(monkeypatch):
+    from pagedserve import attention
+
+    attention.backend_for.cache_clear()
+    attention._torch_for_quantized_cache.cache_clear()
+    yield monkeypatch
+    monkeypatch.undo()
+    attention.backend_for.cache_clear()
+    attention._torch_for_quantized_cache.cache_clear()
+
+
+def test_where_triton_serves_a_quantized_cache_is_read_by_the_torch_reference(fresh_backend_choice, tiny_llama,
+                                                                           caplog):
+    """As `auto` picks Triton for CUDA tensors (simulated here on CPU): plain caches keep Triton's
+    metadata, a quantized one gets the torch reference's, with one warning, and the engine's
+    greedy tokens equal the CPU kernel's on the same cache dtype."""
+    from pagedserve import attention
+    from pagedserve.attention.torch_backend import AttentionMetadata as TorchMetadata
+    from pagedserve.attention.triton_backend import TritonMetadata
+
+    prompts = [[(i * 31 + 11 * k) % 380 + 2 for i in range(8 + 9 * k)] for k in range(6)]
+    greedy = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    args = dict(kv_cache_dtype="fp8", num_kv_blocks=64, max_model_len=256, preemption_mode="recompute")
+    want = [o.outputs[0].token_ids for o in LLM(str(tiny_llama), **args).generate(prompts, greedy, use_tqdm=False)]
+
+    fresh_backend_choice.setenv(attention.BACKEND_ENV, "auto")
+    fresh_backend_choice.setattr(attention, "backend_for", lambda device_type: "triton")
+    step = ([(np.array([0, 1]), 20)], [(np.array([2, 3]), 0, 20)])
+    assert type(attention.build_metadata(*step, 16, None, torch.device("cpu"))[0]) is TritonMetadata
+    with caplog.at_level(logging.WARNING, logger="pagedserve.attention"):
+        meta, _ = attention.build_metadata(*step, 16, None, torch.device("cpu"), quantized_cache=True)
+        assert type(meta) is TorchMetadata
+        got = [o.outputs[0].token_ids for o in LLM(str(tiny_llama), **args).generate(prompts, greedy,
+                                                                                    use_tqdm=False)]
+    assert got == want
+    warnings = [r for r in caplog.records if r.name == "pagedserve.attention"]
+    assert len(warnings) == 1 and "torch reference" in warnings[0].getMessage()
+
+
+def test_forced_triton_with_a_quantized_cache_is_refused_at_start_up(fresh_backend_choice, tiny_llama):
+    from pagedserve import attention
+
+    fresh_backend_choice.setenv(attention.BACKEND_ENV, "triton")  # the interpreter serves CPU tensors in tests
+    assert attention.backend_for("cpu") == "triton"
+    with pytest.raises(ValueError, match="kv_cache_dtype.*PAGEDSERVE_ATTENTION_BACKEND=triton"):
+        LLM(str(tiny_llama), kv_cache_dtype="int8", num_kv_blocks=64, max_model_len=256)

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from pagedserve.attention import build_metadata
+from pagedserve.attention import backend_for_cache, build_metadata
 from pagedserve.attention.kv_quant import QuantizedKVCache, kv_format
 from pagedserve.core.outputs import StepResult, TokenLogprobs
 from pagedserve.core.scheduler import NewRequestData, ScheduledRequest, SchedulerOutput
@@ -139,6 +139,9 @@ class ModelRunner:
         self.device = torch.device(device)
         self.dtype = TORCH_DTYPES[dtype]
         self.kv_format = kv_format(kv_cache_dtype)  # None: the pool is in the compute dtype
+        self.quantized_cache = self.kv_format is not None
+        # Which attention backend reads this pool, decided (and a bad combination refused) at start-up.
+        backend_for_cache(self.device.type, self.quantized_cache)
         self.block_size = block_size
         if self.device.type == "cpu":
             keep_freed_memory_in_process()
@@ -183,7 +186,7 @@ class ModelRunner:
         scratch_bytes = sum(t.numel() * t.element_size() for t in self._pool_tensors(scratch))
         blocks = np.arange(-(-max_num_batched_tokens // self.block_size), dtype=np.int64)
         meta, positions = build_metadata([], [(blocks, 0, max_num_batched_tokens)], self.block_size,
-                                         cfg.sliding_window, self.device)
+                                         cfg.sliding_window, self.device, self.quantized_cache)
         ids = torch.zeros(max_num_batched_tokens, dtype=torch.long, device=self.device)
         hidden = self.model(ids, torch.from_numpy(positions).to(self.device), scratch, meta)
         rows = hidden[-min(max_num_seqs, max_num_batched_tokens):]
@@ -245,7 +248,7 @@ class ModelRunner:
         num_tokens = max(1, min(num_tokens, self.num_blocks * self.block_size))
         blocks = np.arange(-(-num_tokens // self.block_size), dtype=np.int64)
         meta, positions = build_metadata([], [(blocks, 0, num_tokens)], self.block_size,
-                                         self.model_config.sliding_window, self.device)
+                                         self.model_config.sliding_window, self.device, self.quantized_cache)
         ids = torch.zeros(num_tokens, dtype=torch.long, device=self.device)
         pos = torch.from_numpy(positions).to(self.device)
         self.model(ids, pos, self.kv_cache, meta)  # warm-up
@@ -300,7 +303,7 @@ class ModelRunner:
             [(np.asarray(states[i].block_ids, dtype=np.int64), sched[i].start_pos) for i in decodes],
             [(np.asarray(states[i].block_ids, dtype=np.int64), sched[i].start_pos, sched[i].num_new_tokens)
              for i in prefills],
-            self.block_size, self.model_config.sliding_window, self.device)
+            self.block_size, self.model_config.sliding_window, self.device, self.quantized_cache)
         if prefills:
             token_ids = np.fromiter((t for i in order for t in sched[i].token_ids), dtype=np.int64)
         else:  # decode-only: one token each
