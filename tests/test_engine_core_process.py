@@ -18,7 +18,7 @@ from pagedserve import LLM, SamplingParams
 from pagedserve.config import EngineConfig
 from pagedserve.core.outputs import EngineCoreOutput, EngineCoreOutputs, SchedulerStats, TokenLogprobs
 from pagedserve.core.request import EngineCoreRequest, FinishReason, Request, RequestStatus
-from pagedserve.engine.core_client import (ENCODER, FROM_CORE_DECODER, TO_CORE_DECODER, AddMsg, DeadMsg, FinishMsg,
+from pagedserve.engine.core_wire import (ENCODER, FROM_CORE_DECODER, TO_CORE_DECODER, AddMsg, DeadMsg, FinishMsg,
                                            OutputsMsg, ShutdownMsg)
 from pagedserve.server.launcher import ServerThread, build_server
 

@@ -32,7 +32,6 @@ import triton
 import triton.language as tl
 
 from pagedserve.attention.torch_backend import slots_for
-from pagedserve.attention.triton_check import interpreted
 
 # Query tokens per prefill tile; a tile's rows are this x the query heads per kv head.
 PREFILL_TILE_TOKENS = 16
@@ -248,7 +247,8 @@ def _attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
              out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
 
 
-INTERPRETED = interpreted(_attention_kernel)  # TRITON_INTERPRET=1 when triton was imported: runs on the host
+# TRITON_INTERPRET=1 when triton was imported: the kernels run in numpy on the host (triton_check.interpreted)
+INTERPRETED = type(_attention_kernel).__name__ == "InterpretedFunction"
 
 
 # -- entry points -----------------------------------------------------------------------------

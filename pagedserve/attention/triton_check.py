@@ -31,7 +31,7 @@ def check_triton(device_type: str) -> None:
         raise TritonUnavailable(f"triton is not importable ({e}); `pip install triton` or the [cuda] extra") from e
     except Exception as e:  # a triton that imports but breaks (version skew with torch, a bad install)
         raise TritonUnavailable(f"importing triton failed: {e!r}") from e
-    on_host = interpreted(triton_backend._attention_kernel)
+    on_host = triton_backend.INTERPRETED
     if device_type == "cpu":
         if not on_host:
             raise TritonUnavailable("on CPU tensors the Triton kernels run only in the interpreter: set "

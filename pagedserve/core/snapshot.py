@@ -26,12 +26,10 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable, Iterable
+from typing import Callable, Iterable
 
 from pagedserve.core.block_pool import BlockPool, KVBlock
 
-if TYPE_CHECKING:
-    from pagedserve.core.scheduler import Scheduler
 
 RUN_WIDTH = 7
 FREE = -1
@@ -142,7 +140,7 @@ def _cached_free_ids(pool: BlockPool) -> list[int]:
     return [b.block_id for b in pool.hash_to_block.values() if b.ref_cnt == 0]
 
 
-def take_snapshot(scheduler: "Scheduler", max_waiting_rows: int = MAX_WAITING_ROWS) -> PoolSnapshot:
+def take_snapshot(scheduler, max_waiting_rows: int = MAX_WAITING_ROWS) -> PoolSnapshot:
     """The pool, the host pool and the live requests as of now. Engine loop only."""
     kv = scheduler.kv
     rows: list[list] = []
@@ -203,7 +201,7 @@ class SnapshotGate:
     def remove_watcher(self) -> None:
         self.watchers = max(self.watchers - 1, 0)
 
-    def take(self, scheduler: "Scheduler") -> PoolSnapshot | None:
+    def take(self, scheduler) -> PoolSnapshot | None:
         if not self.watchers:
             return None
         now = self.clock()

@@ -28,10 +28,10 @@ import time
 import uuid
 from typing import Callable
 
-import msgspec
-
 from pagedserve.core.outputs import EngineCoreOutputs
 from pagedserve.core.request import EngineCoreRequest, Request, RequestStatus
+from pagedserve.engine.core_wire import (ENCODER, FROM_CORE_DECODER, AddMsg, DeadMsg, FinishMsg, OutputsMsg, ReadyMsg,
+                                         ShutdownMsg)
 
 logger = logging.getLogger("pagedserve.server")
 
@@ -40,44 +40,6 @@ RECV_POLL_SECONDS = 0.2
 
 class EngineCoreDied(RuntimeError):
     """The engine core (its thread, its process, or one of its ranks) is gone."""
-
-
-# -- the wire between the API process and the engine-core process ------------------------
-class AddMsg(msgspec.Struct, tag="add", array_like=True):
-    requests: list[EngineCoreRequest]
-
-
-class FinishMsg(msgspec.Struct, tag="finish", array_like=True):
-    request_ids: list[str]
-    status: RequestStatus
-    stop_reason: int | str | None = None
-
-
-class ShutdownMsg(msgspec.Struct, tag="shutdown", array_like=True):
-    pass
-
-
-class ReadyMsg(msgspec.Struct, tag="ready", array_like=True):
-    snapshot: EngineCoreOutputs
-    pid: int
-    worker_pids: list[int]
-
-
-class OutputsMsg(msgspec.Struct, tag="out", array_like=True):
-    outputs: EngineCoreOutputs
-    num_received: int   # requests the core has taken in so far (the rest are in flight)
-
-
-class DeadMsg(msgspec.Struct, tag="dead", array_like=True):
-    error: str
-    bad_config: bool = False   # a ValueError at start-up: the user's knob, not a crash
-
-
-ToCore = AddMsg | FinishMsg | ShutdownMsg
-FromCore = ReadyMsg | OutputsMsg | DeadMsg
-ENCODER = msgspec.msgpack.Encoder()
-TO_CORE_DECODER = msgspec.msgpack.Decoder(ToCore)
-FROM_CORE_DECODER = msgspec.msgpack.Decoder(FromCore)
 
 
 # -- in a thread -----------------------------------------------------------------------

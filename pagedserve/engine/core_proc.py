@@ -36,7 +36,7 @@ def run_engine_core(config, eos_token_ids: list[int], in_addr: str, out_addr: st
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(asctime)s engine-core %(name)s: %(message)s")
     import zmq
 
-    from pagedserve.engine.core_client import ENCODER, DeadMsg, ReadyMsg
+    from pagedserve.engine.core_wire import ENCODER, DeadMsg, ReadyMsg
 
     ctx = zmq.Context()
     out_sock = ctx.socket(zmq.PUSH)
@@ -63,7 +63,9 @@ def run_engine_core(config, eos_token_ids: list[int], in_addr: str, out_addr: st
 
 def _build_core(config, eos_token_ids: frozenset[int]):
     from pagedserve.config import resolve_dtype
-    from pagedserve.engine.llm_engine import build_engine_core, load_tokenizer, make_grammar_compiler
+    from pagedserve.engine.llm_engine import build_engine_core
+    from pagedserve.structured.compiler import make_grammar_compiler
+    from pagedserve.tokenizer import load_tokenizer
     from pagedserve.model.config import read_model_config
 
     model_config = read_model_config(config.model)
@@ -93,7 +95,7 @@ class EngineCoreLoop:
         self.inbox.put(_STOP)
 
     def run(self) -> int:
-        from pagedserve.engine.core_client import DeadMsg
+        from pagedserve.engine.core_wire import DeadMsg
 
         reader = threading.Thread(target=self._read, name="core-input", daemon=True)
         writer = threading.Thread(target=self._write, name="core-output", daemon=True)
@@ -114,7 +116,7 @@ class EngineCoreLoop:
         return code
 
     def _loop(self) -> None:
-        from pagedserve.engine.core_client import OutputsMsg
+        from pagedserve.engine.core_wire import OutputsMsg
 
         core = self.core
         check_health = getattr(core.executor, "check_health", None)
@@ -145,7 +147,7 @@ class EngineCoreLoop:
             raise RuntimeError("the API process is gone")
 
     def _handle(self, msg) -> None:
-        from pagedserve.engine.core_client import AddMsg, FinishMsg
+        from pagedserve.engine.core_wire import AddMsg, FinishMsg
 
         if msg is _STOP:
             self._stop = True
@@ -165,7 +167,7 @@ class EngineCoreLoop:
         """Owns the input socket: decode each message onto the inbox until the loop stops."""
         import zmq
 
-        from pagedserve.engine.core_client import TO_CORE_DECODER
+        from pagedserve.engine.core_wire import TO_CORE_DECODER
         try:
             while not self._stop:
                 if self.in_sock.poll(100, zmq.POLLIN):
@@ -175,7 +177,7 @@ class EngineCoreLoop:
 
     def _write(self) -> None:
         """Owns the output socket: encode and send each message until _STOP."""
-        from pagedserve.engine.core_client import ENCODER
+        from pagedserve.engine.core_wire import ENCODER
         try:
             while (msg := self.outbox.get()) is not _STOP:
                 self.out_sock.send(ENCODER.encode(msg), copy=False)

@@ -27,6 +27,8 @@ from pagedserve.model.config import ModelConfig, check_tensor_parallel
 from pagedserve.outputs import RequestOutput
 from pagedserve.plan.kv_budget import ModelShape, kv_cache_log_lines, kv_replication_warning
 from pagedserve.sampling import SamplingParams
+from pagedserve.structured.compiler import make_grammar_compiler
+from pagedserve.tokenizer import load_tokenizer
 from pagedserve.worker.executors import make_executor
 
 logger = logging.getLogger("pagedserve.engine")
@@ -35,24 +37,6 @@ logger = logging.getLogger("pagedserve.engine")
 def default_model_dir() -> str:
     from pagedserve.default_model_path import DEFAULT_MODEL_DIR
     return str(DEFAULT_MODEL_DIR)
-
-
-def make_grammar_compiler(tokenizer, vocab_size: int, eos_token_ids: frozenset[int]):
-    """Structured outputs compile against the tokenizer's vocabulary: none without one."""
-    if tokenizer is None:
-        return None
-    from pagedserve.structured.compiler import GrammarCompiler
-    return GrammarCompiler(tokenizer, vocab_size, eos_token_ids)
-
-
-def load_tokenizer(config: EngineConfig):
-    from transformers import AutoTokenizer
-    path = config.tokenizer or config.model
-    try:
-        return AutoTokenizer.from_pretrained(path)
-    except Exception as e:  # a checkpoint without tokenizer files can still run token ids
-        logger.warning("no tokenizer loaded from %s (%s); only token-id prompts will work", path, e)
-        return None
 
 
 class EngineFrontend:

@@ -189,3 +189,10 @@ class GrammarCompiler:
 
     def new_matcher(self, params: StructuredOutputsParams) -> GrammarMatcher:
         return self.compile(params).new_matcher()
+
+
+def make_grammar_compiler(tokenizer, vocab_size: int, eos_token_ids: frozenset[int]):
+    """Structured outputs compile against the tokenizer's vocabulary: none without one."""
+    if tokenizer is None:
+        return None
+    return GrammarCompiler(tokenizer, vocab_size, eos_token_ids)

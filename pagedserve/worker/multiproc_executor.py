@@ -28,8 +28,8 @@ from multiprocessing.connection import wait
 from pagedserve.config import EngineConfig
 from pagedserve.core.outputs import StepResult
 from pagedserve.core.scheduler import SchedulerOutput
-from pagedserve.worker.worker import (ENCODER, REPLY_DECODER, CallMsg, ExecuteMsg, Reply, ShutdownMsg, WorkerSpec,
-                                      free_port, run_worker_process)
+from pagedserve.worker.worker import (ENCODER, REPLY_DECODER, CallMsg, ExecuteMsg, RankCalls, Reply, ShutdownMsg,
+                                      WorkerSpec, free_port, run_worker_process)
 
 logger = logging.getLogger("pagedserve.executor")
 
@@ -69,7 +69,7 @@ class _Rank:
         return f"rank {self.rank} (pid {self.process.pid})"
 
 
-class MultiprocExecutor:
+class MultiprocExecutor(RankCalls):
     def __init__(self, config: EngineConfig, dtype: str, eos_token_ids: frozenset[int]) -> None:
         import torch.multiprocessing as tmp
 
@@ -184,20 +184,6 @@ class MultiprocExecutor:
             raise self._failure
 
     # -- the Executor protocol -----------------------------------------------------------
-    def profile_kv_budget(self, gpu_memory_utilization: float, max_num_batched_tokens: int,
-                          max_num_seqs: int) -> int:
-        return min(self._call("profile_kv_budget", gpu_memory_utilization, max_num_batched_tokens, max_num_seqs))
-
-    def initialize_cache(self, num_blocks: int, num_host_blocks: int) -> None:
-        self._call("initialize_cache", num_blocks, num_host_blocks)
-        self.rank_kv_bytes = self._call("kv_cache_bytes")
-
-    def measure_host_bandwidth(self) -> float:
-        return min(self._call("measure_host_bandwidth"))
-
-    def profile_prefill(self, num_tokens: int) -> float:
-        return max(self._call("profile_prefill", num_tokens))
-
     def execute(self, out: SchedulerOutput) -> StepResult:
         t0 = time.perf_counter()
         self._broadcast(ExecuteMsg(out))

@@ -21,7 +21,8 @@ from pagedserve.config import EngineConfig
 from pagedserve.core.outputs import StepResult
 from pagedserve.core.scheduler import SchedulerOutput
 from pagedserve.worker.multiproc_executor import WorkerDied
-from pagedserve.worker.worker import ENCODER, REPLY_DECODER, CallMsg, ExecuteMsg, Worker, WorkerSpec, free_port
+from pagedserve.worker.worker import (ENCODER, REPLY_DECODER, CallMsg, ExecuteMsg, RankCalls, Worker, WorkerSpec,
+                                      free_port)
 
 logger = logging.getLogger("pagedserve.executor")
 
@@ -51,7 +52,7 @@ class RayWorker:
         return reply if isinstance(reply, bytes) else None
 
 
-class RayExecutor:
+class RayExecutor(RankCalls):
     def __init__(self, config: EngineConfig, dtype: str, eos_token_ids: frozenset[int]) -> None:
         try:
             import ray
@@ -117,20 +118,6 @@ class RayExecutor:
 
     def _call(self, method: str, *args) -> list:
         return [REPLY_DECODER.decode(b).value for b in self._send(CallMsg(method, list(args)))]
-
-    def profile_kv_budget(self, gpu_memory_utilization: float, max_num_batched_tokens: int,
-                          max_num_seqs: int) -> int:
-        return min(self._call("profile_kv_budget", gpu_memory_utilization, max_num_batched_tokens, max_num_seqs))
-
-    def initialize_cache(self, num_blocks: int, num_host_blocks: int) -> None:
-        self._call("initialize_cache", num_blocks, num_host_blocks)
-        self.rank_kv_bytes = self._call("kv_cache_bytes")
-
-    def measure_host_bandwidth(self) -> float:
-        return min(self._call("measure_host_bandwidth"))
-
-    def profile_prefill(self, num_tokens: int) -> float:
-        return max(self._call("profile_prefill", num_tokens))
 
     def execute(self, out: SchedulerOutput) -> StepResult:
         t0 = time.perf_counter()

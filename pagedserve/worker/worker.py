@@ -125,7 +125,8 @@ class Worker:
         eos = frozenset(self.spec.eos_token_ids)
         grammar_compiler = None
         if self.rank == 0:  # only rank 0 samples, so only it needs structured outputs' masks
-            from pagedserve.engine.llm_engine import load_tokenizer, make_grammar_compiler
+            from pagedserve.structured.compiler import make_grammar_compiler
+            from pagedserve.tokenizer import load_tokenizer
             grammar_compiler = make_grammar_compiler(load_tokenizer(config), model_config.vocab_size, eos)
         # each rank's pool in the KV dtype: its share of the heads at the quantized bytes per token
         kv_cache_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, self.spec.dtype)
@@ -196,3 +197,28 @@ def run_worker_process(spec: WorkerSpec, rank: int, tp: int, master_port: int, c
     # load took seconds per rank for nothing.
     logging.shutdown()
     os._exit(0)
+
+
+class RankCalls:
+    """The Executor protocol's set-up calls for executors whose ranks answer `_call(method,
+    *args) -> [one value per rank]`: the pool fits the tightest rank, profiling takes the
+    slowest; each rank's KV bytes are kept for the start-up log and the tests."""
+
+    rank_kv_bytes: list[int]
+
+    def _call(self, method: str, *args) -> list:
+        raise NotImplementedError
+
+    def profile_kv_budget(self, gpu_memory_utilization: float, max_num_batched_tokens: int,
+                          max_num_seqs: int) -> int:
+        return min(self._call("profile_kv_budget", gpu_memory_utilization, max_num_batched_tokens, max_num_seqs))
+
+    def initialize_cache(self, num_blocks: int, num_host_blocks: int) -> None:
+        self._call("initialize_cache", num_blocks, num_host_blocks)
+        self.rank_kv_bytes = self._call("kv_cache_bytes")
+
+    def measure_host_bandwidth(self) -> float:
+        return min(self._call("measure_host_bandwidth"))
+
+    def profile_prefill(self, num_tokens: int) -> float:
+        return max(self._call("profile_prefill", num_tokens))
