@@ -42,6 +42,9 @@ class SchedulingPolicy(_KnobEnum):
 
 EXECUTOR_BACKENDS = ("uni", "mp", "ray")  # uni: the model in the engine-core process (tp=1 only)
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+# How the KV cache stores K and V (vLLM's --kv-cache-dtype): auto = the compute dtype; fp8 is
+# fp8_e4m3; int8 adds one fp32 scale per token and KV head (see attention/kv_quant.py).
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2", "int8")
 DEVICES = ("cpu", "cuda")
 PREEMPTION_MODES = tuple(m.value for m in PreemptionMode)
 SCHEDULING_POLICIES = tuple(p.value for p in SchedulingPolicy)
@@ -71,6 +74,13 @@ def resolve_dtype(requested: str, checkpoint_dtype: str, device: str, features: 
     return requested
 
 
+def resolve_kv_cache_dtype(kv_cache_dtype: str, compute_dtype: str) -> str:
+    """The dtype the KV pool stores: the compute dtype for 'auto', 'fp8_e4m3' for vLLM's 'fp8'."""
+    if kv_cache_dtype == "auto":
+        return compute_dtype
+    return "fp8_e4m3" if kv_cache_dtype == "fp8" else kv_cache_dtype
+
+
 def _check(cond: bool, knob: str, message: str) -> None:
     if not cond:
         raise ValueError(f"{knob}: {message}")
@@ -85,6 +95,7 @@ class EngineConfig:
     model: str | None = None  # None = the built-in default model
     tokenizer: str | None = None
     dtype: str = "auto"
+    kv_cache_dtype: str = "auto"
     device: str = "cpu"
     seed: int = 0
     block_size: int = 16
@@ -115,6 +126,8 @@ class EngineConfig:
 
     def validate(self) -> None:
         _check(self.dtype in DTYPES, "dtype", f"must be one of {DTYPES}, got {self.dtype!r}")
+        _check(self.kv_cache_dtype in KV_CACHE_DTYPES, "kv_cache_dtype",
+               f"must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
         _check(self.device in DEVICES, "device", f"must be one of {DEVICES}, got {self.device!r}")
         _check(_is_int(self.seed), "seed", f"must be an integer, got {self.seed!r}")
         _check(_is_int(self.block_size) and self.block_size in (1, 2, 4, 8, 16, 32, 64, 128, 256),

@@ -7,12 +7,16 @@ import argparse
 
 import yaml
 
-from pagedserve.config import DEVICES, DTYPES, EXECUTOR_BACKENDS, PREEMPTION_MODES, SCHEDULING_POLICIES, EngineConfig
+from pagedserve.config import (DEVICES, DTYPES, EXECUTOR_BACKENDS, KV_CACHE_DTYPES, PREEMPTION_MODES,
+                               SCHEDULING_POLICIES, EngineConfig)
 
 _FLAGS: list[tuple[str, dict]] = [
     ("--model", dict(default=None, help="local HF checkpoint directory (default: the built-in model)")),
     ("--tokenizer", dict(default=None)),
     ("--dtype", dict(choices=DTYPES, default=None)),
+    ("--kv-cache-dtype", dict(choices=KV_CACHE_DTYPES, default=None,
+                              help="how the KV cache stores K/V: auto = --dtype; fp8 (= fp8_e4m3), fp8_e5m2 "
+                                   "(1 byte, one scale per layer); int8 (1 byte + a scale per token and head)")),
     ("--device", dict(choices=DEVICES, default=None)),
     ("--seed", dict(type=int, default=None)),
     ("--block-size", dict(type=int, default=None)),

@@ -35,6 +35,8 @@ NUM_REQUESTS_SWAPPED = "num_requests_swapped"
 KV_CACHE_USAGE_PERC = "kv_cache_usage_perc"
 KV_CACHE_TOTAL_TOKENS = "kv_cache_total_tokens"
 KV_CACHE_USED_TOKENS = "kv_cache_used_tokens"
+KV_CACHE_BYTES_PER_TOKEN = "kv_cache_bytes_per_token"
+CACHE_CONFIG_INFO = "cache_config_info"          # value 1; the KV cache's settings in its labels
 ENGINE_BUSY_RATIO = "engine_busy_ratio"
 NUM_PREEMPTIONS = "num_preemptions"
 PROMPT_TOKENS = "prompt_tokens"
@@ -58,6 +60,7 @@ ENGINE_STEP = "engine_step_seconds"
 MODE_LABEL = "mode"                      # num_preemptions: recompute | swap
 FINISHED_REASON_LABEL = "finished_reason"  # request_success: stop | length | abort
 DIRECTION_LABEL = "direction"            # swapped_blocks: out | in
+CACHE_DTYPE_LABEL = "cache_dtype"        # cache_config_info: float32 | bfloat16 | fp8_e4m3 | int8 ... (vLLM's label)
 # Labels that only say which engine or model a series came from; a normalised scrape adds over them.
 SOURCE_LABELS = ("model_name", "engine")
 
@@ -91,6 +94,10 @@ METRICS: tuple[MetricSpec, ...] = (
                ratio=True),
     MetricSpec(KV_CACHE_TOTAL_TOKENS, "gauge", "Tokens the KV-cache pool holds (blocks x block_size)."),
     MetricSpec(KV_CACHE_USED_TOKENS, "gauge", "Token slots in blocks held by requests."),
+    MetricSpec(KV_CACHE_BYTES_PER_TOKEN, "gauge",
+               "Bytes one token's K and V take in the KV-cache pool (all layers, quantization scales included)."),
+    MetricSpec(CACHE_CONFIG_INFO, "gauge", "Information of the KV cache: its dtype, block size and blocks (value 1).",
+               (CACHE_DTYPE_LABEL, "block_size", "num_blocks"), vllm=CACHE_CONFIG_INFO),
     MetricSpec(ENGINE_BUSY_RATIO, "gauge", "Share of wall time spent in the model forward over the last window.",
                ratio=True),
     # Counters.

@@ -162,6 +162,8 @@ class EngineMetrics:
         self.kv_cache_total_tokens = self._unlabelled(mn.KV_CACHE_TOTAL_TOKENS)
         self.kv_cache_used_tokens = self._unlabelled(mn.KV_CACHE_USED_TOKENS)
         self.engine_busy_ratio = self._unlabelled(mn.ENGINE_BUSY_RATIO)
+        self.kv_cache_bytes_per_token = self._unlabelled(mn.KV_CACHE_BYTES_PER_TOKEN)
+        self._cache_config_info = self._collectors[mn.CACHE_CONFIG_INFO]
         # Counters.
         self._preemptions = self._collectors[mn.NUM_PREEMPTIONS]
         self.prompt_tokens = self._unlabelled(mn.PROMPT_TOKENS)
@@ -238,6 +240,13 @@ class EngineMetrics:
             self.iteration_tokens.observe(num_batched_tokens)
         self.engine_step.observe(duration)
         self._window_forward += forward_time
+
+    def set_cache_config(self, cache_dtype: str, block_size: int, num_blocks: int, bytes_per_token: int) -> None:
+        """The KV pool as the engine built it (once, at start-up): its dtype as resolved (fp8 is
+        fp8_e4m3, auto the compute dtype) in cache_config_info's labels, and its bytes per token."""
+        self._cache_config_info.clear()
+        self._cache_config_info.labels(self.model_name, cache_dtype, str(block_size), str(num_blocks)).set(1)
+        self.kv_cache_bytes_per_token.set(bytes_per_token)
 
     def set_state(self, running: int, waiting: int, swapped: int, used_blocks: int, total_blocks: int,
                   block_size: int) -> None:

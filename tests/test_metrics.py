@@ -25,7 +25,7 @@ from metrics_scrape import scrape, wait_idle
 EXPECTED = {
     "num_requests_running": "gauge", "num_requests_waiting": "gauge", "num_requests_swapped": "gauge",
     "kv_cache_usage_perc": "gauge", "kv_cache_total_tokens": "gauge", "kv_cache_used_tokens": "gauge",
-    "engine_busy_ratio": "gauge",
+    "engine_busy_ratio": "gauge", "kv_cache_bytes_per_token": "gauge", "cache_config_info": "gauge",
     "num_preemptions": "counter", "prompt_tokens": "counter", "generation_tokens": "counter",
     "request_success": "counter", "prefix_cache_queries": "counter", "prefix_cache_hits": "counter",
     "recomputed_tokens": "counter", "swapped_blocks": "counter",
@@ -72,6 +72,9 @@ def test_every_metric_is_exposed_with_its_type(server):
         assert fams["pagedserve:" + name].type == kind, name
     m = scrape(server)
     assert m["pagedserve:kv_cache_total_tokens{}"] == 8 * 16
+    # tiny_llama in fp32: K and V x 2 layers x 2 KV heads x head_dim 16 x 4 bytes
+    assert m["pagedserve:kv_cache_bytes_per_token{}"] == 2 * 2 * 2 * 16 * 4
+    assert m["pagedserve:cache_config_info{block_size=16,cache_dtype=float32,num_blocks=8}"] == 1
     assert "pagedserve:num_preemptions_total{mode=recompute}" in m
     # Our bounds: 24 per decade where TTFT and ITL live (vLLM has none between 10 and 25 ms ITL),
     # up to vLLM's top bound.

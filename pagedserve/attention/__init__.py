@@ -11,7 +11,9 @@ serves them is decided once per process and device type (`backend_for`):
   imports and its kernels pass a small self-check on the device against the reference; where
   they do not, one warning says why and the torch reference serves instead. On CPU tensors
   only under TRITON_INTERPRET=1 (the interpreter: for tests, far too slow to serve).
-- `torch`: the pure-torch reference (torch_backend), for tests, and as the fallback.
+- `torch`: the pure-torch reference (torch_backend), for tests, and as the fallback; also what
+  reads a quantized KV cache (kv_cache_dtype fp8 / int8) on CUDA, where the Triton kernels
+  read plain caches only (`backend_for_cache`).
 
 PAGEDSERVE_ATTENTION_BACKEND=auto|torch|cpu|triton forces the choice; a forced backend that
 cannot run is an error, not a fallback. The metadata records which backend built it, and
@@ -76,14 +78,36 @@ def _triton_or_fallback(device_type: str, forced: bool) -> str:
     return "triton"
 
 
+def backend_for_cache(device_type: str, quantized_cache: bool) -> str:
+    """`backend_for`, for a pool that may be quantized (kv_cache_dtype fp8 / int8): the Triton
+    kernels read plain caches only, so a quantized one is read by the torch reference there (a
+    forced triton backend is refused, naming both settings)."""
+    backend = backend_for(device_type)
+    if backend != "triton" or not quantized_cache:
+        return backend
+    return _torch_for_quantized_cache()
+
+
+@cache
+def _torch_for_quantized_cache() -> str:
+    if os.environ.get(BACKEND_ENV, "auto").strip().lower() == "triton":
+        raise ValueError(f"kv_cache_dtype: a quantized KV cache is not read by the Triton kernels, and "
+                         f"{BACKEND_ENV}=triton forbids the torch reference that reads it; use "
+                         f"{BACKEND_ENV}=auto or kv_cache_dtype=auto")
+    logger.warning("kv_cache_dtype: the Triton kernels read plain caches only; the quantized KV cache is read "
+                   "by the torch reference attention")
+    return "torch"
+
+
 def build_metadata(decodes: list[tuple[np.ndarray, int]], prefills: list[tuple[np.ndarray, int, int]],
                    block_size: int, sliding_window: int | None,
-                   device: torch.device) -> tuple[AttentionMetadata, np.ndarray]:
+                   device: torch.device, quantized_cache: bool = False) -> tuple[AttentionMetadata, np.ndarray]:
     """decodes: (block_ids, position) per request; prefills: (block_ids, start_pos, q_len).
+    `quantized_cache`: the pool is a kv_quant.QuantizedKVCache (see `backend_for_cache`).
 
     Returns the chosen backend's metadata and the positions of all tokens in layout order.
     """
-    backend = backend_for(torch.device(device).type)
+    backend = backend_for_cache(torch.device(device).type, quantized_cache)
     if backend == "cpu":
         return cpu_backend.build_metadata(decodes, prefills, block_size, sliding_window, device)
     if backend == "triton":

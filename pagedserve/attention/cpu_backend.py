@@ -11,6 +11,10 @@ tiles beat the kernel's there: a fresh chunk (no cached key, no window) causally
 K/V, with no gather; a chunk that sees cached keys (a prefix hit, a later piece of a chunked
 prefill) or a window through the reference path (its own blocks gathered, a mask). The plan is
 built once per step and shared by every layer.
+
+A quantized cache (kv_quant.QuantizedKV: fp8 / int8 with scales) is written by kv_quant.store and
+read by the kernel, which decodes each byte and applies its scale as it loads a tile; q and the
+output are then fp32.
 """
 from __future__ import annotations
 
@@ -21,6 +25,7 @@ import numpy as np
 import torch
 
 from pagedserve.attention.cpu import DTYPE_CODES, AttentionPlan, load_kernel
+from pagedserve.attention.kv_quant import KVCacheLayer, QuantizedKV, store
 from pagedserve.attention.torch_backend import PrefillChunk, attend_prefill_chunk, prefill_chunk, slots_for
 
 # Chunks the kernel attends; longer ones go to SDPA (crossovers measured on a 2-core AVX-512
@@ -154,13 +159,15 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                    k_cache: torch.Tensor, v_cache: torch.Tensor, meta: KernelMetadata,
+                    k_cache: KVCacheLayer, v_cache: KVCacheLayer, meta: KernelMetadata,
                     scale: float) -> torch.Tensor:
     """q: [T, H, D]; k, v: [T, KV, D]; k_cache/v_cache: [num_slots, KV, D] (one layer, contiguous).
 
     Writes k/v into the cache at meta.slot_mapping, returns attention output [T, H, D]. The
     write and the kernel's rows are one foreign call per layer (the call itself costs microseconds).
     """
+    if isinstance(k_cache, QuantizedKV):
+        return _paged_attention_quantized(q, k, v, k_cache, v_cache, meta, scale)
     if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
         raise ValueError("cpu attention backend: k_cache and v_cache must be contiguous [num_slots, KV, D]")
     meta.check_bounds(k_cache.shape[0])
@@ -181,3 +188,32 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     for c in meta.sdpa_chunks:
         out[c.q_start:c.q_start + c.q_len] = attend_prefill_chunk(q, k, v, k_cache, v_cache, c, meta.block_size, scale)
     return out if compute_dtype == cache_dtype else out.to(compute_dtype)
+
+
+def _paged_attention_quantized(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: QuantizedKV,
+                               v_cache: QuantizedKV, meta: KernelMetadata, scale: float) -> torch.Tensor:
+    """paged_attention over a quantized cache: k/v quantized into it (torch), the kernel's rows
+    read with fp32 q, SDPA chunks through the reference's dequantizing gather."""
+    values = k_cache.values
+    if not (values.is_contiguous() and v_cache.values.is_contiguous()):
+        raise ValueError("cpu attention backend: k_cache and v_cache must be contiguous [num_slots, KV, D]")
+    meta.check_bounds(values.shape[0])
+    store(k_cache, meta.slot_mapping, k)
+    store(v_cache, meta.slot_mapping, v)
+    num_tokens, num_heads, head_dim = q.shape
+    out = torch.empty((num_tokens, num_heads, head_dim), dtype=torch.float32)
+    if meta.plan.num_seqs:
+        qf = _token_rows(q.float())
+        per_token = k_cache.scales is not None
+        token_stride = values.stride(0)
+        rc = load_kernel().ps_paged_attention(
+            meta.plan_ref, qf.data_ptr(), qf.stride(0), DTYPE_CODES["float32"], values.data_ptr(),
+            v_cache.values.data_ptr(), meta.block_size * token_stride, head_dim, token_stride,
+            k_cache.fmt.kernel_code, out.data_ptr(), num_heads * head_dim, num_heads, values.shape[1], head_dim,
+            scale, k_cache.scales.data_ptr() if per_token else None,
+            v_cache.scales.data_ptr() if per_token else None, k_cache.scales.stride(0) if per_token else 0,
+            k_cache.scale, v_cache.scale, torch.get_num_threads())
+        _check(rc, qf, values)
+    for c in meta.sdpa_chunks:
+        out[c.q_start:c.q_start + c.q_len] = attend_prefill_chunk(q, k, v, k_cache, v_cache, c, meta.block_size, scale)
+    return out if q.dtype == torch.float32 else out.to(q.dtype)

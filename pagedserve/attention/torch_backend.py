@@ -4,6 +4,10 @@ A step's tokens are laid out decodes first (one query token each, batched into o
 SDPA call over gathered, padded contexts), then prefill chunks (one SDPA call each,
 attending to any already-cached prefix plus the chunk itself, causally).
 The gather indices and masks are built once per step and shared by every layer.
+
+The caches are plain tensors [num_slots, kv_heads, head_dim] or, with a quantized
+`kv_cache_dtype`, `kv_quant.QuantizedKV` views: K/V are quantized as they are written and
+dequantized as they are gathered (kv_quant.store / read_blocks / as_stored).
 """
 from __future__ import annotations
 
@@ -12,6 +16,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 import torch.nn.functional as F
+
+from pagedserve.attention.kv_quant import KVCacheLayer, as_stored, read_blocks, store
 
 
 @dataclass
@@ -107,20 +113,20 @@ def gather_blocks(cache: torch.Tensor, blocks: torch.Tensor, block_size: int) ->
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                    k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+                    k_cache: KVCacheLayer, v_cache: KVCacheLayer, meta: AttentionMetadata,
                     scale: float) -> torch.Tensor:
     """q: [T, H, D]; k, v: [T, KV, D]; k_cache/v_cache: [num_slots, KV, D] (one layer).
 
     Writes k/v into the cache at meta.slot_mapping, returns attention output [T, H, D].
     """
-    k_cache.index_copy_(0, meta.slot_mapping, k)
-    v_cache.index_copy_(0, meta.slot_mapping, v)
+    store(k_cache, meta.slot_mapping, k)
+    store(v_cache, meta.slot_mapping, v)
     out = torch.empty_like(q)
     gqa = q.shape[1] != k.shape[1]
     d = meta.num_decodes
     if d:
-        kd = gather_blocks(k_cache, meta.decode_blocks, meta.block_size).transpose(1, 2)  # [D, KV, C, Dh]
-        vd = gather_blocks(v_cache, meta.decode_blocks, meta.block_size).transpose(1, 2)
+        kd = read_blocks(k_cache, meta.decode_blocks, meta.block_size, q.dtype).transpose(1, 2)  # [D, KV, C, Dh]
+        vd = read_blocks(v_cache, meta.decode_blocks, meta.block_size, q.dtype).transpose(1, 2)
         qd = q[:d].unsqueeze(2)                           # [D, H, 1, Dh]
         o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=meta.decode_mask, scale=scale, enable_gqa=gqa)
         out[:d] = o.squeeze(2)
@@ -129,16 +135,16 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     return out
 
 
-def attend_prefill_chunk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                         v_cache: torch.Tensor, c: PrefillChunk, block_size: int, scale: float) -> torch.Tensor:
+def attend_prefill_chunk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: KVCacheLayer,
+                         v_cache: KVCacheLayer, c: PrefillChunk, block_size: int, scale: float) -> torch.Tensor:
     """Attention output [q_len, H, D] of one chunk (its K/V already written to the cache)."""
     rows = slice(c.q_start, c.q_start + c.q_len)
-    if c.ctx_blocks is None:
-        kc, vc = k[rows], v[rows]
+    if c.ctx_blocks is None:  # the chunk's own K/V, as the cache holds them
+        kc, vc = as_stored(k_cache, k[rows]), as_stored(v_cache, v[rows])
     else:
         ctx_len = c.start_pos + c.q_len
-        kc = gather_blocks(k_cache, c.ctx_blocks, block_size)[:ctx_len]
-        vc = gather_blocks(v_cache, c.ctx_blocks, block_size)[:ctx_len]
+        kc = read_blocks(k_cache, c.ctx_blocks, block_size, q.dtype)[:ctx_len]
+        vc = read_blocks(v_cache, c.ctx_blocks, block_size, q.dtype)[:ctx_len]
     qc = q[rows].transpose(0, 1).unsqueeze(0)   # [1, H, L, Dh]
     kc = kc.transpose(0, 1).unsqueeze(0)        # [1, KV, C, Dh]
     vc = vc.transpose(0, 1).unsqueeze(0)

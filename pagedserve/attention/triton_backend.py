@@ -297,6 +297,9 @@ def attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: 
 
 
 def check_inputs(q: torch.Tensor, k: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+    if not (isinstance(k_cache, torch.Tensor) and isinstance(v_cache, torch.Tensor)):
+        raise ValueError("triton attention backend: a quantized KV cache (kv_cache_dtype) is read by the torch "
+                         "reference, not these kernels (attention.backend_for_cache)")
     if k_cache.dtype not in SUPPORTED_CACHE_DTYPES or v_cache.dtype != k_cache.dtype:
         raise ValueError(f"triton attention backend: cache dtype {k_cache.dtype} / {v_cache.dtype} not supported "
                          f"(expected one of {', '.join(map(str, SUPPORTED_CACHE_DTYPES))})")

@@ -19,12 +19,12 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Callable, Iterable
 
-from pagedserve.config import EngineConfig, PreemptionMode
+from pagedserve.config import EngineConfig, PreemptionMode, resolve_kv_cache_dtype
 from pagedserve.core.executor import Executor
 from pagedserve.core.outputs import EngineCoreOutputs, SchedulerStats
 from pagedserve.core.request import Request, RequestStatus
 from pagedserve.core.scheduler import PreemptionCosts, Scheduler, SchedulerOutput
-from pagedserve.plan.kv_budget import KVPoolSize, ModelShape, blocks_per_request, dtype_bytes, size_kv_pool
+from pagedserve.plan.kv_budget import KVPoolSize, ModelShape, blocks_per_request, size_kv_pool_for_dtype
 
 logger = logging.getLogger("pagedserve.engine")
 
@@ -89,9 +89,11 @@ class StepTrace:
 def size_pool(config: EngineConfig, shape: ModelShape, dtype: str) -> KVPoolSize:
     """How many blocks each rank's pool gets: the very function `pagedserve plan` calls, with
     kv_cache_memory as one rank's budget and one rank's bytes per token (its share of the KV
-    heads). An exact num_kv_blocks (tests, reproductions) wins over bytes."""
-    pool = size_kv_pool(shape, config.kv_cache_memory or 0, kv_dtype_bytes=dtype_bytes(dtype),
-                        block_size=config.block_size, tp=config.tensor_parallel_size)
+    heads) in the KV dtype (`config.kv_cache_dtype` over the compute `dtype`), scales included.
+    An exact num_kv_blocks (tests, reproductions) wins over bytes."""
+    kv_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, dtype)
+    pool = size_kv_pool_for_dtype(shape, config.kv_cache_memory or 0, kv_dtype, block_size=config.block_size,
+                                  tp=config.tensor_parallel_size)
     if config.num_kv_blocks is not None:
         pool = KVPoolSize(config.num_kv_blocks, config.block_size, pool.bytes_per_token)
     return pool

@@ -18,7 +18,7 @@ import logging
 from pathlib import Path
 from typing import Sequence
 
-from pagedserve.config import EngineConfig, resolve_dtype
+from pagedserve.config import EngineConfig, resolve_dtype, resolve_kv_cache_dtype
 from pagedserve.core.engine_core import EngineCore, size_pool
 from pagedserve.core.request import RequestStatus
 from pagedserve.engine.input_processor import InputProcessor
@@ -58,6 +58,7 @@ class EngineFrontend:
                              "rank (tensor and expert parallelism are implemented for Llama-family models only)")
         check_tensor_parallel(mc.num_heads, mc.num_kv_heads, mc.intermediate_size, config.tensor_parallel_size)
         self.dtype = resolve_dtype(config.dtype, self.model_config.checkpoint_dtype, config.device)
+        self.kv_cache_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, self.dtype)
         self.tokenizer = tokenizer if tokenizer is not None else self._load_tokenizer()
         self.eos_token_ids = self._eos_token_ids()
         self.grammar_compiler = self._grammar_compiler()
@@ -115,7 +116,8 @@ def build_engine_core(config: EngineConfig, model_config: ModelConfig, dtype: st
         tp = config.tensor_parallel_size
         if (replicated := kv_replication_warning(shape, tp)) is not None:
             logger.warning(replicated)
-        for line in kv_cache_log_lines(pool, config.max_model_len, device=config.device.upper()):
+        kv_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, dtype)
+        for line in kv_cache_log_lines(pool, config.max_model_len, device=config.device.upper(), kv_dtype=kv_dtype):
             logger.info(line)
         logger.info("KV cache pool: %.3f GiB%s, %d bytes per token", pool.num_bytes / 2**30,
                     f" on each of {tp} ranks" if tp > 1 else "", pool.bytes_per_token)

@@ -19,7 +19,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, replace
 
-from pagedserve.config import resolve_dtype
+from pagedserve.config import KV_CACHE_DTYPES, resolve_dtype, resolve_kv_cache_dtype
 
 from .gpus import GiB, GpuSpec
 from .kv_budget import (
@@ -31,7 +31,7 @@ from .kv_budget import (
     kv_replication,
     kv_replication_warning,
     max_concurrency,
-    size_kv_pool,
+    size_kv_pool_for_dtype,
 )
 from .models import ModelInfo, param_count, weight_bytes
 from .parallel import ParallelLayout, StageWeights, stage_shape, stage_weights
@@ -179,10 +179,10 @@ class Plan:
 
 
 def _resolve_kv_dtype(kv_cache_dtype: str, weight_dtype: str) -> str:
-    if kv_cache_dtype == "auto":
-        return activation_dtype(weight_dtype)
-    dtype_bytes(kv_cache_dtype)  # validates
-    return kv_cache_dtype
+    """What the pool stores, as the engine resolves it (auto = the activation dtype)."""
+    if kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise ValueError(f"--kv-cache-dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {kv_cache_dtype!r}")
+    return resolve_kv_cache_dtype(kv_cache_dtype, activation_dtype(weight_dtype))
 
 
 def _validate(req: PlanRequest) -> None:
@@ -265,8 +265,8 @@ def _compute(req: PlanRequest, max_num_batched_tokens: int) -> Plan:
             budget = req.kv_cache_memory
         else:
             budget = usable - stage.weight_bytes - activation - sampler - overhead
-        sized.append((size_kv_pool(stage_shape(shape, stage), max(budget, 0), kv_dtype_bytes=dtype_bytes(kv_dtype),
-                                   block_size=req.block_size, tp=tp), budget, stage))
+        sized.append((size_kv_pool_for_dtype(stage_shape(shape, stage), max(budget, 0), kv_dtype,
+                                             block_size=req.block_size, tp=tp), budget, stage))
     # the stage with the fewest blocks sets the pool; among equals, the one with least room left
     pool, pool_budget, binding = min(sized, key=lambda s: (s[0].num_blocks, s[1]))
     weights = binding.weight_bytes

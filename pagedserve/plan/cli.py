@@ -6,6 +6,7 @@ import json
 import os
 import sys
 
+from ..config import KV_CACHE_DTYPES
 from ..utils import parse_bytes
 from .budget import DEFAULT_GPU_OVERHEAD_TP1, DEFAULT_GPU_OVERHEAD_TP_N, PlanRequest, compute_plan
 from .gpus import custom_gpu, get_gpu, gpu_names
@@ -68,8 +69,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     model.add_argument("--intermediate-size", type=_positive_int("--intermediate-size"))
     dtypes = sorted(DTYPE_BYTES)
     model.add_argument("--dtype", choices=dtypes, help="weight dtype (default: the checkpoint's)")
-    model.add_argument("--kv-cache-dtype", default="auto", choices=["auto"] + dtypes,
-                       help="KV cache dtype; auto = the activation dtype; fp8 halves the KV of bf16")
+    model.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
+                       help="KV cache dtype, as `serve` takes it; auto = the activation dtype; fp8 (= fp8_e4m3) "
+                            "halves the KV of bf16; int8 adds a 4-byte scale per token and KV head")
 
     device = parser.add_argument_group("device")
     device.add_argument("--device", choices=["gpu", "cpu"], default="gpu")

@@ -16,6 +16,18 @@ DTYPE_BYTES = {
 }
 
 
+# KV cache dtypes that store one byte per value and read it back through a scale.
+QUANTIZED_KV_DTYPES = ("fp8", "fp8_e4m3", "fp8_e5m2", "int8")
+# Bytes a quantized KV cache keeps beside each (token, KV head) of K and of V: int8 stores one
+# fp32 scale per token and head; fp8 uses one scale per layer for K and one for V (no per-token bytes).
+KV_SCALE_BYTES = {"int8": 4}
+
+
+def kv_scale_bytes(kv_dtype: str) -> int:
+    """Scale bytes per token, KV head and K-or-V that a cache of `kv_dtype` stores (0 for most)."""
+    return KV_SCALE_BYTES.get(kv_dtype, 0)
+
+
 def dtype_bytes(dtype: str) -> float:
     try:
         return DTYPE_BYTES[dtype]
@@ -139,20 +151,23 @@ def kv_replication_warning(shape: ModelShape, tp: int) -> str | None:
             f"{copies:g} ranks, so the group spends {copies:g}x the KV memory per token.")
 
 
-def kv_bytes_per_token(shape: ModelShape, kv_dtype_bytes: float, tp: int = 1) -> int:
+def kv_bytes_per_token(shape: ModelShape, kv_dtype_bytes: float, tp: int = 1, scale_bytes: int = 0) -> int:
     """KV bytes one token occupies on one GPU (one TP rank).
 
-    MHA/GQA: ``2 (K and V) x layers x max(1, kv_heads / tp) x head_dim x kv_dtype_bytes``;
-    when TP exceeds the kv-head count each rank still holds a whole head (replication).
-    MLA: ``layers x (kv_lora_rank + qk_rope_head_dim) x kv_dtype_bytes``: the latent is
-    not split by TP at all; every rank holds the full cache.
+    MHA/GQA: ``2 (K and V) x layers x max(1, kv_heads / tp) x (head_dim x kv_dtype_bytes +
+    scale_bytes)``; when TP exceeds the kv-head count each rank still holds a whole head
+    (replication). `scale_bytes`: what a quantized cache keeps per token and head beside the
+    values (`kv_scale_bytes`: 4 for int8). MLA: ``layers x ((kv_lora_rank + qk_rope_head_dim)
+    x kv_dtype_bytes + scale_bytes)``: the latent is not split by TP at all; every rank holds
+    the full cache.
     """
     if tp < 1:
         raise ValueError(f"tensor_parallel_size must be >= 1, got {tp}")
     if shape.is_mla:
-        per_layer = (shape.kv_lora_rank + (shape.qk_rope_head_dim or 0)) * kv_dtype_bytes
+        per_layer = (shape.kv_lora_rank + (shape.qk_rope_head_dim or 0)) * kv_dtype_bytes + scale_bytes
         return int(shape.num_layers * per_layer)
-    return int(2 * shape.num_layers * kv_heads_per_rank(shape, tp) * shape.head_dim * kv_dtype_bytes)
+    per_head = shape.head_dim * kv_dtype_bytes + scale_bytes
+    return int(2 * shape.num_layers * kv_heads_per_rank(shape, tp) * per_head)
 
 
 def num_blocks_for_bytes(kv_pool_bytes: int, bytes_per_token: int, block_size: int) -> int:
@@ -201,13 +216,15 @@ def size_kv_pool(
     kv_dtype_bytes: float,
     block_size: int,
     tp: int = 1,
+    scale_bytes: int = 0,
 ) -> KVPoolSize:
     """Size the KV pool for a byte budget: the one function plan and engine both call.
 
     `kv_cache_memory` is the pool budget per rank in bytes (on CPU, the user's
     `kv_cache_memory`; on GPU, what `plan.budget` leaves after weights and activations).
+    `scale_bytes`: per token and KV head, as `kv_bytes_per_token` takes it.
     """
-    bytes_per_token = kv_bytes_per_token(shape, kv_dtype_bytes, tp)
+    bytes_per_token = kv_bytes_per_token(shape, kv_dtype_bytes, tp, scale_bytes)
     return KVPoolSize(
         num_blocks=num_blocks_for_bytes(kv_cache_memory, bytes_per_token, block_size),
         block_size=block_size,
@@ -215,7 +232,16 @@ def size_kv_pool(
     )
 
 
-def kv_cache_log_lines(pool: KVPoolSize, max_model_len: int, device: str = "GPU") -> list[str]:
+def size_kv_pool_for_dtype(shape: ModelShape, kv_cache_memory: int, kv_dtype: str, *, block_size: int,
+                           tp: int = 1) -> KVPoolSize:
+    """`size_kv_pool` for a resolved KV dtype name (float32, bfloat16, fp8_e4m3, int8 ...):
+    its value bytes and its scale bytes, the way the engine stores it."""
+    return size_kv_pool(shape, kv_cache_memory, kv_dtype_bytes=dtype_bytes(kv_dtype), block_size=block_size,
+                        tp=tp, scale_bytes=kv_scale_bytes(kv_dtype))
+
+
+def kv_cache_log_lines(pool: KVPoolSize, max_model_len: int, device: str = "GPU",
+                       kv_dtype: str | None = None) -> list[str]:
     """The start-up lines, worded like vLLM's, that `pagedserve serve` and `plan` both print.
 
     The concurrency figure is the worst case: every request at exactly `max_model_len`.
@@ -224,4 +250,5 @@ def kv_cache_log_lines(pool: KVPoolSize, max_model_len: int, device: str = "GPU"
         f"{device} KV cache size: {pool.num_tokens:,} tokens ({pool.num_blocks:,} blocks of {pool.block_size})",
         f"Maximum concurrency for {max_model_len:,} tokens per request: "
         f"{max_concurrency(pool.num_blocks, pool.block_size, max_model_len):.2f}x (worst case)",
+        f"{device} KV cache dtype: {kv_dtype or 'model dtype'}, {pool.bytes_per_token:,} bytes per token",
     ]

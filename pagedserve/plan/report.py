@@ -161,7 +161,7 @@ def render_text(plan: Plan) -> str:
         f"  pool                   {plan.pool.num_blocks:,} blocks x {req.block_size} tokens = "
         f"{plan.pool.num_tokens:,} tokens",
     ]
-    lines += [f"  {line}" for line in kv_cache_log_lines(plan.pool, plan.max_model_len, device)]
+    lines += [f"  {line}" for line in kv_cache_log_lines(plan.pool, plan.max_model_len, device, kv_dtype=plan.kv_dtype)]
     if len(plan.stages) > 1:
         lines += ["", "Pipeline stages (per GPU; every stage holds the same blocks, the tightest sets them):"]
         for st in plan.stages:

@@ -20,7 +20,11 @@ plus terms with no roofline:
 * **CPU overhead**: a fixed cost per step, a cost per scheduled request (input
   preparation, sampling, detokenization) and one per prompt chunk (backends that launch
   attention chunk by chunk);
-* **swap**: blocks moved to / from the host pool over the host link.
+* **swap**: blocks moved to / from the host pool over the host link;
+* **KV dequantization** (a quantized `kv_cache_dtype`: fp8 / int8): every K/V value attention
+  reads is decoded and scaled, ``values read x kv_dequant_s_per_value``. The quantized cache's
+  smaller bytes per token already shrink the attention read and the swap terms; this term is
+  the compute it costs in exchange, kept separate and added to the step.
 
 Attention work is counted as a paged kernel does it (each request's own context: the
 decode term grows with the batch's total context, the GEMM term with the batch size), plus
@@ -48,7 +52,7 @@ from pathlib import Path
 from typing import Iterable, Sequence
 
 from pagedserve.core.engine_core import StepTrace
-from pagedserve.plan.kv_budget import ModelShape, dtype_bytes, kv_bytes_per_token
+from pagedserve.plan.kv_budget import QUANTIZED_KV_DTYPES, ModelShape, dtype_bytes, kv_bytes_per_token, kv_scale_bytes
 from pagedserve.plan.models import param_breakdown
 
 # ---------------------------------------------------------------------------------------
@@ -84,6 +88,18 @@ PER_REQUEST_OVERHEAD_S = 20e-6
 CPU_NOMINAL_FLOPS = 1e12
 CPU_NOMINAL_BANDWIDTH = 1e11
 
+# Dequantizing one K/V value: a convert and a multiply by its scale, on the GPU's vector units
+# (not its tensor cores): H100-SXM does 67 TFLOP/s of fp32 vector work against 989 of dense
+# bf16 tensor work (NVIDIA H100 datasheet), about 1/15, at the attention kernel's efficiency.
+KV_DEQUANT_OPS_PER_VALUE = 2.0
+VECTOR_SHARE_OF_PEAK_FLOPS = 1.0 / 15
+
+
+def default_kv_dequant_s_per_value(peak_flops: float, attn_mfu: float) -> float:
+    """Seconds to dequantize one K/V value when no measured figure is given."""
+    rate = peak_flops * VECTOR_SHARE_OF_PEAK_FLOPS * attn_mfu
+    return KV_DEQUANT_OPS_PER_VALUE / rate if rate > 0 else 0.0
+
 
 @dataclass
 class CostParams:
@@ -118,6 +134,9 @@ class CostParams:
     # picks GEMM kernels by shape: here 3 decode rows took 20% longer than 4. Vidur
     # profiles every batch size for the same reason; `fit` fills this from the trace.
     token_count_factors: dict = field(default_factory=dict)
+    # Seconds per K/V value a quantized cache's reads spend decoding (None: the GPU default,
+    # default_kv_dequant_s_per_value; on a CPU, benchmarks/kv_cache_dtype.py measures it).
+    kv_dequant_s_per_value: float | None = None
     # The serving layer's own time (ServingOverhead.to_dict()); empty = not modelled.
     serving: dict = field(default_factory=dict)
     # The shapes the calibration trace held (simulate warns when a run goes beyond them).
@@ -206,6 +225,7 @@ class ModelCost:
     kv_bytes_per_token: int         # one rank's share
     act_bytes: float
     tp: int
+    kv_values_per_token: int = 0    # K/V values per token a read must dequantize (0: a plain cache)
 
     @classmethod
     def from_shape(cls, shape: ModelShape, weight_dtype: str = "bfloat16", kv_dtype: str | None = None,
@@ -214,6 +234,7 @@ class ModelCost:
         w = dtype_bytes(weight_dtype)
         act = 4 if w == 4 else 2
         kv = dtype_bytes(kv_dtype) if kv_dtype else act
+        quantized = kv_dtype in QUANTIZED_KV_DTYPES
         linear = (parts["attention"] + parts["mlp"]) / tp
         if shape.is_moe:  # a token only visits its experts; weights read are (close to) all of them
             routed = 3 * shape.hidden_size * shape.moe_intermediate_size
@@ -230,8 +251,10 @@ class ModelCost:
         return cls(
             num_layers=shape.num_layers, hidden_size=shape.hidden_size, q_heads_per_rank=heads,
             head_dim=head_dim, linear_params_per_rank=linear_flop_params, lm_head_params_per_rank=lm_head,
-            weight_bytes_per_rank=(linear + lm_head) * w, kv_bytes_per_token=kv_bytes_per_token(shape, kv, tp),
+            weight_bytes_per_rank=(linear + lm_head) * w,
+            kv_bytes_per_token=kv_bytes_per_token(shape, kv, tp, kv_scale_bytes(kv_dtype) if kv_dtype else 0),
             act_bytes=act, tp=tp,
+            kv_values_per_token=kv_bytes_per_token(shape, 1, tp) if quantized else 0,
         )
 
 
@@ -315,10 +338,11 @@ class StepTime:
     allreduce: float
     overhead: float
     swap: float
+    dequant: float = 0.0   # a quantized KV cache's decode of what attention reads
 
     @property
     def total(self) -> float:
-        return self.linear + self.attention + self.allreduce + self.overhead + self.swap
+        return self.linear + self.attention + self.allreduce + self.overhead + self.swap + self.dequant
 
 
 class CostModel:
@@ -337,6 +361,7 @@ class CostModel:
         host = p.host_bandwidth * p.host_link_efficiency
         self._inv_host = 1.0 / host if host > 0 else 0.0
         self._factors = {int(k): float(v) for k, v in (p.token_count_factors or {}).items()}
+        self._dequant_per_kv_byte = kv_dequant_s_per_kv_byte(model, p)
         if p.combine not in ("max", "sum"):
             raise ValueError(f"combine: must be 'max' or 'sum', got {p.combine!r}")
         self._sum = p.combine == "sum"
@@ -364,7 +389,12 @@ class CostModel:
         if factor is not None:
             linear, attention, overhead = linear * factor, attention * factor, overhead * factor
         overhead += p.per_output_overhead_s * f.num_outputs
-        return StepTime(linear, attention, allreduce, overhead, swap)
+        return StepTime(linear, attention, allreduce, overhead, swap, self.dequant_time(f))
+
+    def dequant_time(self, f: StepFeatures) -> float:
+        """The KV dequantization term: every K/V value attention reads (as counted in its bytes),
+        decoded. Additive, and 0 for a plain cache."""
+        return f.attn_bytes * self._dequant_per_kv_byte
 
     def predict(self, new_tokens: Sequence[int], context_lens: Sequence[int], num_swap_blocks: int = 0,
                 num_outputs: int | None = None) -> float:
@@ -382,6 +412,16 @@ class CostModel:
     # -- persistence -------------------------------------------------------------------
     def save(self, path: str | Path, extra: dict | None = None) -> None:
         Path(path).write_text(json.dumps({"params": self.params.to_dict(), **(extra or {})}, indent=2))
+
+
+def kv_dequant_s_per_kv_byte(model: ModelCost, params: CostParams) -> float:
+    """Dequantization seconds per byte of KV read (0 for a plain cache)."""
+    if not model.kv_values_per_token or not model.kv_bytes_per_token:
+        return 0.0
+    per_value = params.kv_dequant_s_per_value
+    if per_value is None:
+        per_value = default_kv_dequant_s_per_value(params.peak_flops, params.attn_mfu)
+    return per_value * model.kv_values_per_token / model.kv_bytes_per_token
 
 
 def load_params(path: str | Path) -> CostParams:

@@ -35,7 +35,7 @@ from typing import Callable, Sequence
 
 from pagedserve import metric_names as mn
 from pagedserve.bench.workloads import WorkloadRequest
-from pagedserve.config import EngineConfig, resolve_dtype
+from pagedserve.config import EngineConfig, resolve_dtype, resolve_kv_cache_dtype
 from pagedserve.core.engine_core import (EngineCore, check_pool_fits, check_request_length, num_host_blocks_for,
                                          size_pool)
 from pagedserve.core.request import Request
@@ -138,12 +138,12 @@ def build_deployment(config: EngineConfig, model: str, *, gpu: str | None = None
             model=info, device=spec, device_kind="gpu", dtype=weight_dtype, tensor_parallel_size=tp,
             pipeline_parallel_size=layout.pp, data_parallel_size=layout.dp,
             enable_expert_parallel=layout.expert_parallel, gpu_memory_utilization=config.gpu_memory_utilization,
-            kv_cache_memory=config.kv_cache_memory,
+            kv_cache_memory=config.kv_cache_memory, kv_cache_dtype=config.kv_cache_dtype,
             max_model_len=config.max_model_len, max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens, block_size=config.block_size))
         num_blocks = config.num_kv_blocks if config.num_kv_blocks is not None else plan.pool.num_blocks
         note = (f"{num_blocks:,} blocks from `pagedserve plan` ({plan.kv_pool_budget_bytes / 2**30:.2f} GiB "
-                f"per GPU at {plan.pool.bytes_per_token:,} bytes/token)")
+                f"per GPU at {plan.pool.bytes_per_token:,} bytes/token, KV {plan.kv_dtype})")
         params = cost_params or CostParams.for_gpu(spec)
         bytes_per_block = plan.pool.bytes_per_block
         cost_model = ParallelCostModel(shape, weight_dtype, plan.kv_dtype, layout, params, topology or Topology(),
@@ -159,12 +159,13 @@ def build_deployment(config: EngineConfig, model: str, *, gpu: str | None = None
         pool = size_pool(config, shape, dtype)
         num_blocks = pool.num_blocks
         bytes_per_block = pool.bytes_per_block
-        note = f"{num_blocks:,} blocks from engine.size_pool ({pool.bytes_per_token:,} bytes/token)"
+        kv_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, dtype)
+        note = f"{num_blocks:,} blocks from engine.size_pool ({pool.bytes_per_token:,} bytes/token, KV {kv_dtype})"
         if cost_params is None:
             raise ValueError("cost_model: on --device cpu give --cost-model COST.json "
                              "(made by `pagedserve simulate calibrate` from an engine step trace)")
         params = cost_params
-        cost_model = CostModel(ModelCost.from_shape(shape, dtype, dtype, tp), params, config.block_size)
+        cost_model = CostModel(ModelCost.from_shape(shape, dtype, kv_dtype, tp), params, config.block_size)
         device = "cpu"
     check_pool_fits(KVPoolSize(num_blocks, config.block_size, bytes_per_block // config.block_size), config)
     return Deployment(config, num_blocks, cost_model, info.name, shape.vocab_size or 32000, device, tp, note,

@@ -8,6 +8,7 @@ monitoring section reads (KV pinned at the top, TTFT, ITL):
   3 long_prompt_itl  P99 ITL over SLO with long prompts      → enable chunked prefill / smaller max_num_batched_tokens
   4 preemptions      preemptions rising                      → lower max_num_seqs (or gpu_memory_utilization up)
   5 kv_pinned        KV usage pinned at the top              → gpu_memory_utilization up (in margin), else max_num_seqs down
+                     (4 and 5 also name --kv-cache-dtype fp8 while the cache is not 8-bit: ~2x the tokens per byte)
   6 ttft_queueing    P99 TTFT over SLO while requests queue  → capacity: max_num_seqs up if KV has room, else replicas
   7 ttft_prefill     P99 TTFT over SLO, no queue             → prefill blocks: chunked prefill
     ttft_slow_steps  ... and prompts too short to block      → every step is slow: lower max_num_seqs
@@ -119,6 +120,7 @@ class Observations:
     steps_per_s: float | None
     tokens_per_step: float | None
     counter_resets: list[str] = field(default_factory=list)
+    kv_cache_dtype: str | None = None       # cache_config_info's cache_dtype label (None: not exposed)
     device: str = "unknown"                 # cpu | gpu | unknown: how the server's knobs are spelled
 
     @property
@@ -255,6 +257,7 @@ def observe(first: Snapshot, last: Snapshot, samples: list[Snapshot], interval_s
         steps_per_s=rate(steps.count) if steps is not None else None,
         tokens_per_step=steps.mean() if steps is not None else None,
         counter_resets=sorted(set(resets)),
+        kv_cache_dtype=next(iter(last.by_label(mn.CACHE_CONFIG_INFO, mn.CACHE_DTYPE_LABEL)), None),
         device=device,
     )
 
@@ -271,6 +274,18 @@ def _pct(value: float | None) -> str:
 
 def _over(value: float | None, limit: float) -> bool:
     return value is not None and value > limit
+
+
+EIGHT_BIT_KV_DTYPES = ("fp8", "fp8_e4m3", "fp8_e5m2", "fp8_inc", "int8")
+
+
+def kv_dtype_hint(kv_cache_dtype: str | None) -> str:
+    """The KV-pressure rules' other lever: fewer bytes per token, unless the cache already is 8-bit."""
+    if kv_cache_dtype in EIGHT_BIT_KV_DTYPES:
+        return ""
+    now = f"the cache is {kv_cache_dtype}" if kv_cache_dtype else "the scrape does not say the KV cache dtype"
+    return (f"; or store KV in 8 bits: --kv-cache-dtype fp8 ({now}) holds about twice the tokens of a 16-bit "
+            "cache (4x fp32) in the same memory, at a small accuracy cost")
 
 
 def _s(seconds: float) -> str:
@@ -384,7 +399,7 @@ def advise(obs: Observations, thresholds: Thresholds) -> Report:
             "concurrency exceeds what the KV pool carries: sequences grow, the pool runs dry and the "
             "scheduler evicts (swap or recompute)",
             "max_num_seqs", "lower",
-            f"lower {k.max_num_seqs} one step (e.g. ×0.75); or {pool_up}",
+            f"lower {k.max_num_seqs} one step (e.g. ×0.75); or {pool_up}" + kv_dtype_hint(obs.kv_cache_dtype),
             "preemptions back to 0 per minute; throughput and P99 should improve, KV usage stays below the top",
             dict(preemptions=obs.preemptions, preemptions_per_min=obs.preemptions_per_min,
                  kv_usage_mean=kv_mean, kv_usage_max=obs.kv_usage_max, swapped_mean=obs.swapped_mean),
@@ -397,7 +412,8 @@ def advise(obs: Observations, thresholds: Thresholds) -> Report:
             f"(≥ kv_pinned_share {_pct(t.kv_pinned_share)}); mean {_f(kv_mean)}, max {_f(obs.kv_usage_max)}",
             "concurrency is at the top: the pool holds all it can, any more load queues or preempts",
             "gpu_memory_utilization", "raise",
-            f"{pool_up} to enlarge the pool; if it is already there, lower {k.max_num_seqs}",
+            f"{pool_up} to enlarge the pool; if it is already there, lower {k.max_num_seqs}"
+            + kv_dtype_hint(obs.kv_cache_dtype),
             "KV usage drops below kv_high; no OOM; preemptions stay at 0",
             dict(kv_high_share=obs.kv_high_share, kv_usage_mean=kv_mean, kv_usage_max=obs.kv_usage_max),
             ("kv_high", "kv_pinned_share"))
@@ -505,7 +521,7 @@ def format_report(report: Report, source: str) -> str:
         + (f"; engine steps {_f(o.steps_per_s, 1)}/s, {_f(o.tokens_per_step, 1)} tokens/step"
            if o.steps_per_s is not None else ""),
         f"  KV usage: mean {_f(o.kv_usage_mean)}, max {_f(o.kv_usage_max)}, ≥ {t.kv_high} in {_pct(o.kv_high_share)} "
-        f"of samples",
+        f"of samples" + (f"; cache dtype {o.kv_cache_dtype}" if o.kv_cache_dtype else ""),
         f"  requests: running mean {_f(o.running_mean, 1)} max {_f(o.running_max, 0)}; waiting mean "
         f"{_f(o.waiting_mean, 1)} max {_f(o.waiting_max, 0)} (> 0 in {_pct(o.waiting_share)} of samples); "
         f"swapped mean {_f(o.swapped_mean, 1)}",

@@ -91,10 +91,19 @@ def run(args) -> int:
         base_dep = build_deployment(copy.deepcopy(base), args.model, gpu=gpu, cost_params=args.cost_model,
                                     **layout_of(layouts[0] if layouts else None))
     bound = int(base_dep.num_blocks / blocks_per_request(math.ceil(mean_len), base_dep.config.block_size))
+    sweep = tuner.parse_sweep(args.sweep) if args.sweep else None
+    if sweep and len(sweep.get("kv_cache_dtype", ())) > 1:
+        # A smaller KV dtype holds more sequences: prune max_num_seqs by the roomiest pool swept.
+        for kv_dtype in sweep["kv_cache_dtype"]:
+            config = copy.deepcopy(base)
+            config.kv_cache_dtype = kv_dtype
+            dep = build_deployment(config, args.model, gpu=gpu, cost_params=args.cost_model,
+                                   **layout_of(layouts[0] if layouts else None))
+            bound = max(bound, int(dep.num_blocks / blocks_per_request(math.ceil(mean_len), dep.config.block_size)))
     if layouts:  # each layout at the base knobs, or crossed with an explicit sweep
-        grid = {"layout": layouts, **(tuner.parse_sweep(args.sweep) if args.sweep else {})}
+        grid = {"layout": layouts, **(sweep or {})}
     else:
-        grid = tuner.parse_sweep(args.sweep) if args.sweep else _default_grid(base_dep, bound)
+        grid = sweep or _default_grid(base_dep, bound)
     # the pool (and so the bound) differs by layout: prune nothing when comparing layouts
     points, pruned = tuner.expand_grid(grid, max_num_seqs_bound=None if layouts else bound,
                                        max_model_len=base.max_model_len)

@@ -16,7 +16,16 @@ import math
 from dataclasses import dataclass, field
 from typing import Callable, Iterable
 
-from pagedserve.config import EngineConfig
+from pagedserve.config import KV_CACHE_DTYPES, EngineConfig
+
+
+def _one_of(choices: tuple[str, ...]):
+    def parse(text: str) -> str:
+        if text not in choices:
+            raise ValueError(f"{text!r} is not one of {choices}")
+        return text
+    return parse
+
 
 SWEEPABLE = {
     "max_num_seqs": int,
@@ -27,6 +36,8 @@ SWEEPABLE = {
     "preemption_mode": str,
     "long_prefill_token_threshold": int,
     "block_size": int,
+    # fp8 / int8 hold about twice the tokens of a bf16 pool (4x fp32): the lever when memory binds.
+    "kv_cache_dtype": _one_of(KV_CACHE_DTYPES),
 }
 
 

@@ -6,7 +6,7 @@
 """
 from __future__ import annotations
 
-from pagedserve.config import EngineConfig
+from pagedserve.config import EngineConfig, resolve_kv_cache_dtype
 from pagedserve.core.executor import Executor
 from pagedserve.model.config import ModelConfig
 
@@ -22,4 +22,5 @@ def make_executor(config: EngineConfig, model_config: ModelConfig, dtype: str,
         return RayExecutor(config, dtype, eos_token_ids)
     from pagedserve.worker.model_runner import ModelRunner
     return ModelRunner(model_config, dtype, config.device, config.block_size, eos_token_ids, config.seed,
-                       grammar_compiler=grammar_compiler)
+                       grammar_compiler=grammar_compiler,
+                       kv_cache_dtype=resolve_kv_cache_dtype(config.kv_cache_dtype, dtype))

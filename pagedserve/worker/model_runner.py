@@ -1,7 +1,8 @@
 """ModelRunner: the real executor (core.executor.Executor). execute(SchedulerOutput) -> StepResult.
 
 It owns the model, the device KV pool ([layers, 2, num_blocks * block_size, kv_heads,
-head_dim]), the sampler, and what it has been told about each request (CachedRequestState):
+head_dim]; with a quantized kv_cache_dtype an attention.kv_quant.QuantizedKVCache holding that
+tensor in one byte per value, and per-token scales for int8), the sampler, and what it has been told about each request (CachedRequestState):
 the scheduler sends a request's prompt and parameters once, then per-step diffs (new
 tokens, new blocks). It never calls back into the scheduler.
 
@@ -29,7 +30,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from pagedserve.attention import build_metadata
+from pagedserve.attention import backend_for_cache, build_metadata
+from pagedserve.attention.kv_quant import QuantizedKVCache, kv_format
 from pagedserve.core.outputs import StepResult, TokenLogprobs
 from pagedserve.core.scheduler import NewRequestData, ScheduledRequest, SchedulerOutput
 from pagedserve.sampling import SamplingParams
@@ -69,7 +71,7 @@ def allocate_zeroed(shape: tuple, dtype: torch.dtype, device: torch.device) -> t
     if device.type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
     itemsize = torch.empty((), dtype=dtype).element_size()
-    raw = np.zeros(shape, dtype={2: np.int16, 4: np.int32, 8: np.int64}[itemsize])
+    raw = np.zeros(shape, dtype={1: np.int8, 2: np.int16, 4: np.int32, 8: np.int64}[itemsize])
     return torch.from_numpy(raw).view(dtype)
 
 
@@ -131,18 +133,30 @@ class StepInputs:
 class ModelRunner:
     def __init__(self, model_config: ModelConfig, dtype: str, device: str, block_size: int,
                  eos_token_ids: frozenset[int], seed: int, grammar_compiler: GrammarCompiler | None = None,
-                 shard: TPShard | None = None) -> None:
+                 shard: TPShard | None = None, kv_cache_dtype: str | None = None) -> None:
         self.model_config = model_config
         self.shard = shard or TPShard.of(model_config)
         self.device = torch.device(device)
         self.dtype = TORCH_DTYPES[dtype]
+        self.kv_format = kv_format(kv_cache_dtype)  # None: the pool is in the compute dtype
+        self.quantized_cache = self.kv_format is not None
+        # Which attention backend reads this pool, decided (and a bad combination refused) at start-up.
+        backend_for_cache(self.device.type, self.quantized_cache)
         self.block_size = block_size
         if self.device.type == "cpu":
             keep_freed_memory_in_process()
         torch.manual_seed(seed)
         self.model = load_model(model_config, dtype, device, self.shard)
         # MLA models read their latent pool through their own attention path and metadata
-        self.build_metadata = getattr(self.model, "build_metadata", build_metadata)
+        model_metadata = getattr(self.model, "build_metadata", None)
+        if model_metadata is None:
+            self.build_metadata = build_metadata
+        elif self.quantized_cache:
+            raise ValueError(f"kv_cache_dtype: {kv_cache_dtype} is not implemented for the MLA latent cache of "
+                             f"{model_config.architecture}; use kv_cache_dtype=auto")
+        else:
+            self.build_metadata = lambda decodes, prefills, block_size, window, device, quantized=False: (
+                model_metadata(decodes, prefills, block_size, window, device))
         self.sampler = Sampler(eos_token_ids, seed, self.device)
         self.num_blocks = 0
         self.kv_cache = self.host_cache = None
@@ -155,11 +169,16 @@ class ModelRunner:
         cfg = self.model_config
         self.num_blocks = num_blocks
         shape = cfg.kv_cache_shape(num_blocks * self.block_size, self.shard.num_kv_heads)
-        self.kv_cache = allocate_zeroed(shape, self.dtype, self.device)
+        self.kv_cache = self._allocate_pool(shape, self.device)
         host_shape = shape[:2] + (num_host_blocks * self.block_size,) + shape[3:]
-        self.host_cache = allocate_zeroed(host_shape, self.dtype, torch.device("cpu")) if num_host_blocks else None
+        self.host_cache = self._allocate_pool(host_shape, torch.device("cpu")) if num_host_blocks else None
         if self.host_cache is not None and self.device.type == "cuda":
             self.host_cache = self.host_cache.pin_memory()
+
+    def _allocate_pool(self, shape: tuple, device: torch.device) -> torch.Tensor | QuantizedKVCache:
+        if self.kv_format is None:
+            return allocate_zeroed(shape, self.dtype, device)
+        return QuantizedKVCache.allocate(shape, self.kv_format, device, allocate_zeroed)
 
     @torch.inference_mode()
     def profile_kv_budget(self, gpu_memory_utilization: float, max_num_batched_tokens: int,
@@ -171,11 +190,13 @@ class ModelRunner:
         torch.cuda.reset_peak_memory_stats(self.device)
         before = torch.cuda.memory_allocated(self.device)
         cfg = self.model_config
-        scratch = torch.zeros(cfg.kv_cache_shape(max_num_batched_tokens + self.block_size, self.shard.num_kv_heads),
-                              dtype=self.dtype, device=self.device)
+        # A pool in the KV dtype, so a quantized cache's write and read temporaries count in the peak.
+        scratch = self._allocate_pool(cfg.kv_cache_shape(max_num_batched_tokens + self.block_size,
+                                                         self.shard.num_kv_heads), self.device)
+        scratch_bytes = sum(t.numel() * t.element_size() for t in self._pool_tensors(scratch))
         blocks = np.arange(-(-max_num_batched_tokens // self.block_size), dtype=np.int64)
         meta, positions = self.build_metadata([], [(blocks, 0, max_num_batched_tokens)], self.block_size,
-                                         cfg.sliding_window, self.device)
+                                              cfg.sliding_window, self.device, self.quantized_cache)
         ids = torch.zeros(max_num_batched_tokens, dtype=torch.long, device=self.device)
         hidden = self.model(ids, torch.from_numpy(positions).to(self.device), scratch, meta)
         rows = hidden[-min(max_num_seqs, max_num_batched_tokens):]
@@ -183,7 +204,7 @@ class ModelRunner:
         if logits is not None:
             torch.log_softmax(logits, dim=-1)
         torch.cuda.synchronize(self.device)
-        peak = torch.cuda.max_memory_allocated(self.device) - before - scratch.numel() * scratch.element_size()
+        peak = torch.cuda.max_memory_allocated(self.device) - before - scratch_bytes
         del scratch, hidden, rows
         free, total = torch.cuda.mem_get_info(self.device)
         non_torch = max(total - free - torch.cuda.memory_reserved(self.device), 0)
@@ -195,18 +216,24 @@ class ModelRunner:
         return budget
 
     def _blocks(self, cache: torch.Tensor) -> torch.Tensor:
-        """View a pool as [layers, 2, blocks, block_size, kv_heads, head_dim]."""
-        l, two, slots, kv, hd = cache.shape
-        return cache.view(l, two, slots // self.block_size, self.block_size, kv, hd)
+        """View a pool tensor [layers, 2, slots, ...] as [layers, 2, blocks, block_size, ...]."""
+        l, two, slots, *rest = cache.shape
+        return cache.view(l, two, slots // self.block_size, self.block_size, *rest)
 
-    def copy_blocks(self, pairs: list[tuple[int, int]], src: torch.Tensor, dst: torch.Tensor) -> None:
-        """Copy whole blocks (all layers, K and V) src[a] -> dst[b] for each (a, b)."""
+    @staticmethod
+    def _pool_tensors(cache: torch.Tensor | QuantizedKVCache) -> list[torch.Tensor]:
+        """The tensors a block spans: the pool, or a quantized pool's values and scales."""
+        return cache.tensors() if isinstance(cache, QuantizedKVCache) else [cache]
+
+    def copy_blocks(self, pairs: list[tuple[int, int]], src, dst) -> None:
+        """Copy whole blocks (all layers, K and V, scales with values) src[a] -> dst[b] for each (a, b)."""
         if not pairs:
             return
         src_ids = torch.tensor([a for a, _ in pairs], device=src.device)
         dst_ids = torch.tensor([b for _, b in pairs], device=dst.device)
-        moved = self._blocks(src).index_select(2, src_ids).to(dst.device, non_blocking=True)
-        self._blocks(dst).index_copy_(2, dst_ids, moved)
+        for s, d in zip(self._pool_tensors(src), self._pool_tensors(dst)):
+            moved = self._blocks(s).index_select(2, src_ids).to(d.device, non_blocking=True)
+            self._blocks(d).index_copy_(2, dst_ids, moved)
 
     def measure_host_bandwidth(self, max_blocks: int = 64) -> float:
         """Bytes/s of a device -> host block copy, timed once at start-up."""
@@ -221,7 +248,8 @@ class ModelRunner:
         self.copy_blocks(pairs, self.kv_cache, self.host_cache)
         if self.device.type == "cuda":
             torch.cuda.synchronize()
-        bytes_per_block = self.kv_cache[:, :, : self.block_size].numel() * self.kv_cache.element_size()
+        bytes_per_block = sum(t[:, :, : self.block_size].numel() * t.element_size()
+                              for t in self._pool_tensors(self.kv_cache))
         return n * bytes_per_block / max(time.perf_counter() - t0, 1e-9)
 
     @torch.inference_mode()
@@ -230,7 +258,7 @@ class ModelRunner:
         num_tokens = max(1, min(num_tokens, self.num_blocks * self.block_size))
         blocks = np.arange(-(-num_tokens // self.block_size), dtype=np.int64)
         meta, positions = self.build_metadata([], [(blocks, 0, num_tokens)], self.block_size,
-                                         self.model_config.sliding_window, self.device)
+                                              self.model_config.sliding_window, self.device, self.quantized_cache)
         ids = torch.zeros(num_tokens, dtype=torch.long, device=self.device)
         pos = torch.from_numpy(positions).to(self.device)
         self.model(ids, pos, self.kv_cache, meta)  # warm-up
@@ -285,7 +313,7 @@ class ModelRunner:
             [(np.asarray(states[i].block_ids, dtype=np.int64), sched[i].start_pos) for i in decodes],
             [(np.asarray(states[i].block_ids, dtype=np.int64), sched[i].start_pos, sched[i].num_new_tokens)
              for i in prefills],
-            self.block_size, self.model_config.sliding_window, self.device)
+            self.block_size, self.model_config.sliding_window, self.device, self.quantized_cache)
         if prefills:
             token_ids = np.fromiter((t for i in order for t in sched[i].token_ids), dtype=np.int64)
         else:  # decode-only: one token each
@@ -326,7 +354,9 @@ class ModelRunner:
     @property
     def kv_cache_bytes(self) -> int:
         """Bytes of this rank's device KV pool, as allocated."""
-        return 0 if self.kv_cache is None else self.kv_cache.numel() * self.kv_cache.element_size()
+        if self.kv_cache is None:
+            return 0
+        return sum(t.numel() * t.element_size() for t in self._pool_tensors(self.kv_cache))  # scales included
 
     def _score_prompts(self, hidden: torch.Tensor, states: list[CachedRequestState],
                        sched: list[ScheduledRequest], result: StepResult) -> None:

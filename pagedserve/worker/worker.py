@@ -115,6 +115,7 @@ class Worker:
                                 world_size=self.tp, timeout=COLLECTIVE_TIMEOUT)
 
     def load(self, device: str) -> None:
+        from pagedserve.config import resolve_kv_cache_dtype
         from pagedserve.model.config import TPShard, read_model_config
         from pagedserve.worker.model_runner import ModelRunner
 
@@ -127,8 +128,10 @@ class Worker:
             from pagedserve.structured.compiler import make_grammar_compiler
             from pagedserve.tokenizer import load_tokenizer
             grammar_compiler = make_grammar_compiler(load_tokenizer(config), model_config.vocab_size, eos)
+        # each rank's pool in the KV dtype: its share of the heads at the quantized bytes per token
+        kv_cache_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, self.spec.dtype)
         self.runner = ModelRunner(model_config, self.spec.dtype, device, config.block_size, eos, config.seed,
-                                  grammar_compiler=grammar_compiler, shard=shard)
+                                  grammar_compiler=grammar_compiler, shard=shard, kv_cache_dtype=kv_cache_dtype)
 
     def stats(self) -> dict:
         from pagedserve.model.parallel import COMM_TIME

@@ -24,10 +24,10 @@ from pathlib import Path
 logger = logging.getLogger("pagedserve.attention")
 
 SOURCE = Path(__file__).with_name("paged_attention.cpp")
-ABI_VERSION = 3
+ABI_VERSION = 4
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fno-trapping-math", "-fassociative-math",
          "-fno-signed-zeros", "-std=c++17", "-shared", "-fPIC")
-DTYPE_CODES = {"float32": 0, "bfloat16": 1, "float16": 2}
+DTYPE_CODES = {"float32": 0, "bfloat16": 1, "float16": 2}  # quantized caches: kv_quant.KVFormat.kernel_code
 
 
 class KernelUnavailable(RuntimeError):
@@ -112,8 +112,10 @@ def bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.ps_abi_version.restype = c_int
     lib.ps_dtype_supported.argtypes = [c_int]
     lib.ps_dtype_supported.restype = c_int
+    c_float = ctypes.c_float
     lib.ps_paged_attention.argtypes = [ctypes.POINTER(AttentionPlan), ptr, c_i64, c_int, ptr, ptr, c_i64, c_i64, c_i64,
-                                       c_int, ptr, c_i64, c_i64, c_i64, c_i64, ctypes.c_float, c_int]
+                                       c_int, ptr, c_i64, c_i64, c_i64, c_i64, c_float, ptr, ptr, c_i64, c_float,
+                                       c_float, c_int]
     lib.ps_paged_attention.restype = c_int
     lib.ps_write_kv.argtypes = [ptr, c_i64, ptr, c_i64, ptr, ptr, c_i64, ptr, c_i64, c_i64, c_int]
     lib.ps_write_kv.restype = None

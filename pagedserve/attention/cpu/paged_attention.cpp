@@ -12,6 +12,12 @@
 // token_stride. q and out are [tokens, num_heads, head_dim] with heads contiguous and a row
 // stride per token. Query heads h use kv head h / (num_heads / num_kv_heads).
 //
+// Quantized caches (kv_cache_dtype fp8_e4m3 / fp8_e5m2 / int8, see attention/kv_quant.py): one
+// byte per value; a value reads as decode(byte) x scale, where the scale is one float per layer
+// for K and one for V (fp8), or one float per (slot, kv head) from a scales array laid out
+// [num_slots, kv_heads] (int8). fp8 bytes decode by bit arithmetic (decode_fp8), so no
+// compiler's float8 type is needed. q and out are then fp32.
+//
 // Work: a "sequence" of the plan is q_len query rows (a decode is 1 row, a prefill chunk many)
 // whose last row sees ctx_len keys. Row j sits at position ctx_len - q_len + j and attends to
 // keys in [max(0, pos - window + 1), pos] (window 0 = unlimited). One work item is one kv head
@@ -31,10 +37,10 @@
 
 namespace {
 
-constexpr int kAbiVersion = 3;
+constexpr int kAbiVersion = 4;
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
-enum DType : int { kFloat32 = 0, kBFloat16 = 1, kFloat16 = 2 };
+enum DType : int { kFloat32 = 0, kBFloat16 = 1, kFloat16 = 2, kFp8E4M3 = 3, kFp8E5M2 = 4, kInt8 = 5 };
 
 struct bf16 {
     uint16_t bits;
@@ -63,6 +69,56 @@ using f16 = _Float16;
 inline float to_float(f16 x) { return static_cast<float>(x); }
 inline void store(f16* dst, float x) { *dst = static_cast<f16>(x); }
 #endif
+
+// One-byte cache types: the value a byte stands for before its scale.
+struct fp8_e4m3 {
+    uint8_t bits;
+};
+struct fp8_e5m2 {
+    uint8_t bits;
+};
+
+// The float an 8-bit float's bits encode: 1 sign bit, `kExpBits` exponent bits with `kBias`, the
+// rest mantissa. E4M3 (OCP "fn": no infinities) spends only S.1111.111 on NaN, so its exponent
+// 15 holds normal numbers up to 448; E5M2 is IEEE-like (exponent 31: infinity / NaN).
+// Integer arithmetic, an int-to-float conversion and a multiply by a power of two built from
+// the exponent bits (always a normal float: the smallest is 2^-16), with selects for sign and
+// specials, so a tile's decode loop vectorises; a 256-entry table read per byte does not (it
+// made fp8 attention 3.7x slower than int8's plain conversion).
+template <int kExpBits, int kBias, bool kIeeeSpecial>
+inline float decode_fp8(uint32_t bits) {
+    constexpr int kManBits = 7 - kExpBits;
+    constexpr uint32_t kExpMask = (1u << kExpBits) - 1, kManMask = (1u << kManBits) - 1;
+    const uint32_t e = (bits >> kManBits) & kExpMask, m = bits & kManMask;
+    const uint32_t significand = e != 0 ? (m | (1u << kManBits)) : m;  // subnormals: no implicit 1
+    const int32_t exponent = static_cast<int32_t>(e != 0 ? e : 1u) - kBias - kManBits;
+    const uint32_t pow2_bits = static_cast<uint32_t>(exponent + 127) << 23;
+    float pow2;
+    std::memcpy(&pow2, &pow2_bits, sizeof pow2);
+    float magnitude = static_cast<float>(significand) * pow2;
+    if constexpr (kIeeeSpecial) {
+        const float special = m != 0 ? std::numeric_limits<float>::quiet_NaN() : std::numeric_limits<float>::infinity();
+        magnitude = e == kExpMask ? special : magnitude;
+    } else {
+        magnitude = (e == kExpMask && m == kManMask) ? std::numeric_limits<float>::quiet_NaN() : magnitude;
+    }
+    return (bits & 0x80u) != 0 ? -magnitude : magnitude;
+}
+
+template <typename KT>
+constexpr bool is_quantized() {
+    return std::is_same_v<KT, fp8_e4m3> || std::is_same_v<KT, fp8_e5m2> || std::is_same_v<KT, int8_t>;
+}
+inline float decode(fp8_e4m3 x) { return decode_fp8<4, 7, false>(x.bits); }
+inline float decode(fp8_e5m2 x) { return decode_fp8<5, 15, true>(x.bits); }
+inline float decode(int8_t x) { return static_cast<float>(x); }
+
+// The scale of each row of a quantized tile: per_token[t * stride] if given (int8), else `value`.
+struct RowScales {
+    const float* per_token;
+    int64_t stride;
+    float value;
+};
 
 // exp for x <= 0 (softmax after subtracting the running max), written so loops over it
 // vectorise: 2^n * e^r with |r| <= ln2/2 and a degree-7 Taylor polynomial (relative error
@@ -112,6 +168,12 @@ struct Shape {
     int64_t q_row_stride, out_row_stride;
     int64_t block_stride, head_stride, token_stride;  // cache element strides
     float scale;
+    // Quantized caches: per-(slot, kv head) scales [num_slots, kv_heads] with `scale_token_stride`
+    // floats between slots (nullptr = none), else one scale for all of K and one for all of V.
+    const float* k_scales = nullptr;
+    const float* v_scales = nullptr;
+    int64_t scale_token_stride = 0;
+    float k_scale = 1.0f, v_scale = 1.0f;
 };
 
 struct Item {
@@ -182,7 +244,7 @@ inline v16 sum_lanes_16(const v16* in) {
 // read in place when the cache already is fp32 and rows are whole vectors, else converted.
 template <typename KT>
 const float* tile_rows(const KT* first, int64_t token_stride, int64_t n, int64_t dh, int64_t padded,
-                       float* scratch, int64_t& stride_out) {
+                       float* scratch, int64_t& stride_out, const RowScales& scales) {
     if constexpr (std::is_same_v<KT, float>) {
         if (dh == padded) {
             stride_out = token_stride;
@@ -192,8 +254,14 @@ const float* tile_rows(const KT* first, int64_t token_stride, int64_t n, int64_t
     for (int64_t t = 0; t < n; ++t) {
         const KT* src = first + t * token_stride;
         float* dst = scratch + t * padded;
+        if constexpr (is_quantized<KT>()) {
+            const float s = scales.per_token != nullptr ? scales.per_token[t * scales.stride] : scales.value;
 #pragma omp simd
-        for (int64_t d = 0; d < dh; ++d) dst[d] = to_float(src[d]);
+            for (int64_t d = 0; d < dh; ++d) dst[d] = decode(src[d]) * s;
+        } else {
+#pragma omp simd
+            for (int64_t d = 0; d < dh; ++d) dst[d] = to_float(src[d]);
+        }
         for (int64_t d = dh; d < padded; ++d) dst[d] = 0.0f;
     }
     stride_out = padded;
@@ -354,8 +422,13 @@ void attend_item(const PsAttentionPlan& plan, const Shape& sh, const Item& it, c
             const int64_t first =
                 static_cast<int64_t>(table[b]) * sh.block_stride + (tile - b * bs) * sh.token_stride + head;
             int64_t ks, vs;
-            const float* kt = tile_rows(k_cache + first, sh.token_stride, n, dh, dp, kf, ks);
-            const float* vt = tile_rows(v_cache + first, sh.token_stride, n, dh, dp, vf, vs);
+            // The tile's first slot, where its rows' per-token scales start.
+            const int64_t slot = static_cast<int64_t>(table[b]) * bs + (tile - b * bs);
+            const int64_t scale_at = slot * sh.scale_token_stride + it.kv_head;
+            const RowScales kscale{sh.k_scales ? sh.k_scales + scale_at : nullptr, sh.scale_token_stride, sh.k_scale};
+            const RowScales vscale{sh.v_scales ? sh.v_scales + scale_at : nullptr, sh.scale_token_stride, sh.v_scale};
+            const float* kt = tile_rows(k_cache + first, sh.token_stride, n, dh, dp, kf, ks, kscale);
+            const float* vt = tile_rows(v_cache + first, sh.token_stride, n, dh, dp, vf, vs, vscale);
             attend_tile<NCT>(R, G, nc, dp, row_lo, row_hi, tile, n, kt, ks, vt, vs, qf, acc, m, l, sc, part);
         }
     }
@@ -512,6 +585,7 @@ extern "C" {
 int ps_abi_version() { return kAbiVersion; }
 
 int ps_dtype_supported(int dtype) {
+    if (dtype == kFp8E4M3 || dtype == kFp8E5M2 || dtype == kInt8) return 1;  // caches read with fp32 q
 #ifdef __FLT16_MAX__
     return dtype == kFloat32 || dtype == kBFloat16 || dtype == kFloat16;
 #else
@@ -520,18 +594,40 @@ int ps_dtype_supported(int dtype) {
 }
 
 // out[rows of the plan] = softmax(q k^T * scale) v over each sequence's blocks.
-// q, out and the caches share one dtype. Returns 0, or -1 for a bad shape, -2 for an
-// unsupported or mixed dtype.
+// q, out and a plain cache share one dtype; a quantized cache (fp8 / int8) is read with fp32 q
+// and out, its values times k_scales / v_scales (per slot and kv head, `scale_token_stride`
+// floats between slots; nullptr = none) or else times k_scale / v_scale. Returns 0, or -1 for
+// a bad shape, -2 for an unsupported or mixed dtype.
 int ps_paged_attention(const PsAttentionPlan* plan, const void* q, int64_t q_row_stride, int q_dtype,
                        const void* k_cache, const void* v_cache, int64_t block_stride, int64_t head_stride,
                        int64_t token_stride, int kv_dtype, void* out, int64_t out_row_stride, int64_t num_heads,
-                       int64_t num_kv_heads, int64_t head_dim, float scale, int num_threads) {
+                       int64_t num_kv_heads, int64_t head_dim, float scale, const float* k_scales,
+                       const float* v_scales, int64_t scale_token_stride, float k_scale, float v_scale,
+                       int num_threads) {
     if (num_kv_heads <= 0 || num_heads % num_kv_heads != 0 || head_dim <= 0 || plan->block_size <= 0) return -1;
+    if ((k_scales == nullptr) != (v_scales == nullptr)) return -1;
     if (plan->num_seqs == 0) return 0;
     Shape sh{num_heads, num_kv_heads, head_dim, num_heads / num_kv_heads, q_row_stride, out_row_stride,
              block_stride, head_stride, token_stride, scale};
+    sh.k_scales = k_scales;
+    sh.v_scales = v_scales;
+    sh.scale_token_stride = scale_token_stride;
+    sh.k_scale = k_scale;
+    sh.v_scale = v_scale;
     num_threads = std::max(1, num_threads);
-    // q, out and the cache share one dtype (the model's): one instantiation per dtype keeps
+    switch (kv_dtype) {  // quantized caches: fp32 q only, one instantiation each
+        case kFp8E4M3:
+            return q_dtype == kFloat32 ? dispatch_head_dim<float, fp8_e4m3>(*plan, sh, q, k_cache, v_cache, out,
+                                                                             num_threads) : -2;
+        case kFp8E5M2:
+            return q_dtype == kFloat32 ? dispatch_head_dim<float, fp8_e5m2>(*plan, sh, q, k_cache, v_cache, out,
+                                                                             num_threads) : -2;
+        case kInt8:
+            return q_dtype == kFloat32 ? dispatch_head_dim<float, int8_t>(*plan, sh, q, k_cache, v_cache, out,
+                                                                           num_threads) : -2;
+        default: break;
+    }
+    // q, out and a plain cache share one dtype (the model's): one instantiation per dtype keeps
     // the first-use compile short.
     if (q_dtype != kv_dtype) return -2;
     switch (kv_dtype) {
@@ -573,12 +669,16 @@ int ps_attention_layer(const PsAttentionPlan* plan, const int64_t* slot_mapping,
                        int64_t q_row_stride, void* out, int64_t out_row_stride, void* k_cache, void* v_cache,
                        int64_t block_stride, int64_t head_stride, int64_t token_stride, int dtype, int64_t num_heads,
                        int64_t num_kv_heads, int64_t head_dim, float scale, int num_threads) {
-    if (head_stride != head_dim || !ps_dtype_supported(dtype)) return head_stride != head_dim ? -1 : -2;
+    if (head_stride != head_dim) return -1;
+    // Plain caches only: a quantized cache is written (quantized) by the caller, then read
+    // through ps_paged_attention.
+    if (!ps_dtype_supported(dtype) || dtype > kFloat16) return -2;
     const int64_t size = dtype == kFloat32 ? 4 : 2;
     ps_write_kv(k, k_row_stride * size, v, v_row_stride * size, k_cache, v_cache, token_stride * size, slot_mapping,
                 num_tokens, num_kv_heads * head_dim * size, num_threads);
     return ps_paged_attention(plan, q, q_row_stride, dtype, k_cache, v_cache, block_stride, head_stride, token_stride,
-                              dtype, out, out_row_stride, num_heads, num_kv_heads, head_dim, scale, num_threads);
+                              dtype, out, out_row_stride, num_heads, num_kv_heads, head_dim, scale, nullptr, nullptr,
+                              0, 1.0f, 1.0f, num_threads);
 }
 
 }  // extern "C"
