@@ -119,3 +119,12 @@ def test_tensor_parallel_is_refused_by_name_for_moe_and_mla(deepseek_case):
     path, *_ = deepseek_case
     with pytest.raises(ValueError, match="tensor_parallel_size: 2, but DeepseekV3ForCausalLM runs on one rank"):
         LLM(str(path), max_model_len=256, tensor_parallel_size=2)
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["fp8", "int8"])
+def test_quantized_kv_cache_is_refused_by_name_for_mla(deepseek_case, kv_cache_dtype):
+    """The MLA latent pool is read through the model's own metadata, which knows no quantized
+    cache: the engine must refuse the combination, never run it unquantized or misread."""
+    path, *_ = deepseek_case
+    with pytest.raises(ValueError, match=r"kv_cache_dtype: \S+ is not implemented for the MLA latent cache"):
+        LLM(str(path), max_model_len=256, kv_cache_dtype=kv_cache_dtype)
