@@ -65,7 +65,7 @@ def vllm_server(python: str, model: Path, log: Path, kv_gib: int) -> Server:
            "--host", "127.0.0.1", "--dtype", "float32", "--max-model-len", str(VLLM_KNOBS["max_model_len"]),
            "--max-num-seqs", str(VLLM_KNOBS["max_num_seqs"]),
            "--max-num-batched-tokens", str(VLLM_KNOBS["max_num_batched_tokens"]),
-           "--no-enable-prefix-caching", "--disable-log-requests", "--served-model-name", "m"]
+           "--no-enable-prefix-caching", "--served-model-name", "m"]  # vLLM >= 0.11 logs no requests by default
     extra = {"VLLM_CPU_KVCACHE_SPACE": str(kv_gib), "VLLM_CPU_OMP_THREADS_BIND": "nobind",
              "OMP_NUM_THREADS": "1", "PYTHONPATH": ""}
     e = env(1, extra)
