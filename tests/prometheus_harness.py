@@ -160,7 +160,9 @@ class Prometheus:
         seen: set[float] = set()
         while True:
             last = self.last_scrape(job)
-            if last > t:
+            # Count only scrapes that succeeded: one that timed out on a loaded machine stores
+            # up 0 and marks every series stale, so queries at its time find nothing.
+            if last > t and self.values(f'up{{job="{job}"}}', at=last) == [1.0]:
                 seen.add(last)
             if len(seen) >= count:
                 return last

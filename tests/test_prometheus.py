@@ -108,4 +108,10 @@ def test_dashboard_against_real_prometheus(tmp_path):
                            f"({read / true - 1:+.1%}; bucketed raw {binned[(name, q)] / true - 1:+.1%})"
                            for (name, q), (read, true) in table.items())
         print(report)
-        assert all(read == pytest.approx(true, rel=0.10) for read, true in table.values()), report
+        # The buckets themselves: the client's values counted into the server's bounds stay within 10%.
+        assert all(binned[key] == pytest.approx(true, rel=0.10) for key, (_, true) in table.items()), report
+        # The dashboard's reading: within 10%, except the ITL tail, where the server (engine side)
+        # and the bench (client side) measure different gaps: on a loaded machine their P99s were
+        # seen +26%, +14% and -13% apart while the bucketed client values stayed within 5%.
+        assert all(read == pytest.approx(true, rel=0.30 if key == ("itl", 0.99) else 0.10)
+                   for key, (read, true) in table.items()), report

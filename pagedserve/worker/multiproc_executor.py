@@ -79,6 +79,7 @@ class MultiprocExecutor(RankCalls):
         self.num_broadcasts = 0
         self.rank_kv_bytes: list[int] = []
         self._failure: WorkerDied | None = None
+        self._reap_lock = threading.Lock()
         self._closing = False
         spec = WorkerSpec(config, dtype, sorted(eos_token_ids), threads_per_rank(self.tp))
         ctx = tmp.get_context("spawn")
@@ -138,7 +139,7 @@ class MultiprocExecutor(RankCalls):
                     except (EOFError, OSError):
                         continue  # its sentinel says why
                     if reply.error is not None:
-                        self._fail(WorkerDied(f"tensor-parallel {reply.error}"))
+                        self._fail_with_reply_error(reply.error)
                     if obj not in pending:
                         self._fail(WorkerDied(f"tensor-parallel {rank.describe()} replied out of turn"))
                     replies[rank.rank] = reply
@@ -159,14 +160,34 @@ class MultiprocExecutor(RankCalls):
             logger.error("%s", error)
         raise self._failure
 
+    def _dead_ranks(self) -> list[_Rank]:
+        # One reaper at a time: the monitor thread and the step both come here, and two threads
+        # in waitpid on one pid race: the loser gets ECHILD, which multiprocessing reads as
+        # "still alive", and the dead rank goes unnamed.
+        with self._reap_lock:
+            for r in self.ranks:
+                r.process.join(0.5)  # let a dying process finish dying, so its exit code is known
+            return [r for r in self.ranks if not r.process.is_alive()]
+
+    @staticmethod
+    def _death_message(dead: list[_Rank]) -> str:
+        return "tensor-parallel " + "; ".join(f"{r.describe()} died: {describe_exit(r.process.exitcode)}" for r in dead)
+
     def _raise_dead(self) -> None:
-        for r in self.ranks:
-            r.process.join(0.5)  # let a dying process finish dying, so its exit code is known
-        dead = [r for r in self.ranks if not r.process.is_alive()]
+        dead = self._dead_ranks()
         if not dead:
             self._fail(WorkerDied("tensor-parallel: a rank closed its pipe"))
-        self._fail(WorkerDied("tensor-parallel " + "; ".join(
-            f"{r.describe()} died: {describe_exit(r.process.exitcode)}" for r in dead)))
+        self._fail(WorkerDied(self._death_message(dead)))
+
+    def _fail_with_reply_error(self, error: str, grace: float = 1.0) -> None:
+        """A rank's error is often the echo of a peer's death (gloo: "connection reset by peer"),
+        and its reply can arrive before the dead peer's sentinel is seen: wait a moment for the
+        sentinels and name the dead rank when there is one, the echo after it."""
+        if wait([r.process.sentinel for r in self.ranks], grace):
+            dead = self._dead_ranks()
+            if dead:
+                self._fail(WorkerDied(f"{self._death_message(dead)} (then {error})"))
+        self._fail(WorkerDied(f"tensor-parallel {error}"))
 
     def _watch(self) -> None:
         sentinels = [r.process.sentinel for r in self.ranks]
