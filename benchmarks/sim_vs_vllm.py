@@ -8,9 +8,7 @@ client's TTFT holds beyond them is the serving overhead). The simulator then run
 pagedserve's scheduler with vLLM's knobs (max_num_seqs, max_num_batched_tokens, block size
 and pool size read from its cache_config_info) and that cost model, and is compared with
 `pagedserve bench` against the same vLLM server on workloads the calibration never saw,
-REPEATS runs each. As in sim_vs_real.py, each run is preceded by a 15-second probe (a short
-calibration-style load, its steps rebuilt the same way): the machine's speed right then,
-against the model, gives a second prediction that uses nothing from the run itself.
+REPEATS runs each.
 
     OMP_NUM_THREADS=1 python benchmarks/sim_vs_vllm.py [--python /tmp/peers/vllm/bin/python] [--repeats 3]
 
@@ -35,7 +33,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from common import ROOT, benchmark_checkpoint  # noqa: E402
 from live import Server, env, free_port, load_average, run_bench  # noqa: E402
-from sim_vs_real import scaled_cost  # noqa: E402
 
 VLLM_KNOBS = {"max_num_seqs": 16, "max_num_batched_tokens": 512, "max_model_len": 1024}
 CALIBRATION = ["--dataset", "calibration", "--random-input-len", "200", "--random-output-len", "60",
@@ -44,8 +41,6 @@ METRICS = [("output_throughput", "output tok/s", "{:.1f}"), ("mean_ttft_ms", "me
            ("p99_ttft_ms", "P99 TTFT ms", "{:.0f}"), ("mean_itl_ms", "mean ITL ms", "{:.1f}"),
            ("p99_itl_ms", "P99 ITL ms", "{:.0f}"), ("num_preemptions", "preemptions", "{:.0f}")]
 GOAL_KEYS = ("output_throughput", "mean_ttft_ms", "p99_ttft_ms", "p99_itl_ms")
-PROBE = ["--dataset", "calibration", "--random-input-len", "120", "--random-output-len", "32",
-         "--num-prompts", "20", "--request-rate", "6", "--seed", "300"]
 
 
 def workloads(rate: float) -> list[tuple[str, list[str]]]:
@@ -107,39 +102,30 @@ def sim_config(block_size: int, num_blocks: int):
                         enable_prefix_caching=False, enable_chunked_prefill=True, preemption_mode="recompute")
 
 
-def simulate_flags(model: Path, cost, flags: list[str], block_size: int, num_blocks: int) -> dict:
+def simulate_flags(model: Path, cost: Path, flags: list[str], block_size: int, num_blocks: int,
+                   draws: int = 5) -> dict:
     from pagedserve.cli import build_parser
     from pagedserve.sim.cli import build_workload
     from pagedserve.sim.simulator import build_deployment, simulate
 
     args = build_parser().parse_args(["simulate", "--device", "cpu", "--model", str(model), *flags])
-    dep = build_deployment(sim_config(block_size, num_blocks), str(model), cost_params=cost)
-    res = simulate(dep, build_workload(args, dep.vocab_size, dep.config.max_model_len))
-    m = res.metrics
-    return {"output_throughput": m["output_throughput"], "mean_ttft_ms": m["mean_ttft_ms"],
-            "p99_ttft_ms": m["p99_ttft_ms"], "mean_itl_ms": m["mean_itl_ms"], "p99_itl_ms": m["p99_itl_ms"],
-            "num_preemptions": float(res.num_preemptions),
-            "busy_fraction": res.busy_time / m["duration"] if m["duration"] else 0.0}
-
-
-def speed_against_model(model: Path, cost: Path, bench_result: dict, block_size: int) -> float:
-    """Rebuilt steps of a bench run (the probe's) / the model's prediction for them."""
-    from pagedserve.plan.models import load_model
-    from pagedserve.sim.cost_model import CostModel, ModelCost, load_params
-    from pagedserve.sim.reconstruct import steps_from_bench
-
-    cm = CostModel(ModelCost.from_shape(load_model(str(model)).shape, "float32", None, 1), load_params(cost),
-                   block_size)
-    steps = steps_from_bench(bench_result).steps
-    return sum(s.step_time for s in steps) / sum(cm.predict(s.new_tokens, s.context_lens, 0, s.num_outputs)
-                                                 for s in steps)
+    runs = []
+    for k in range(draws):
+        dep = build_deployment(sim_config(block_size, num_blocks), str(model), cost_params=cost)
+        res = simulate(dep, build_workload(args, dep.vocab_size, dep.config.max_model_len), seed=k)
+        m = res.metrics
+        runs.append({"output_throughput": m["output_throughput"], "mean_ttft_ms": m["mean_ttft_ms"],
+                     "p99_ttft_ms": m["p99_ttft_ms"], "mean_itl_ms": m["mean_itl_ms"], "p99_itl_ms": m["p99_itl_ms"],
+                     "num_preemptions": float(res.num_preemptions),
+                     "busy_fraction": res.busy_time / m["duration"] if m["duration"] else 0.0})
+    return {k: statistics.median(r[k] for r in runs) for k in runs[0]}
 
 
 def rate_for_busy(model: Path, cost: Path, block_size: int, num_blocks: int, target: float = 0.8) -> float:
     lo, hi = 0.05, 20.0
     for _ in range(12):
         mid = math.sqrt(lo * hi)
-        busy = simulate_flags(model, cost, workloads(mid)[0][1], block_size, num_blocks)["busy_fraction"]
+        busy = simulate_flags(model, cost, workloads(mid)[0][1], block_size, num_blocks, draws=1)["busy_fraction"]
         lo, hi = (mid, hi) if busy < target else (lo, mid)
     return math.sqrt(lo * hi)
 
@@ -205,46 +191,36 @@ def main() -> int:
         runs: dict[str, list[dict]] = {name: [] for name, _ in chosen}
         for rep in range(args.repeats):
             for k, (name, flags) in enumerate(chosen):
-                load0 = load_average()
-                probe = run_bench(server.url, PROBE, work / f"run{rep}_{k}.probe.json", work / f"run{rep}_{k}.probe.log")
                 before = scrape(server.url)
+                load0 = load_average()
                 result = run_bench(server.url, flags, work / f"run{rep}_{k}.bench.json", work / f"run{rep}_{k}.log")
                 m = real_metrics(result, before, scrape(server.url))
-                m["probe_over_model"] = speed_against_model(model, cost, probe, block_size)
-                m["run_over_model"] = speed_against_model(model, cost, result, block_size)
                 runs[name].append(m)
-                print(f"[{rep}] {name}: load {load0} -> {load_average()}; probe x{m['probe_over_model']:.2f}, "
-                      f"run x{m['run_over_model']:.2f} of the model; "
+                print(f"[{rep}] {name}: load {load0} -> {load_average()}; "
                       + ", ".join(f"{label} {fmt.format(m[key])}" for key, label, fmt in METRICS), flush=True)
 
-    lines = ["| workload | metric | vLLM: median of runs | vLLM: min–max | simulated | error | simulated at the "
-             "probe's speed | error |", "|---|---|---:|---:|---:|---:|---:|---:|"]
+    lines = ["| workload | metric | vLLM (median of runs) | vLLM runs (min–max) | simulated | error vs median | "
+             "inside range |", "|---|---|---:|---:|---:|---:|---|"]
     table = []
     for name, flags in chosen:
         real = {key: statistics.median(r[key] for r in runs[name]) for key, _, _ in METRICS}
         sim = simulate_flags(model, cost, flags, block_size, num_blocks)
-        at_probe = [simulate_flags(model, scaled_cost(cost, r["probe_over_model"]), flags, block_size, num_blocks)
-                    for r in runs[name]]
-        probe_sim = {key: statistics.median(p[key] for p in at_probe) for key, _, _ in METRICS}
-        table.append({"name": name, "flags": flags, "real_runs": runs[name], "real_median": real, "sim": sim,
-                      "sim_at_probe_speed": probe_sim})
+        table.append({"name": name, "flags": flags, "real_runs": runs[name], "real_median": real, "sim": sim})
         for key, label, fmt in METRICS:
             values = [r[key] for r in runs[name]]
+            inside = "yes" if min(values) <= sim[key] <= max(values) else "no"
             lines.append(f"| {name} | {label} | {fmt.format(real[key])} | {fmt.format(min(values))}–"
                          f"{fmt.format(max(values))} | {fmt.format(sim[key])} | {fmt_err(error(sim[key], real[key]))} | "
-                         f"{fmt.format(probe_sim[key])} | {fmt_err(error(probe_sim[key], real[key]))} |")
+                         f"{inside} |")
     print("\n".join(lines))
     goals = [error(t["sim"][k], t["real_median"][k]) for t in table for k in GOAL_KEYS]
     met = sum(1 for e in goals if e is not None and abs(e) <= 0.10)
-    goals_p = [error(t["sim_at_probe_speed"][k], t["real_median"][k]) for t in table for k in GOAL_KEYS]
-    met_p = sum(1 for e in goals_p if e is not None and abs(e) <= 0.10)
-    print(f"\n{met} of {len(goals)} goal metrics within 10% of vLLM's median run ({met_p} at the probe's speed); "
+    print(f"\n{met} of {len(goals)} goal metrics within 10% of vLLM's median run; "
           f"total {time.time() - t0:.0f} s; load average now {load_average()}")
     Path(args.out).write_text(json.dumps({"vllm": version, "model": str(model), "knobs": VLLM_KNOBS,
                                           "cache_config": cfg, "calibration_rate": args.calibration_rate,
                                           "rate_for_busy": rate, "calibration": proc.stdout, "workloads": table,
-                                          "goals_met": met, "goals_met_at_probe_speed": met_p,
-                                          "goals_total": len(goals)}, indent=2, default=str))
+                                          "goals_met": met, "goals_total": len(goals)}, indent=2, default=str))
     print(f"wrote {args.out}")
     return 0
 
