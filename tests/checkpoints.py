@@ -133,3 +133,25 @@ class HFGreedyReference:
             logits = self.model(ids, attention_mask=torch.ones_like(ids)).logits[0, len(prompt) - 1:]
         greedy = logits.argmax(dim=-1).tolist()
         return next((j for j, (got, want) in enumerate(zip(output, greedy)) if got != want), None)
+
+
+def saved_hf_config(arch: str, config_class: str, tmp_path: Path, fields: dict) -> dict:
+    """config.json exactly as the installed transformers saves it: `config_class(**fields)` for `arch`."""
+    import json
+
+    import transformers
+
+    cfg = getattr(transformers, config_class)(**fields)
+    cfg.architectures = [arch]
+    cfg.save_pretrained(tmp_path / "saved")
+    return json.loads((tmp_path / "saved" / "config.json").read_text())
+
+
+def read_config_dict(tmp_path: Path, cfg: dict):
+    """read_model_config on a directory holding `cfg` as its config.json."""
+    import json
+
+    from pagedserve.model.config import read_model_config
+
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    return read_model_config(tmp_path)

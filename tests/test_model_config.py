@@ -10,7 +10,8 @@ import random
 import pytest
 import torch
 
-from checkpoints import hf_greedy, make_checkpoint
+from checkpoints import hf_greedy, make_checkpoint, saved_hf_config
+from checkpoints import read_config_dict as read
 from pagedserve import LLM, SamplingParams
 from pagedserve.model.config import HONOURED, IGNORED, REFUSED, field_group, read_model_config
 
@@ -22,17 +23,7 @@ SMALL = dict(vocab_size=384, hidden_size=64, intermediate_size=128, num_hidden_l
 
 def saved_config(arch: str, tmp_path, **overrides) -> dict:
     """config.json exactly as the installed transformers saves it for this architecture."""
-    import transformers
-
-    cfg = getattr(transformers, HF_CONFIG_CLASSES[arch])(**SMALL, **overrides)
-    cfg.architectures = [arch]
-    cfg.save_pretrained(tmp_path / "saved")
-    return json.loads((tmp_path / "saved" / "config.json").read_text())
-
-
-def read(tmp_path, cfg: dict):
-    (tmp_path / "config.json").write_text(json.dumps(cfg))
-    return read_model_config(tmp_path)
+    return saved_hf_config(arch, HF_CONFIG_CLASSES[arch], tmp_path, {**SMALL, **overrides})
 
 
 @pytest.mark.parametrize("arch", list(HF_CONFIG_CLASSES))

@@ -5,13 +5,13 @@ renormalisation, no q LoRA, attention biases, halves RoPE, yarn's softmax scale,
 window) run token for token like HF transformers."""
 from __future__ import annotations
 
-import json
 import random
 
 import pytest
 import torch
 
-from checkpoints import MOE_DEFAULTS, HFGreedyReference, make_checkpoint
+from checkpoints import MOE_DEFAULTS, HFGreedyReference, make_checkpoint, saved_hf_config
+from checkpoints import read_config_dict as read
 from pagedserve import LLM, SamplingParams
 from pagedserve.model.config import HONOURED, IGNORED, REFUSED, field_group, read_model_config
 
@@ -24,20 +24,10 @@ SMALL = dict(vocab_size=384, hidden_size=64, intermediate_size=128, num_hidden_l
 
 
 def saved_config(arch: str, tmp_path, **overrides) -> dict:
-    import transformers
-
     fields = {**SMALL, **MOE_DEFAULTS.get(ARCH_KEYS[arch], {}), **overrides}
     if arch == "DeepseekV3ForCausalLM":
         fields["num_key_value_heads"] = fields["num_attention_heads"]
-    cfg = getattr(transformers, HF_CONFIG_CLASSES[arch])(**fields)
-    cfg.architectures = [arch]
-    cfg.save_pretrained(tmp_path / "saved")
-    return json.loads((tmp_path / "saved" / "config.json").read_text())
-
-
-def read(tmp_path, cfg: dict):
-    (tmp_path / "config.json").write_text(json.dumps(cfg))
-    return read_model_config(tmp_path)
+    return saved_hf_config(arch, HF_CONFIG_CLASSES[arch], tmp_path, fields)
 
 
 # The published DeepSeek-V3 config.json carries DeepSeek's own (remote-code) fields too.
