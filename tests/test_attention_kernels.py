@@ -93,22 +93,21 @@ def kv_views(num_tokens: int, heads: int, kv_heads: int, head_dim: int, dtype, g
 TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 2e-3}
 
 
-def check_step(step: Step, *, heads: int, kv_heads: int, head_dim: int, block_size: int, num_blocks: int,
-               window: int | None = None, dtype=torch.float32, seed: int = 0):
+def step_inputs(step: Step, heads: int, kv_heads: int, head_dim: int, block_size: int, num_blocks: int,
+                dtype, seed: int):
+    """(k_pool, v_pool, q, k, v, scale) for one step. Every slot starts as noise, so a read
+    outside a request's context shows in the result."""
     gen = torch.Generator().manual_seed(seed)
     num_slots = num_blocks * block_size
-    # Every slot starts as noise, so a read outside a request's context shows in the result.
     k_pool = torch.randn(num_slots, kv_heads, head_dim, generator=gen).to(dtype)
     v_pool = torch.randn(num_slots, kv_heads, head_dim, generator=gen).to(dtype)
     q, k, v = kv_views(step.num_tokens, heads, kv_heads, head_dim, dtype, gen)
-    scale = head_dim ** -0.5
+    return k_pool, v_pool, q, k, v, head_dim ** -0.5
 
-    kernel_k, kernel_v = k_pool.clone(), v_pool.clone()
-    got, positions = run_backend(cpu_backend, step, q, k, v, kernel_k, kernel_v, block_size, window, scale)
-    ref_k, ref_v = k_pool.clone(), v_pool.clone()
-    ref, ref_positions = run_backend(torch_backend, step, q, k, v, ref_k, ref_v, block_size, window, scale)
 
-    # The write: exactly the new tokens' slots changed, to the new K/V.
+def pools_after_write(step: Step, k_pool, v_pool, k, v, block_size: int):
+    """The pools as the step's KV write must leave them: exactly the new tokens' slots changed,
+    to the new K/V."""
     slots = []
     for first, rows, ctx, blocks in step.sequences():
         pos = np.arange(ctx - rows, ctx)
@@ -116,6 +115,19 @@ def check_step(step: Step, *, heads: int, kv_heads: int, head_dim: int, block_si
     slots = torch.from_numpy(np.concatenate(slots))
     want_k, want_v = k_pool.clone(), v_pool.clone()
     want_k[slots], want_v[slots] = k, v
+    return want_k, want_v
+
+
+def check_step(step: Step, *, heads: int, kv_heads: int, head_dim: int, block_size: int, num_blocks: int,
+               window: int | None = None, dtype=torch.float32, seed: int = 0):
+    k_pool, v_pool, q, k, v, scale = step_inputs(step, heads, kv_heads, head_dim, block_size, num_blocks, dtype, seed)
+
+    kernel_k, kernel_v = k_pool.clone(), v_pool.clone()
+    got, positions = run_backend(cpu_backend, step, q, k, v, kernel_k, kernel_v, block_size, window, scale)
+    ref_k, ref_v = k_pool.clone(), v_pool.clone()
+    ref, ref_positions = run_backend(torch_backend, step, q, k, v, ref_k, ref_v, block_size, window, scale)
+
+    want_k, want_v = pools_after_write(step, k_pool, v_pool, k, v, block_size)
     assert torch.equal(kernel_k, want_k) and torch.equal(kernel_v, want_v)
     assert torch.equal(ref_k, want_k) and torch.equal(ref_v, want_v)
     np.testing.assert_array_equal(positions, ref_positions)

@@ -44,7 +44,8 @@ triton_backend = _load_backend()
 
 from pagedserve import attention  # noqa: E402
 from pagedserve.attention import torch_backend, triton_check  # noqa: E402
-from test_attention_kernels import TOL, hand_attention, kv_views, make_step  # noqa: E402
+from test_attention_kernels import (TOL, hand_attention, kv_views, make_step, pools_after_write,  # noqa: E402
+                                    step_inputs)
 
 
 def run(backend, step, q, k, v, k_cache, v_cache, block_size, window, scale):
@@ -55,27 +56,14 @@ def run(backend, step, q, k, v, k_cache, v_cache, block_size, window, scale):
 
 def check_step(step, *, heads: int, kv_heads: int, head_dim: int, block_size: int, num_blocks: int,
                window: int | None = None, dtype=torch.float32, seed: int = 0):
-    gen = torch.Generator().manual_seed(seed)
-    num_slots = num_blocks * block_size
-    # Every slot starts as noise, so a read outside a request's context shows in the result.
-    k_pool = torch.randn(num_slots, kv_heads, head_dim, generator=gen).to(dtype)
-    v_pool = torch.randn(num_slots, kv_heads, head_dim, generator=gen).to(dtype)
-    q, k, v = kv_views(step.num_tokens, heads, kv_heads, head_dim, dtype, gen)
-    scale = head_dim ** -0.5
+    k_pool, v_pool, q, k, v, scale = step_inputs(step, heads, kv_heads, head_dim, block_size, num_blocks, dtype, seed)
 
     kernel_k, kernel_v = k_pool.to(DEVICE), v_pool.to(DEVICE)
     got, positions = run(triton_backend, step, q, k, v, kernel_k, kernel_v, block_size, window, scale)
     ref_k, ref_v = k_pool.to(DEVICE), v_pool.to(DEVICE)
     ref, ref_positions = run(torch_backend, step, q, k, v, ref_k, ref_v, block_size, window, scale)
 
-    # The write: exactly the new tokens' slots changed, to the new K/V.
-    slots = []
-    for first, rows, ctx, blocks in step.sequences():
-        pos = np.arange(ctx - rows, ctx)
-        slots.append(blocks[pos // block_size] * block_size + pos % block_size)
-    slots = torch.from_numpy(np.concatenate(slots))
-    want_k, want_v = k_pool.clone(), v_pool.clone()
-    want_k[slots], want_v[slots] = k, v
+    want_k, want_v = pools_after_write(step, k_pool, v_pool, k, v, block_size)
     assert torch.equal(kernel_k.cpu(), want_k) and torch.equal(kernel_v.cpu(), want_v)
     np.testing.assert_array_equal(positions, ref_positions)
 
