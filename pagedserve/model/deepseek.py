@@ -95,8 +95,13 @@ class DeepseekDecoderLayer(nn.Module):
 
 class DeepseekV3ForCausalLM(nn.Module):
     # The runner builds this model's attention metadata with the torch reference backend
-    # (the compiled CPU kernel reads GQA pools only).
-    build_metadata = staticmethod(torch_backend.build_metadata)
+    # (the compiled CPU kernel reads GQA pools only); its latent pool is never quantized.
+    @staticmethod
+    def build_metadata(decodes, prefills, block_size: int, sliding_window: int | None, device,
+                       quantized_cache: bool = False):
+        if quantized_cache:
+            raise ValueError("kv_cache_dtype: a quantized cache is not implemented for the MLA latent cache")
+        return torch_backend.build_metadata(decodes, prefills, block_size, sliding_window, device)
 
     def __init__(self, cfg: ModelConfig, expert_shard: ExpertShard = ExpertShard(), combine=None) -> None:
         super().__init__()

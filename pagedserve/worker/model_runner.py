@@ -148,15 +148,10 @@ class ModelRunner:
         torch.manual_seed(seed)
         self.model = load_model(model_config, dtype, device, self.shard)
         # MLA models read their latent pool through their own attention path and metadata
-        model_metadata = getattr(self.model, "build_metadata", None)
-        if model_metadata is None:
-            self.build_metadata = build_metadata
-        elif self.quantized_cache:
+        self.build_metadata = getattr(self.model, "build_metadata", build_metadata)
+        if self.quantized_cache and self.build_metadata is not build_metadata:  # refused at start-up, by name
             raise ValueError(f"kv_cache_dtype: {kv_cache_dtype} is not implemented for the MLA latent cache of "
                              f"{model_config.architecture}; use kv_cache_dtype=auto")
-        else:
-            self.build_metadata = lambda decodes, prefills, block_size, window, device, quantized=False: (
-                model_metadata(decodes, prefills, block_size, window, device))
         self.sampler = Sampler(eos_token_ids, seed, self.device)
         self.num_blocks = 0
         self.kv_cache = self.host_cache = None
