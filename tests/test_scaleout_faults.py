@@ -188,11 +188,17 @@ def test_sigkill_a_rank_fails_requests_turns_health_503_and_exits_naming_it(tmp_
     finally:
         if server.proc.poll() is None:
             server.kill()
+    assert_failed_loudly(results, health, code)
+    log = server.log()
+    assert f"rank 1 (pid {rank_pids[1]}) died: killed by SIGKILL" in log, log[-3000:]
+
+
+def assert_failed_loudly(results: list[str], health: set[int], code: int | None) -> None:
+    """Every in-flight request ended with an error (none hung), /health turned 503, and the
+    server exited non-zero."""
     assert results and all(r.startswith("error") for r in results), results
     assert 503 in health
     assert code not in (None, 0), code
-    log = server.log()
-    assert f"rank 1 (pid {rank_pids[1]}) died: killed by SIGKILL" in log, log[-3000:]
 
 
 def _core_pid(server: Served) -> int:
@@ -221,9 +227,7 @@ def test_sigkill_the_engine_core_process_fails_requests_and_exits(tmp_path, mode
     finally:
         if server.proc.poll() is None:
             server.kill()
-    assert results and all(r.startswith("error") for r in results), results
-    assert 503 in health
-    assert code not in (None, 0), code
+    assert_failed_loudly(results, health, code)
     assert f"engine core process (pid {core}) died: killed by SIGKILL" in server.log()
 
 
