@@ -1,37 +1,20 @@
-"""The CPU paged-attention kernel: C++ source compiled at first use, loaded through ctypes.
-
-Why ctypes and not torch's extension tooling: the source includes no torch header, so it
-compiles in seconds with the system compiler alone (no ninja, no Python headers), and a ctypes
-call releases the GIL. Why at first use: `-march=native` then targets the CPU that runs it
-(AVX-512, AVX2, NEON ... decided by the compiler, never assumed here).
-
-Invariant: a cached library is only reused by a process that would have built the same one —
-its file name is a hash of the source, the compiler (path and version), the flags and the CPU.
-"""
+"""The CPU paged-attention kernel: C++ source compiled at first use, loaded through ctypes
+(pagedserve/native.py says how and why)."""
 from __future__ import annotations
 
 import ctypes
-import hashlib
-import logging
-import os
-import platform
-import shutil
-import subprocess
-import tempfile
 from functools import cache
 from pathlib import Path
 
-logger = logging.getLogger("pagedserve.attention")
+from pagedserve import native
+from pagedserve.native import NativeUnavailable as KernelUnavailable
+from pagedserve.native import find_compiler
+
+__all__ = ["KernelUnavailable", "find_compiler", "load_kernel", "library_path"]
 
 SOURCE = Path(__file__).with_name("paged_attention.cpp")
 ABI_VERSION = 4
-FLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fno-trapping-math", "-fassociative-math",
-         "-fno-signed-zeros", "-std=c++17", "-shared", "-fPIC")
 DTYPE_CODES = {"float32": 0, "bfloat16": 1, "float16": 2}  # quantized caches: kv_quant.KVFormat.kernel_code
-
-
-class KernelUnavailable(RuntimeError):
-    """The kernel cannot be built or loaded here; the message says why."""
 
 
 class AttentionPlan(ctypes.Structure):
@@ -48,68 +31,12 @@ class AttentionPlan(ctypes.Structure):
     ]
 
 
-def cache_dir() -> Path:
-    if os.environ.get("PAGEDSERVE_CACHE_DIR"):
-        return Path(os.environ["PAGEDSERVE_CACHE_DIR"])
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "pagedserve"
-
-
-def find_compiler() -> str:
-    for name in (os.environ.get("CXX"), "c++", "g++", "clang++"):
-        if name and (path := shutil.which(name)):
-            return path
-    raise KernelUnavailable("no C++ compiler found (install g++ or set CXX)")
-
-
-def cpu_identity() -> str:
-    """What -march=native depends on: the CPU model and its feature flags."""
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-        first = text.split("\n\n", 1)[0]
-        keep = [line for line in first.splitlines() if line.split(":")[0].strip() in ("model name", "flags", "Features")]
-        return "\n".join(keep)
-    except OSError:
-        return f"{platform.machine()} {platform.processor()}"
-
-
-def compiler_version(compiler: str) -> str:
-    try:
-        done = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30)
-    except (OSError, subprocess.TimeoutExpired) as e:
-        raise KernelUnavailable(f"{compiler} --version failed: {e}") from e
-    return done.stdout
-
-
 def library_path(compiler: str) -> Path:
-    key = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), compiler.encode(), compiler_version(compiler).encode(),
-                 " ".join(FLAGS).encode(), cpu_identity().encode()):
-        key.update(part)
-        key.update(b"\0")
-    return cache_dir() / f"paged_attention-{key.hexdigest()[:20]}.so"
-
-
-def compile_library(compiler: str, target: Path) -> None:
-    target.parent.mkdir(parents=True, exist_ok=True)
-    # Build beside the target and rename: processes starting together never load a half-written file.
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
-    os.close(fd)
-    try:
-        done = subprocess.run([compiler, *FLAGS, "-o", tmp, str(SOURCE)], capture_output=True, text=True, timeout=600)
-        if done.returncode != 0:
-            lines = [ln for ln in done.stderr.splitlines() if "error" in ln] or done.stderr.splitlines() or ["(no output)"]
-            raise KernelUnavailable(f"{Path(compiler).name} failed to compile {SOURCE.name}: {lines[0].strip()}")
-        os.replace(tmp, target)
-    except (OSError, subprocess.TimeoutExpired) as e:
-        raise KernelUnavailable(f"{Path(compiler).name} could not compile {SOURCE.name}: {e}") from e
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+    return native.library_path(SOURCE, compiler)
 
 
 def bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     c_int, c_i64, ptr = ctypes.c_int, ctypes.c_int64, ctypes.c_void_p
-    lib.ps_abi_version.restype = c_int
     lib.ps_dtype_supported.argtypes = [c_int]
     lib.ps_dtype_supported.restype = c_int
     c_float = ctypes.c_float
@@ -128,19 +55,5 @@ def bind(lib: ctypes.CDLL) -> ctypes.CDLL:
 
 @cache
 def load_kernel() -> ctypes.CDLL:
-    """The compiled kernel (built now if no cached build fits); KernelUnavailable says why not.
-
-    Import torch first: the library's OpenMP runtime then resolves to the one torch loaded.
-    """
-    compiler = find_compiler()
-    path = library_path(compiler)
-    if not path.exists():
-        logger.info("compiling the CPU attention kernel for this machine (once; cached as %s)", path)
-        compile_library(compiler, path)
-    try:
-        lib = bind(ctypes.CDLL(str(path)))
-    except OSError as e:
-        raise KernelUnavailable(f"cannot load {path}: {e}") from e
-    if lib.ps_abi_version() != ABI_VERSION:
-        raise KernelUnavailable(f"{path} has ABI {lib.ps_abi_version()}, expected {ABI_VERSION}")
-    return lib
+    """The compiled kernel (built now if no cached build fits); KernelUnavailable says why not."""
+    return native.load_library(SOURCE, ABI_VERSION, bind, "CPU attention kernel")

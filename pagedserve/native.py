@@ -1,0 +1,109 @@
+"""Compiling pagedserve's C++ kernels at first use and loading them through ctypes.
+
+The sources (attention/cpu/paged_attention.cpp, model/cpu/gemm.cpp) include no torch or Python
+header, so they compile in seconds with the system compiler alone (no ninja), and a ctypes call
+releases the GIL. Built at first use so that `-march=native` targets the CPU that runs them
+(AVX-512, AVX2, NEON ... decided by the compiler, never assumed here).
+
+Invariant: a cached library is only reused by a process that would have built the same one —
+its file name is a hash of the source, the compiler (path and version), the flags and the CPU.
+Import torch before loading one: the library's OpenMP runtime then resolves to torch's libgomp.
+"""
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+logger = logging.getLogger("pagedserve.native")
+
+FLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fno-trapping-math", "-fassociative-math",
+         "-fno-signed-zeros", "-std=c++17", "-shared", "-fPIC")
+
+
+class NativeUnavailable(RuntimeError):
+    """A kernel library cannot be built or loaded here; the message says why."""
+
+
+def cache_dir() -> Path:
+    if os.environ.get("PAGEDSERVE_CACHE_DIR"):
+        return Path(os.environ["PAGEDSERVE_CACHE_DIR"])
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "pagedserve"
+
+
+def find_compiler() -> str:
+    for name in (os.environ.get("CXX"), "c++", "g++", "clang++"):
+        if name and (path := shutil.which(name)):
+            return path
+    raise NativeUnavailable("no C++ compiler found (install g++ or set CXX)")
+
+
+def cpu_identity() -> str:
+    """What -march=native depends on: the CPU model and its feature flags."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+        first = text.split("\n\n", 1)[0]
+        keep = [line for line in first.splitlines() if line.split(":")[0].strip() in ("model name", "flags", "Features")]
+        return "\n".join(keep)
+    except OSError:
+        return f"{platform.machine()} {platform.processor()}"
+
+
+def compiler_version(compiler: str) -> str:
+    try:
+        done = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        raise NativeUnavailable(f"{compiler} --version failed: {e}") from e
+    return done.stdout
+
+
+def library_path(source: Path, compiler: str, flags: tuple[str, ...] = FLAGS) -> Path:
+    key = hashlib.sha256()
+    for part in (source.read_bytes(), compiler.encode(), compiler_version(compiler).encode(),
+                 " ".join(flags).encode(), cpu_identity().encode()):
+        key.update(part)
+        key.update(b"\0")
+    return cache_dir() / f"{source.stem}-{key.hexdigest()[:20]}.so"
+
+
+def compile_library(compiler: str, source: Path, target: Path, flags: tuple[str, ...] = FLAGS) -> None:
+    target.parent.mkdir(parents=True, exist_ok=True)
+    # Build beside the target and rename: processes starting together never load a half-written file.
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
+    os.close(fd)
+    try:
+        done = subprocess.run([compiler, *flags, "-o", tmp, str(source)], capture_output=True, text=True, timeout=600)
+        if done.returncode != 0:
+            lines = [ln for ln in done.stderr.splitlines() if "error" in ln] or done.stderr.splitlines() or ["(no output)"]
+            raise NativeUnavailable(f"{Path(compiler).name} failed to compile {source.name}: {lines[0].strip()}")
+        os.replace(tmp, target)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        raise NativeUnavailable(f"{Path(compiler).name} could not compile {source.name}: {e}") from e
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def load_library(source: Path, abi_version: int, bind, what: str) -> ctypes.CDLL:
+    """Build `source` now unless a cached build fits, load it, declare its functions with
+    `bind(lib)`, and check that its `ps_abi_version()` is `abi_version`."""
+    compiler = find_compiler()
+    path = library_path(source, compiler)
+    if not path.exists():
+        logger.info("compiling the %s for this machine (once; cached as %s)", what, path)
+        compile_library(compiler, source, path)
+    try:
+        lib = ctypes.CDLL(str(path))
+        lib.ps_abi_version.restype = ctypes.c_int
+        bind(lib)
+    except (OSError, AttributeError) as e:
+        raise NativeUnavailable(f"cannot load {path}: {e}") from e
+    if lib.ps_abi_version() != abi_version:
+        raise NativeUnavailable(f"{path} has ABI {lib.ps_abi_version()}, expected {abi_version}")
+    return lib
