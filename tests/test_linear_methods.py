@@ -31,7 +31,8 @@ def method_dtype_cases():
 
 
 @pytest.mark.parametrize("name,dtype", method_dtype_cases())
-@pytest.mark.parametrize("out_features,in_features,bias", [(37, 19, False), (96, 64, True), (1536, 1024, False)])
+@pytest.mark.parametrize("out_features,in_features,bias", [(37, 19, False), (96, 64, True), (64, 19, True),
+                                                           (1536, 1024, False)])
 def test_method_matches_fp32_linear(name, dtype, out_features, in_features, bias):
     method = LINEAR_METHODS[name]
     if not method.available(dtype, CPU):
@@ -39,6 +40,14 @@ def test_method_matches_fp32_linear(name, dtype, out_features, in_features, bias
             with pytest.MonkeyPatch.context() as mp:
                 mp.setenv(METHOD_ENV, name)
                 choose_linear_methods([(out_features, in_features)], dtype, CPU)
+        return
+    if not method.supports((out_features, in_features)):
+        # Forced, it is used for the shapes it can pack and the rule picks for the rest.
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setenv(METHOD_ENV, name)
+            choice = choose_linear_methods([(out_features, in_features), (96, 64)], dtype, CPU)
+        assert choice.methods[(out_features, in_features)] != name and choice.methods[(96, 64)] == name
+        assert f"{out_features}x{in_features}" in choice.reason
         return
     gen = torch.Generator().manual_seed(out_features)
     weight = (torch.randn(out_features, in_features, generator=gen) / in_features ** 0.5).to(dtype)
@@ -67,12 +76,12 @@ def test_packing_replaces_the_plain_weight(name):
     if not method.available(torch.float32, CPU):  # a torch built without oneDNN: nothing to pack
         assert name == "onednn" and not torch.backends.mkldnn.is_available()
         return
-    layer = Linear(64, 48)
+    layer = Linear(64, 96)
     with torch.no_grad():
         layer.weight.normal_()
     layer.use(method)
     assert "weight" not in dict(layer.named_parameters())
-    assert layer.weight.shape == (48, 64) or layer.weight.is_mkldnn
+    assert layer.weight.shape == (96, 64) or layer.weight.is_mkldnn or layer.weight.numel() == 96 * 64
     with pytest.raises(RuntimeError, match="packed once"):
         layer.use(method)
 
@@ -105,7 +114,7 @@ def test_probe_choice_is_per_shape_and_only_among_available_methods(monkeypatch)
     def timer(method, x, packed):
         seen.add(method.name)
         wide = x.shape[1] == 256  # torch-t wins the K=256 shape, onednn the other
-        return {"torch": 1.0, "torch-t": 0.5 if wide else 2.0, "onednn": 2.0 if wide else 0.5}[method.name]
+        return {"torch": 1.0, "torch-t": 0.5 if wide else 2.0, "onednn": 2.0 if wide else 0.5, "cpp": 3.0}[method.name]
 
     available = [n for n, m in LINEAR_METHODS.items() if m.available(torch.float32, CPU)]
     choice = choose_linear_methods([(512, 256), (256, 688)], torch.float32, CPU, timer=timer)
@@ -185,7 +194,8 @@ def test_forced_method_is_token_identical_to_hf_fp32(tiny, monkeypatch, name):
         return
     monkeypatch.setenv(METHOD_ENV, name)
     llm, got = greedy(path, prompts, 12, dtype="float32")
-    assert {m.method.name for m in llm.engine.executor.model.modules() if isinstance(m, Linear)} == {name}
+    linears = [m for m in llm.engine.executor.model.modules() if isinstance(m, Linear)]
+    assert {m.method.name for m in linears if LINEAR_METHODS[name].supports((m.out_features, m.in_features))} == {name}
     assert got == want
 
 
@@ -193,8 +203,14 @@ def test_rule_by_dtype_and_shape(monkeypatch):
     monkeypatch.delenv(METHOD_ENV, raising=False)
     names = [n for n, m in LINEAR_METHODS.items() if m.available(torch.float32, CPU)]
     choice = choose_linear_methods([(512, 256), (1536, 1024)], torch.float32, CPU)
-    if "onednn" in names:
+    if "cpp" in names:
+        assert choice.methods == {(512, 256): "cpp", (1536, 1024): "cpp"}
+    elif "onednn" in names:
         assert choice.methods == {(512, 256): "torch-t", (1536, 1024): "onednn"}
+    assert rule_method((1536, 1024), torch.float32, ["torch", "torch-t", "onednn", "cpp"]) == "cpp"
+    assert rule_method((512, 256), torch.float32, ["torch", "torch-t", "onednn"]) == "torch-t"
+    assert rule_method((1536, 1024), torch.float32, ["torch", "torch-t", "onednn"]) == "onednn"
+    assert rule_method((1536, 1024), torch.bfloat16, ["torch", "torch-t", "onednn", "cpp"]) == "onednn"
     assert rule_method((1536, 1024), torch.bfloat16, ["torch", "torch-t", "onednn"]) == "onednn"
     assert rule_method((512, 256), torch.bfloat16, ["torch", "torch-t", "onednn"]) == "onednn"
     assert rule_method((512, 256), torch.float32, ["torch"]) == "torch"

@@ -16,6 +16,7 @@ Invariants:
 """
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import time
@@ -39,6 +40,10 @@ class LinearMethod:
 
     def available(self, dtype: torch.dtype, device: torch.device) -> bool:
         raise NotImplementedError
+
+    def supports(self, shape: tuple[int, int]) -> bool:
+        """Whether a weight of this (out, in) shape can be packed for this method."""
+        return True
 
     def pack(self, weight: torch.Tensor) -> torch.Tensor:
         return weight
@@ -95,8 +100,49 @@ class OneDNNPackedLinear(LinearMethod):
         return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
 
 
+class CppPackedLinear(LinearMethod):
+    """pagedserve's own fp32 GEMM (model/cpu/gemm.cpp): the weight packed once into panels of
+    output columns that one pass streams linearly while up to 8 rows of x reuse every load from
+    registers. Made for decode batches (M = 1-64), where MKL and oneDNN leave most of the
+    core idle; equal to them at prefill sizes (benchmarks/gemm_survey.py --sections cpp)."""
+
+    name = "cpp"
+
+    def available(self, dtype, device) -> bool:
+        if device.type != "cpu" or dtype != torch.float32:
+            return False
+        return _cpp_gemm_panel_width() > 0
+
+    def supports(self, shape) -> bool:
+        width = _cpp_gemm_panel_width()
+        return width > 0 and shape[0] % width == 0
+
+    def pack(self, weight):
+        from pagedserve.model.cpu import gemm
+
+        return gemm.pack(weight.detach().contiguous())
+
+    def apply(self, x, weight, bias):
+        from pagedserve.model.cpu import gemm
+
+        return gemm.linear(x, weight, bias)
+
+
+@functools.cache
+def _cpp_gemm_panel_width() -> int:
+    """The compiled GEMM's panel width, or 0 (with one warning) where it cannot build here."""
+    from pagedserve.model.cpu import gemm
+    from pagedserve.native import NativeUnavailable
+
+    try:
+        return gemm.panel_width()
+    except NativeUnavailable as e:
+        logger.warning("CPU GEMM kernel unavailable, linear layers use torch/oneDNN: %s", e)
+        return 0
+
+
 LINEAR_METHODS: dict[str, LinearMethod] = {m.name: m for m in (TorchLinear(), TransposedTorchLinear(),
-                                                                 OneDNNPackedLinear())}
+                                                                 OneDNNPackedLinear(), CppPackedLinear())}
 
 
 class Linear(nn.Module):
@@ -160,12 +206,16 @@ SMALL_IN_FEATURES = 768
 
 
 def rule_method(shape: tuple[int, int], dtype: torch.dtype, names: list[str]) -> str:
-    """What the survey found fastest on CPU (benchmarks/README.md, "GEMM survey"), among `names`:
+    """What the survey found fastest on CPU (benchmarks/README.md, "GEMM survey"), among `names`
+    (the methods that can run this shape here):
     bf16: prepacked oneDNN (AMX / AVX512-BF16 kernels reading a pre-blocked weight) at every M;
-    fp32: a column-major weight for small in-features (MKL reads B untransposed; 1.1-1.6x on the
-    K=256/688 layers of the 4M/19M models), prepacked oneDNN for the rest (1.2-1.6x end to end on
-    the 246M model at 1-32 sequences, single-threaded; a little behind F.linear at M=1 alone)."""
+    fp32: pagedserve's packed-panel kernel (1.1-2.4x oneDNN and MKL at M = 8-32, about equal at
+    M = 256, 0.8-1.0x at M = 1); where it cannot build or the shape does not fit its panels, a
+    column-major weight for small in-features (MKL reads B untransposed; 1.1-1.6x on K=256/688)
+    and prepacked oneDNN for the rest."""
     _, in_features = shape
+    if dtype == torch.float32 and "cpp" in names:
+        return "cpp"
     if dtype == torch.float32 and in_features <= SMALL_IN_FEATURES and "torch-t" in names:
         return "torch-t"
     if dtype in (torch.float32, torch.bfloat16) and "onednn" in names:
@@ -210,18 +260,24 @@ def probe_methods(shape: tuple[int, int], dtype: torch.dtype, names: list[str],
 def choose_linear_methods(shapes: list[tuple[int, int]], dtype: torch.dtype, device: torch.device,
                           features: CpuFeatures | None = None, timer: Timer = time_once) -> LinearChoice:
     requested = requested_method()
-    if requested in LINEAR_METHODS:
-        if not LINEAR_METHODS[requested].available(dtype, device):
-            raise ValueError(f"{METHOD_ENV}: {requested!r} cannot run {dtype} on {device.type} here")
-        return LinearChoice({s: requested for s in shapes}, f"{METHOD_ENV}={requested}")
     names = [name for name, method in LINEAR_METHODS.items() if method.available(dtype, device)]
+    fits = {s: [name for name in names if LINEAR_METHODS[name].supports(s)] for s in shapes}
+    if requested in LINEAR_METHODS:
+        if requested not in names:
+            raise ValueError(f"{METHOD_ENV}: {requested!r} cannot run {dtype} on {device.type} here")
+        misfits = [s for s in shapes if requested not in fits[s]]
+        methods = {s: requested if s not in misfits else rule_method(s, dtype, fits[s]) for s in shapes}
+        reason = f"{METHOD_ENV}={requested}"
+        if misfits:
+            reason += f"; by rule for the shapes it cannot pack: {', '.join(f'{n}x{k}' for n, k in misfits)}"
+        return LinearChoice(methods, reason)
     if device.type != "cpu" or len(names) == 1:
         return LinearChoice({s: "torch" for s in shapes}, f"{device.type}: the only method")
     where = f"{str(dtype).removeprefix('torch.')} on {(features or cpu_features()).describe()}"
     if requested == "auto":
-        return LinearChoice({s: rule_method(s, dtype, names) for s in shapes}, f"{where}, by rule")
+        return LinearChoice({s: rule_method(s, dtype, fits[s]) for s in shapes}, f"{where}, by rule")
     start = time.perf_counter()
-    methods = {shape: probe_methods(shape, dtype, names, timer)[0] for shape in shapes}
+    methods = {shape: probe_methods(shape, dtype, fits[shape], timer)[0] for shape in shapes}
     return LinearChoice(methods, f"{where}, fastest of {'/'.join(names)} at M={'/'.join(map(str, PROBE_ROWS))} "
                                  f"in a {time.perf_counter() - start:.2f} s probe")
 

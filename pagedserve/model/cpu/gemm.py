@@ -1,0 +1,72 @@
+"""ctypes binding of gemm.cpp, the packed-panel fp32 GEMM for decode-sized batches on CPU.
+
+Invariant: a packed weight is a [N / NR, K, NR] fp32 tensor (NR = the library's panel width,
+fixed by the ISA it was built for), so N = size(0) * size(2) and K = size(1); `linear` refuses
+anything else rather than reading memory it does not own.
+"""
+from __future__ import annotations
+
+import ctypes
+from functools import cache
+from pathlib import Path
+
+import torch
+
+from pagedserve import native
+
+SOURCE = Path(__file__).with_name("gemm.cpp")
+ABI_VERSION = 1
+
+
+def bind(lib: ctypes.CDLL) -> None:
+    c_int, c_i64, ptr = ctypes.c_int, ctypes.c_int64, ctypes.c_void_p
+    lib.ps_gemm_panel_width.restype = c_int
+    lib.ps_gemm_pack.argtypes = [ptr, c_i64, c_i64, c_i64, ptr]
+    lib.ps_gemm_pack.restype = None
+    lib.ps_gemm.argtypes = [ptr, c_i64, c_i64, c_i64, ptr, c_i64, ptr, ptr, c_i64, c_int]
+    lib.ps_gemm.restype = None
+
+
+@cache
+def load_gemm() -> ctypes.CDLL:
+    """The compiled GEMM library (built now if no cached build fits); NativeUnavailable says why not."""
+    return native.load_library(SOURCE, ABI_VERSION, bind, "CPU GEMM kernel")
+
+
+def panel_width() -> int:
+    return load_gemm().ps_gemm_panel_width()
+
+
+def pack(weight: torch.Tensor) -> torch.Tensor:
+    """[N, K] fp32 weight -> [N / NR, K, NR] panels."""
+    n, k = weight.shape
+    nr = panel_width()
+    if weight.dtype != torch.float32 or n % nr or weight.stride(1) != 1:
+        raise ValueError(f"gemm.pack: needs an fp32 [N, K] weight with K contiguous and N a multiple of {nr}, "
+                         f"got {tuple(weight.shape)} {weight.dtype} strides {weight.stride()}")
+    packed = torch.empty(n // nr, k, nr, dtype=torch.float32)
+    load_gemm().ps_gemm_pack(weight.data_ptr(), weight.stride(0), n, k, packed.data_ptr())
+    return packed
+
+
+def linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x [..., K] @ W^T (+ bias) with W given packed; fp32 CPU tensors. Lean on purpose: a small
+    decode layer's whole GEMM takes ~10 µs, so every Python step here shows in tok/s."""
+    panels, k, nr = packed.shape
+    n = panels * nr
+    if x.dim() != 2:
+        return linear(x.reshape(-1, x.shape[-1]), packed, bias).reshape(*x.shape[:-1], n)
+    m, kx = x.shape
+    if kx != k or x.dtype != torch.float32 or (bias is not None and bias.shape != (n,)):
+        raise ValueError(f"gemm.linear: x {tuple(x.shape)} {x.dtype} does not fit a packed [{n}, {k}] fp32 weight")
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    out = torch.empty(m, n, dtype=torch.float32)
+    if m:
+        _lib().ps_gemm(x.data_ptr(), x.stride(0), m, k, packed.data_ptr(), n,
+                       bias.data_ptr() if bias is not None else None, out.data_ptr(), n, torch.get_num_threads())
+    return out
+
+
+def _lib() -> ctypes.CDLL:
+    return load_gemm()
