@@ -5,6 +5,11 @@ tokens belong to which request. q/k/v and gate/up projections are fused at load 
 each layer runs two GEMMs fewer. Under tensor parallelism each rank builds the model with
 its TPShard's head and row counts and loads its slices of the checkpoint (model/parallel.py);
 with tp == 1 the shard is the whole model.
+
+The residual stream is carried beside each layer's output (DecoderLayer.forward returns the
+MLP output and the residual it has not yet been added to), so that each residual add and the
+norm after it are one op: model/cpu/fused.py runs the norms, the add + norm, RoPE and SiLU * up
+as single C++ calls on CPU, or as the torch reference expressions (same rounding) elsewhere.
 """
 from __future__ import annotations
 
@@ -14,6 +19,8 @@ from torch import nn
 
 from pagedserve.attention import AttentionMetadata, paged_attention
 from pagedserve.model.config import ModelConfig, TPShard
+from pagedserve.model.cpu import fused
+from pagedserve.model.cpu.fused import rotate_half  # noqa: F401 (deepseek.py imports it from here)
 from pagedserve.model.layers import Linear
 from pagedserve.model.parallel import (RowParallelLinear, VocabParallelEmbedding, gather_vocab_logits,
                                        shard_checkpoint_tensor)
@@ -27,15 +34,11 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(dtype)
+        return fused.rms_norm(x, self.weight, self.eps)
 
-
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    def add_and_norm(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(residual + x), residual + x); `residual` may be updated in place."""
+        return fused.add_rms_norm(x, residual, self.weight, self.eps)
 
 
 class Attention(nn.Module):
@@ -53,8 +56,7 @@ class Attention(nn.Module):
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
-        q = q * cos + rotate_half(q) * sin
-        k = k * cos + rotate_half(k) * sin
+        q, k = fused.apply_rotary(q, k, cos, sin)
         o = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale)
         return self.o_proj(o.reshape(-1, self.q_size))
 
@@ -67,8 +69,7 @@ class MLP(nn.Module):
         self.down_proj = RowParallelLinear(self.inter, cfg.hidden_size, cfg.mlp_bias, shard.tp)
 
     def forward(self, x):
-        gate, up = self.gate_up_proj(x).split([self.inter, self.inter], dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(fused.silu_and_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
@@ -79,9 +80,18 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg, shard)
 
-    def forward(self, h, cos, sin, k_cache, v_cache, meta):
-        h = h + self.self_attn(self.input_layernorm(h), cos, sin, k_cache, v_cache, meta)
-        return h + self.mlp(self.post_attention_layernorm(h))
+    def forward(self, h, residual, cos, sin, k_cache, v_cache, meta):
+        """h: the previous layer's MLP output, not yet added to `residual` (the first layer: the
+        embeddings, residual None). Returns (this layer's MLP output, the residual before it):
+        the unfused `h = h + attn(norm(h)); h = h + mlp(norm(h))` with each add moved into the
+        next norm."""
+        if residual is None:
+            residual, x = h, self.input_layernorm(h)
+        else:
+            x, residual = self.input_layernorm.add_and_norm(h, residual)
+        attn = self.self_attn(x, cos, sin, k_cache, v_cache, meta)
+        x, residual = self.post_attention_layernorm.add_and_norm(attn, residual)
+        return self.mlp(x), residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -145,9 +155,10 @@ class LlamaForCausalLM(nn.Module):
         # computed per step rather than cached per position: cheap next to one layer, and
         # no table of max_position_embeddings rows (128 MB for a 128k-context model)
         cos, sin = self.rotary(positions, prompt_lens)
+        residual = None
         for i, layer in enumerate(self.layers):
-            h = layer(h, cos, sin, kv_cache[i, 0], kv_cache[i, 1], meta)
-        return self.norm(h)
+            h, residual = layer(h, residual, cos, sin, kv_cache[i, 0], kv_cache[i, 1], meta)
+        return self.norm(h) if residual is None else self.norm.add_and_norm(h, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """fp32 logits over the whole vocabulary; under TP every rank must call this (it

@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedserve.model.config import MoEConfig
+from pagedserve.model.cpu import fused
 from pagedserve.model.layers import Linear
 
 
@@ -118,8 +119,7 @@ class DenseMLP(nn.Module):
         self.down_proj = Linear(intermediate_size, hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split([self.inter, self.inter], dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(fused.silu_and_mul(self.gate_up_proj(x)))
 
 
 class SparseMoeBlock(nn.Module):
