@@ -35,6 +35,12 @@ def lib(request, tmp_path_factory):
     return built
 
 
+def test_tall_x_in_row_blocks(lib):
+    """A prefill-sized x is swept in blocks of rows (~1 MB each: 128 rows at K=2048); 300 rows
+    end in a partial block whose last micro-kernel call has a remainder of rows."""
+    check(lib, 300, 2048)
+
+
 def run(lib, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, threads: int) -> torch.Tensor:
     nr = lib.ps_gemm_panel_width()
     n, k = weight.shape
@@ -51,6 +57,10 @@ def run(lib, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, t
 def test_matches_fp32_linear(lib, m, k):
     """Every row-count remainder of the 8-row (4-row on AVX2) micro-kernel, the one-row kernel's
     k % 4 tail, strided rows of x, with and without bias, one and two threads."""
+    check(lib, m, k)
+
+
+def check(lib, m: int, k: int) -> None:
     nr = lib.ps_gemm_panel_width()
     n = 3 * nr
     gen = torch.Generator().manual_seed(m * 1000 + k)

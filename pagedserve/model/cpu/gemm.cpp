@@ -191,25 +191,34 @@ void ps_gemm_pack(const float* w, int64_t ldw, int64_t N, int64_t K, float* pack
 void ps_gemm(const float* x, int64_t ldx, int64_t M, int64_t K, const float* packed, int64_t N,
              const float* bias, float* out, int64_t ldo, int num_threads) {
     const int64_t panels = N / NR;
+    // Rows of x per sweep over the weight: a prefill chunk of thousands of rows would otherwise
+    // stream all of x through the cache once per panel. A block of rows (~1 MB, kept in L2)
+    // meets every panel, then the next block: the weight is re-read once per block instead,
+    // at M / MC times its size, which a block this tall amortises (>= 128 FLOP per weight byte).
+    const int64_t mc_rows = std::max<int64_t>(MR, ((int64_t(1) << 18) / std::max<int64_t>(K, 1)) / MR * MR);
     // A parallel region costs a few microseconds: not worth it for a layer this small.
     const bool parallel = num_threads > 1 && panels > 1 && M * N * K >= (int64_t(1) << 18);
-#pragma omp parallel for num_threads(num_threads) schedule(static) if (parallel)
-    for (int64_t p = 0; p < panels; ++p) {
-        const float* panel = packed + p * K * NR;
-        const float* panel_bias = bias ? bias + p * NR : nullptr;
-        const char* next = reinterpret_cast<const char*>(panel + K * NR);
-        for (int64_t m = 0; m < M; m += MR) {
-            const int rows = int(std::min<int64_t>(MR, M - m));
-            const int64_t pass = m / MR;
-            // The first pass over a panel reads it from memory (or L3): prefetch ahead in it.
-            // Later passes find it in L1/L2, so the memory is idle: passes 1 and 2 fetch the next
-            // panel (K x NR floats = 2K lines), one line per k step, so its own first pass
-            // runs from L2.
-            const Prefetch pf = pass == 0 ? Prefetch{reinterpret_cast<const char*>(panel + kPrefetchRows * NR), NR * 4,
-                                                     NR * 4 / 64}
-                              : pass <= 2 ? Prefetch{next + (pass - 1) * K * 64, 64, 1}
-                                          : Prefetch{nullptr, 0, 0};
-            kKernels[rows - 1](x + m * ldx, ldx, panel, K, panel_bias, out + m * ldo + p * NR, ldo, pf);
+#pragma omp parallel num_threads(num_threads) if (parallel)
+    for (int64_t m0 = 0; m0 < M; m0 += mc_rows) {
+        const int64_t m1 = std::min(M, m0 + mc_rows);
+#pragma omp for schedule(static)
+        for (int64_t p = 0; p < panels; ++p) {
+            const float* panel = packed + p * K * NR;
+            const float* panel_bias = bias ? bias + p * NR : nullptr;
+            const char* next = reinterpret_cast<const char*>(panel + K * NR);
+            for (int64_t m = m0; m < m1; m += MR) {
+                const int rows = int(std::min<int64_t>(MR, m1 - m));
+                const int64_t pass = (m - m0) / MR;
+                // The first pass over a panel reads it from memory (or L3): prefetch ahead in
+                // it. Later passes find it in L1/L2, so the memory is idle: passes 1 and 2 fetch
+                // the next panel (K x NR floats = 2K lines), one line per k step, so its own
+                // first pass runs from L2.
+                const Prefetch pf =
+                    pass == 0   ? Prefetch{reinterpret_cast<const char*>(panel + kPrefetchRows * NR), NR * 4, NR * 4 / 64}
+                    : pass <= 2 ? Prefetch{next + (pass - 1) * K * 64, 64, 1}
+                                : Prefetch{nullptr, 0, 0};
+                kKernels[rows - 1](x + m * ldx, ldx, panel, K, panel_bias, out + m * ldo + p * NR, ldo, pf);
+            }
         }
     }
 }
