@@ -66,6 +66,8 @@ def run(engine: str, workload: str, args) -> dict:
     env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), VLLM_CPU_KVCACHE_SPACE="2",
                VLLM_CPU_OMP_THREADS_BIND="0" if args.threads <= 1 else f"0-{args.threads - 1}",
                PYTHONPATH=str(ROOT) if engine.startswith("pagedserve") else "")
+    if engine == "pagedserve-variant":
+        env.update(kv.split("=", 1) for kv in args.variant_env.split())
     log = Path(args.log_dir) / f"latency_{engine}_{workload}.log"
     with open(log, "w") as out:
         extra = args.pagedserve_args.split() if engine == "pagedserve" else args.variant_args.split()
@@ -123,6 +125,7 @@ def main() -> None:
     ap.add_argument("--pagedserve-args", default="", help="extra `pagedserve serve` flags")
     ap.add_argument("--variant-args", default="",
                     help="flags of a second pagedserve configuration, run as engine 'pagedserve-variant'")
+    ap.add_argument("--variant-env", default="", help="KEY=VALUE ... set for 'pagedserve-variant' only")
     args = ap.parse_args()
     Path(args.log_dir).mkdir(parents=True, exist_ok=True)
     engines = args.engines.split(",")

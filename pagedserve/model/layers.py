@@ -3,16 +3,16 @@
 Invariants:
 - Until `Linear.use(method)` is called a Linear is exactly nn.Linear (F.linear on a plain
   [out, in] weight), so checkpoint loading sees ordinary parameters.
-- After it, `weight` holds the form the method wants (plain, transposed in memory, or a
-  oneDNN-prepacked copy) in place of the plain one: never both, so packing costs no memory;
+- After it, `weight` holds the form the method wants (plain, transposed in memory, a
+  oneDNN-prepacked copy, or our GEMM's column panels) in place of the plain one: never both, so packing costs no memory;
   and forward(x) equals F.linear(x, plain_weight, bias) up to the rounding of the compute dtype.
-- A method is only offered where it can run (`available`); "torch" runs everywhere and is the
-  only one used off CPU.
+- A method is only offered where it can run (`available`) and only for the weight shapes it can
+  pack (`supports`); "torch" runs everywhere and is the only one used off CPU.
 - The method of each distinct weight shape comes from PAGEDSERVE_LINEAR_METHOD: 'auto' (the
-  default) applies `rule_method`, derived from benchmarks/gemm_survey.py on this project's CPUs
+  default) applies `rule_method`, derived from benchmarks/gemm_survey.py and cpu_gemm.py on this project's CPUs
   and deterministic (the same machine always computes the same numbers); 'probe' times every
   available method on the machine at hand at load (`probe_methods`) and keeps the fastest per
-  shape; a method name forces that method.
+  shape; a method name forces that method for the shapes it supports (the rule picks for the rest).
 """
 from __future__ import annotations
 
@@ -104,7 +104,7 @@ class CppPackedLinear(LinearMethod):
     """pagedserve's own fp32 GEMM (model/cpu/gemm.cpp): the weight packed once into panels of
     output columns that one pass streams linearly while up to 8 rows of x reuse every load from
     registers. Made for decode batches (M = 1-64), where MKL and oneDNN leave most of the
-    core idle; equal to them at prefill sizes (benchmarks/gemm_survey.py --sections cpp)."""
+    core idle; 0.8-1.0x them at prefill sizes (benchmarks/cpu_gemm.py)."""
 
     name = "cpp"
 
