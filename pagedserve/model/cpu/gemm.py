@@ -7,6 +7,7 @@ anything else rather than reading memory it does not own.
 from __future__ import annotations
 
 import ctypes
+import sys
 from functools import cache
 from pathlib import Path
 
@@ -45,8 +46,39 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
         raise ValueError(f"gemm.pack: needs an fp32 [N, K] weight with K contiguous and N a multiple of {nr}, "
                          f"got {tuple(weight.shape)} {weight.dtype} strides {weight.stride()}")
     packed = torch.empty(n // nr, k, nr, dtype=torch.float32)
+    advise_huge_pages(packed)  # before the pack writes it: first touch then maps 2 MB pages
     load_gemm().ps_gemm_pack(weight.data_ptr(), weight.stride(0), n, k, packed.data_ptr())
     return packed
+
+
+HUGE_PAGE = 2 << 20
+MADV_HUGEPAGE = 14  # Linux
+
+
+@cache
+def _libc() -> ctypes.CDLL | None:
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+        return libc
+    except (OSError, AttributeError):
+        return None
+
+
+def advise_huge_pages(t: torch.Tensor) -> None:
+    """Ask Linux for transparent huge pages under a large weight (where THP is in `madvise` mode,
+    as on these machines): a decode step streams every weight once, and with 4 KB pages that is a
+    TLB miss every 64 lines. Measured +8% GB/s for a one-row GEMM over weights in DRAM (5632x1024,
+    20 weights rotating, same process); none at 8 or 32 rows. Best effort: nothing happens where
+    it is not supported."""
+    libc = _libc()
+    start, size = t.data_ptr(), t.numel() * t.element_size()
+    first = -(-start // HUGE_PAGE) * HUGE_PAGE
+    last = (start + size) // HUGE_PAGE * HUGE_PAGE
+    if libc is not None and last > first:
+        libc.madvise(first, last - first, MADV_HUGEPAGE)
 
 
 def linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
