@@ -12,13 +12,15 @@ import torch
 import torch.nn.functional as F
 
 from pagedserve import native
+from pagedserve.cpu_isa import cpu_features
 from pagedserve.model.cpu import gemm
 
 X86 = platform.machine() in ("x86_64", "AMD64")
 # name -> flags replacing -march=native; None = the build the engine uses
 BUILDS = {"native": None}
 if X86:
-    BUILDS["avx2"] = "-march=haswell"       # AVX2 + FMA, no AVX-512
+    if cpu_features().avx2:  # a build this CPU can run
+        BUILDS["avx2"] = "-march=haswell"   # AVX2 + FMA, no AVX-512
     BUILDS["portable"] = "-march=x86-64"    # SSE2 only: the plain-loop path
 
 
