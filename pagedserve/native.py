@@ -20,6 +20,7 @@ import shutil
 import subprocess
 import tempfile
 from pathlib import Path
+from typing import Callable
 
 logger = logging.getLogger("pagedserve.native")
 
@@ -107,3 +108,34 @@ def load_library(source: Path, abi_version: int, bind, what: str) -> ctypes.CDLL
     if lib.ps_abi_version() != abi_version:
         raise NativeUnavailable(f"{path} has ABI {lib.ps_abi_version()}, expected {abi_version}")
     return lib
+
+
+def env_choice(env: str, choices: tuple[str, ...]) -> str:
+    """The value of the backend variable `env` (unset or empty: 'auto'), refused by name unless
+    it is one of `choices`."""
+    choice = os.environ.get(env, "auto").strip().lower() or "auto"
+    if choice not in choices:
+        raise ValueError(f"{env}={choice!r}: expected one of {', '.join(choices)}")
+    return choice
+
+
+def cpu_or_torch(env: str, choice: str, device_type: str, load: Callable[[], object], what: str,
+                 log: logging.Logger) -> str:
+    """'cpu' (a compiled kernel library) or 'torch' (its reference), for tensors on `device_type`:
+    the decision behind PAGEDSERVE_ATTENTION_BACKEND and PAGEDSERVE_FUSED_OPS. `choice` is the
+    variable's validated value, auto | cpu | torch. Forced `cpu` that cannot run is an error
+    naming `env`; `auto` falls back to torch with one warning on `log` saying why."""
+    if device_type != "cpu":
+        if choice == "cpu":
+            raise ValueError(f"{env}=cpu runs on CPU tensors only, but the model is on {device_type}")
+        return "torch"
+    if choice == "torch":
+        return "torch"
+    try:
+        load()
+    except NativeUnavailable as e:
+        if choice == "cpu":
+            raise RuntimeError(f"{env}=cpu, but the {what} cannot be used: {e}") from e
+        log.warning("%s unavailable, using the torch reference: %s", what, e)
+        return "torch"
+    return "cpu"

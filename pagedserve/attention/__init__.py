@@ -22,14 +22,14 @@ cannot run is an error, not a fallback. The metadata records which backend built
 from __future__ import annotations
 
 import logging
-import os
 from functools import cache
 
 import numpy as np
 import torch
 
 from pagedserve.attention import cpu_backend, torch_backend
-from pagedserve.attention.cpu import KernelUnavailable, load_kernel
+from pagedserve import native
+from pagedserve.attention.cpu import load_kernel
 from pagedserve.attention.cpu_backend import KernelMetadata
 from pagedserve.attention.torch_backend import AttentionMetadata as TorchMetadata
 
@@ -44,25 +44,10 @@ AttentionMetadata = TorchMetadata | KernelMetadata  # what build_metadata return
 @cache
 def backend_for(device_type: str) -> str:
     """'cpu' (the compiled kernel), 'triton' or 'torch', for tensors on `device_type`; decided once."""
-    choice = os.environ.get(BACKEND_ENV, "auto").strip().lower() or "auto"
-    if choice not in BACKEND_CHOICES:
-        raise ValueError(f"{BACKEND_ENV}={choice!r}: expected one of {', '.join(BACKEND_CHOICES)}")
+    choice = native.env_choice(BACKEND_ENV, BACKEND_CHOICES)
     if choice == "triton" or (choice == "auto" and device_type != "cpu"):
         return _triton_or_fallback(device_type, forced=choice == "triton")
-    if device_type != "cpu":
-        if choice == "cpu":
-            raise ValueError(f"{BACKEND_ENV}=cpu runs on CPU tensors only, but the model is on {device_type}")
-        return "torch"
-    if choice == "torch":
-        return "torch"
-    try:
-        load_kernel()
-    except KernelUnavailable as e:
-        if choice == "cpu":
-            raise RuntimeError(f"{BACKEND_ENV}=cpu, but the CPU attention kernel is unavailable: {e}") from e
-        logger.warning("CPU attention kernel unavailable, using the torch reference: %s", e)
-        return "torch"
-    return "cpu"
+    return native.cpu_or_torch(BACKEND_ENV, choice, device_type, load_kernel, "CPU attention kernel", logger)
 
 
 def _triton_or_fallback(device_type: str, forced: bool) -> str:
@@ -90,7 +75,7 @@ def backend_for_cache(device_type: str, quantized_cache: bool) -> str:
 
 @cache
 def _torch_for_quantized_cache() -> str:
-    if os.environ.get(BACKEND_ENV, "auto").strip().lower() == "triton":
+    if native.env_choice(BACKEND_ENV, BACKEND_CHOICES) == "triton":
         raise ValueError(f"kv_cache_dtype: a quantized KV cache is not read by the Triton kernels, and "
                          f"{BACKEND_ENV}=triton forbids the torch reference that reads it; use "
                          f"{BACKEND_ENV}=auto or kv_cache_dtype=auto")

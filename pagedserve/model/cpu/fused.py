@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import ctypes
 import logging
-import os
 from functools import cache
 from pathlib import Path
 
@@ -29,7 +28,6 @@ import torch
 import torch.nn.functional as F
 
 from pagedserve import native
-from pagedserve.native import NativeUnavailable
 
 logger = logging.getLogger("pagedserve.model.fused")
 
@@ -109,23 +107,8 @@ def torch_sum_lanes() -> int:
 @cache
 def fused_ops_for(device_type: str) -> str:
     """'cpu' (the compiled kernels) or 'torch' for tensors on `device_type`; decided once."""
-    choice = os.environ.get(FUSED_ENV, "auto").strip().lower() or "auto"
-    if choice not in FUSED_CHOICES:
-        raise ValueError(f"{FUSED_ENV}={choice!r}: expected one of {', '.join(FUSED_CHOICES)}")
-    if device_type != "cpu":
-        if choice == "cpu":
-            raise ValueError(f"{FUSED_ENV}=cpu runs on CPU tensors only, but the model is on {device_type}")
-        return "torch"
-    if choice == "torch":
-        return "torch"
-    try:
-        load_library()
-    except NativeUnavailable as e:
-        if choice == "cpu":
-            raise RuntimeError(f"{FUSED_ENV}=cpu, but the CPU fused ops are unavailable: {e}") from e
-        logger.warning("CPU fused elementwise ops unavailable, using the torch reference: %s", e)
-        return "torch"
-    return "cpu"
+    choice = native.env_choice(FUSED_ENV, FUSED_CHOICES)
+    return native.cpu_or_torch(FUSED_ENV, choice, device_type, load_library, "CPU fused elementwise ops", logger)
 
 
 def _code(*tensors: torch.Tensor) -> int | None:
