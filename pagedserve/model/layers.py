@@ -29,6 +29,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedserve.cpu_isa import CpuFeatures, cpu_features
+from pagedserve.model.cpu import gemm
+from pagedserve.native import NativeUnavailable
 
 logger = logging.getLogger("pagedserve.model")
 
@@ -118,21 +120,15 @@ class CppPackedLinear(LinearMethod):
         return width > 0 and shape[0] % width == 0
 
     def pack(self, weight):
-        from pagedserve.model.cpu import gemm
-
         return gemm.pack(weight.detach().contiguous())
 
     def apply(self, x, weight, bias):
-        from pagedserve.model.cpu import gemm
-
         return gemm.linear(x, weight, bias)
 
 
 @functools.cache
 def _cpp_gemm_panel_width() -> int:
     """The compiled GEMM's panel width, or 0 (with one warning) where it cannot build here."""
-    from pagedserve.model.cpu import gemm
-    from pagedserve.native import NativeUnavailable
 
     try:
         return gemm.panel_width()

@@ -95,10 +95,6 @@ def linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> 
         x = x.contiguous()
     out = torch.empty(m, n, dtype=torch.float32)
     if m:
-        _lib().ps_gemm(x.data_ptr(), x.stride(0), m, k, packed.data_ptr(), n,
+        load_gemm().ps_gemm(x.data_ptr(), x.stride(0), m, k, packed.data_ptr(), n,
                        bias.data_ptr() if bias is not None else None, out.data_ptr(), n, torch.get_num_threads())
     return out
-
-
-def _lib() -> ctypes.CDLL:
-    return load_gemm()
