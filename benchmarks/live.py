@@ -32,6 +32,12 @@ def env(threads: int = 1, extra: dict | None = None) -> dict:
     return e
 
 
+def cpu_list(threads: int) -> str:
+    """The first `threads` CPUs as taskset and vLLM-CPU's VLLM_CPU_OMP_THREADS_BIND spell them (vLLM
+    takes a CPU list, "auto" or "nobind", and rejects "all")."""
+    return "0" if threads <= 1 else f"0-{threads - 1}"
+
+
 def load_average() -> str:
     """The 1/5/15-minute load averages, as `uptime` prints them (how busy the machine was)."""
     return " ".join(f"{v:.2f}" for v in os.getloadavg())

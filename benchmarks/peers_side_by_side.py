@@ -26,7 +26,10 @@ import shutil
 import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
+
+import live
 
 ROOT = Path(__file__).resolve().parents[1]
 PEERS_DIR = Path(os.environ.get("PEERS_DIR", "/tmp/peers"))
@@ -100,18 +103,13 @@ def parse(engine: str, stdout: str) -> dict[int, float]:
     return out
 
 
-def vllm_bind(threads: int) -> str:
-    """vLLM-CPU pins its OpenMP threads to a CPU list ("0-1"), "auto" or "nobind"; never "all"."""
-    return "0" if threads <= 1 else f"0-{threads - 1}"
-
-
 def pinned(cmd: list[str], threads: int) -> list[str]:
     """`cmd` restricted to the first `threads` CPUs. Thread settings alone are not enough:
     OpenVINO ignores OMP_NUM_THREADS and took both cores of a "1-thread" comparison (measured:
     1.5-1.7x its throughput on 1 core, tiny-llama at 8 and 32 sequences)."""
     if threads >= (os.cpu_count() or 1) or not shutil.which("taskset"):
         return cmd
-    return ["taskset", "-c", "0" if threads == 1 else f"0-{threads - 1}", *cmd]
+    return ["taskset", "-c", live.cpu_list(threads), *cmd]
 
 
 def run_engine(engine: str, model: str, batch_sizes: list[int], args) -> dict[int, float] | str:
@@ -120,7 +118,7 @@ def run_engine(engine: str, model: str, batch_sizes: list[int], args) -> dict[in
         return f"not installed ({cmd[0]})"
     cmd = pinned(cmd, args.threads)
     env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), PROMPT_LEN=str(args.prompt_len),
-               NEW_TOKENS=str(args.new_tokens), VLLM_CPU_OMP_THREADS_BIND=vllm_bind(args.threads), VLLM_CPU_KVCACHE_SPACE="2",
+               NEW_TOKENS=str(args.new_tokens), VLLM_CPU_OMP_THREADS_BIND=live.cpu_list(args.threads), VLLM_CPU_KVCACHE_SPACE="2",
                PYTHONPATH=str(ROOT))
     try:
         r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout)
@@ -160,24 +158,15 @@ def run_served(engine: str, model: str, concs: list[int], args) -> dict[int, dic
         return f"not installed ({cmd[0]})"
     # Only pagedserve gets this checkout on its path: vLLM's entry point found no package metadata with it.
     env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), PYTHONPATH=str(ROOT) if engine == "pagedserve" else "",
-               VLLM_CPU_KVCACHE_SPACE="2", VLLM_CPU_OMP_THREADS_BIND=vllm_bind(args.threads))
-    log = open(Path(args.log_dir) / f"serve_{engine}_{model}.log", "w")
-    proc = subprocess.Popen(pinned(cmd, args.threads), env=env, stdout=log, stderr=subprocess.STDOUT)
+               VLLM_CPU_KVCACHE_SPACE="2", VLLM_CPU_OMP_THREADS_BIND=live.cpu_list(args.threads))
     try:
-        deadline = time.monotonic() + 600
-        import urllib.request
-        model_name = None
-        while time.monotonic() < deadline:
-            if proc.poll() is not None:
-                return f"server exited with {proc.returncode}; see {log.name}"
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{args.port}/v1/models", timeout=2) as r:
-                    model_name = json.load(r)["data"][0]["id"]
-                    break
-            except Exception:  # noqa: BLE001 - not up yet
-                time.sleep(1)
-        if model_name is None:
-            return "server did not come up in 600 s"
+        server = live.Server(pinned(cmd, args.threads), args.port, Path(args.log_dir) / f"serve_{engine}_{model}.log",
+                             env, timeout_s=600)
+    except RuntimeError as e:
+        return str(e).splitlines()[0]
+    with server:
+        with urllib.request.urlopen(server.url + "/v1/models", timeout=10) as r:
+            model_name = json.load(r)["data"][0]["id"]
         bench = [sys.executable, str(PEER_SCRIPTS / "bench_http.py"), "--port", str(args.port), "--model", model_name,
                  "--flavor", flavor, "--prompt-len", str(args.prompt_len)]
         subprocess.run(bench + ["--conc", "1", "--max-tokens", "8"], capture_output=True, timeout=600)  # warm-up
@@ -190,13 +179,6 @@ def run_served(engine: str, model: str, concs: list[int], args) -> dict[int, dic
                 return f"bench failed: {r.stderr.strip()[-200:]}"
             out[c] = json.loads(line)
         return out
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-        log.close()
 
 
 def best(runs: list) -> dict | str:

@@ -20,12 +20,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
+
+import live
 
 ROOT = Path(__file__).resolve().parents[1]
 PEERS_DIR = Path(os.environ.get("PEERS_DIR", "/tmp/peers"))
@@ -49,58 +49,31 @@ def server_command(engine: str, model: str, port: int, extra: list[str]) -> list
             str(MAX_MODEL_LEN), "--enable-prefix-caching", "--disable-log-stats"]
 
 
-def wait_up(proc: subprocess.Popen, port: int, log: Path) -> None:
-    deadline = time.monotonic() + 600
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited with {proc.returncode}; see {log}")
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=2):
-                return
-        except OSError:
-            time.sleep(1)
-    raise RuntimeError("server did not come up in 600 s")
-
-
 def run(engine: str, workload: str, args) -> dict:
-    env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), VLLM_CPU_KVCACHE_SPACE="2",
-               VLLM_CPU_OMP_THREADS_BIND="0" if args.threads <= 1 else f"0-{args.threads - 1}",
-               PYTHONPATH=str(ROOT) if engine.startswith("pagedserve") else "")
+    # Only pagedserve gets this checkout on its path: vLLM's entry point found no package metadata with it.
+    environment = live.env(args.threads, {"VLLM_CPU_KVCACHE_SPACE": "2",
+                                          "VLLM_CPU_OMP_THREADS_BIND": live.cpu_list(args.threads)})
+    if not engine.startswith("pagedserve"):
+        environment["PYTHONPATH"] = ""
     if engine == "pagedserve-variant":
-        env.update(kv.split("=", 1) for kv in args.variant_env.split())
-    log = Path(args.log_dir) / f"latency_{engine}_{workload}.log"
-    with open(log, "w") as out:
-        extra = args.pagedserve_args.split() if engine == "pagedserve" else args.variant_args.split()
-        proc = subprocess.Popen(server_command(engine, str(PEERS_DIR / args.model), args.port, extra), env=env,
-                                stdout=out, stderr=subprocess.STDOUT)
-        try:
-            wait_up(proc, args.port, log)
-            base = ["--base-url", f"http://127.0.0.1:{args.port}", "--disable-tqdm", "--seed", "0"]
-            bench = [sys.executable, "-m", "pagedserve.cli", "bench", *base]
-            bench_env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
-            # Warm-up outside the measurement: the first requests pay one-time costs on both servers.
-            subprocess.run(bench + ["--dataset", "random", "--random-input-len", "64", "--random-output-len", "8",
-                                    "--num-prompts", "4", "--no-metrics"], env=bench_env, capture_output=True,
-                           timeout=600)
-            with tempfile.TemporaryDirectory() as tmp:
-                result = Path(tmp) / "r.json"
-                done = subprocess.run(bench + WORKLOADS[workload] + ["--num-prompts", str(args.num_prompts),
-                                                                     "--result-file", str(result)],
-                                      env=bench_env, capture_output=True, text=True, timeout=args.timeout)
-                if done.returncode != 0 or not result.exists():
-                    raise RuntimeError(f"bench failed: {done.stderr.strip()[-300:]}")
-                summary = json.loads(result.read_text())["summary"]
-        finally:
-            proc.terminate()
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-    server = summary.get("server") or {}
+        environment.update(kv.split("=", 1) for kv in args.variant_env.split())
+    extra = args.pagedserve_args.split() if engine == "pagedserve" else args.variant_args.split()
+    logs = Path(args.log_dir)
+    cmd = server_command(engine, str(PEERS_DIR / args.model), args.port, extra)
+    with live.Server(cmd, args.port, logs / f"latency_{engine}_{workload}.log", environment, timeout_s=600) as server, \
+            tempfile.TemporaryDirectory() as tmp:
+        base = ["--seed", "0"]
+        # Warm-up outside the measurement: the first requests pay one-time costs on both servers.
+        live.run_bench(server.url, base + ["--dataset", "random", "--random-input-len", "64", "--random-output-len",
+                                           "8", "--num-prompts", "4", "--no-metrics"],
+                       Path(tmp) / "warm.json", logs / f"latency_bench_{engine}_warmup.log")
+        summary = live.run_bench(server.url, base + WORKLOADS[workload] + ["--num-prompts", str(args.num_prompts)],
+                                 Path(tmp) / "r.json", logs / f"latency_bench_{engine}_{workload}.log")["summary"]
+    server_stats = summary.get("server") or {}
     return {"itl_median": summary["itl_ms"]["median"], "itl_p99": summary["itl_ms"]["p99"],
             "ttft_median": summary["ttft_ms"]["median"], "ttft_p99": summary["ttft_ms"]["p99"],
             "out_tok_s": summary["output_throughput"], "ok": summary["successful_requests"],
-            "hit_rate": server.get("prefix_cache_hit_rate")}
+            "hit_rate": server_stats.get("prefix_cache_hit_rate")}
 
 
 COLUMNS = [("itl_median", "ITL p50 ms"), ("itl_p99", "ITL p99 ms"), ("ttft_median", "TTFT p50 ms"),
