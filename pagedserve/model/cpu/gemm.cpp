@@ -17,12 +17,12 @@
 // gemm.py only offers this method for such shapes), element (k, c) at p*K*NR + k*NR + c.
 //
 // Numerics: each output is bias + sum over k in increasing order of x[m,k]*w[n,k] with one
-// fused multiply-add per term, in fp32 — a different rounding order from MKL's blocked sums,
-// so results differ from F.linear by a few ulps, as oneDNN's do.
+// fused multiply-add per term, in fp32 (a single row: four such sums over k mod 4, added at the
+// end) — a different rounding order from MKL's blocked sums, so results differ from F.linear by
+// a few ulps, as oneDNN's do. The order depends only on M and K, never on the thread count.
 #include <algorithm>
 #include <array>
 #include <cstdint>
-#include <cstring>
 #include <utility>
 
 #include <omp.h>
@@ -122,7 +122,7 @@ inline void micro_kernel(const float* x, int64_t ldx, const float* panel, int64_
 // accumulator; four interleaved partial sums (k mod 4) keep four chains in flight.
 template <>
 inline void micro_kernel<1>(const float* x, int64_t, const float* panel, int64_t K, const float* bias,
-                            float* out, int64_t, Prefetch) {
+                            float* out, int64_t, Prefetch pf) {
     constexpr int S = 4;
     vreg acc[S][NV];
 #pragma GCC unroll 4
@@ -132,11 +132,9 @@ inline void micro_kernel<1>(const float* x, int64_t, const float* panel, int64_t
     int64_t k = 0;
     for (; k + S <= K; k += S) {
         const float* b = panel + k * NR;
-#pragma GCC unroll 16
-        for (int line = 0; line < S * NR * 4; line += 64)
-            __builtin_prefetch(reinterpret_cast<const char*>(b + kPrefetchRows * NR) + line, 0, 3);
 #pragma GCC unroll 4
         for (int s = 0; s < S; ++s) {
+            for (int line = 0; line < pf.lines; ++line) __builtin_prefetch(pf.base + (k + s) * pf.step + line * 64, 0, 3);
             const vreg a = vbroadcast(x[k + s]);
 #pragma GCC unroll 4
             for (int j = 0; j < NV; ++j) acc[s][j] = vfma(a, vload(b + s * NR + j * VW), acc[s][j]);
