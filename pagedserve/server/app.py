@@ -212,6 +212,11 @@ class OpenAIServer:
             raise APIError(400, "priority: the server schedules first come, first served; start it with "
                                 "--scheduling-policy priority to use priorities", "priority")
         if body.prompt_logprobs is not None:
+            if body.stream:
+                # As vLLM: a stream's chunks have no place for them (echo + logprobs streams the
+                # prompt's logprobs inside `logprobs` on /v1/completions).
+                raise APIError(400, "prompt_logprobs: not available with stream=true; send the request "
+                                    "without stream", "prompt_logprobs")
             if prompt_logprobs is not None and prompt_logprobs != body.prompt_logprobs:
                 raise APIError(400, "prompt_logprobs: echo with logprobs already sets it (to logprobs)",
                                "prompt_logprobs")
@@ -379,6 +384,25 @@ class OpenAIServer:
         return {"tokens": [first_text] + rest["tokens"], "token_logprobs": [None] + rest["token_logprobs"],
                 "top_logprobs": [None] + rest["top_logprobs"], "text_offset": [0] + rest["text_offset"]}
 
+    def prompt_logprobs_json(self, prompt_logprobs: list | None) -> list | None:
+        """vLLM's `prompt_logprobs`: null for the first prompt token (nothing predicts it), then
+        per token {token id (a string): {"logprob", "rank", "decoded_token"}} for the prompt's own
+        token (its rank in the vocabulary) and the top k (ranks 1..k)."""
+        if prompt_logprobs is None:
+            return None
+        out: list[dict | None] = []
+        for lp in prompt_logprobs:
+            if lp is None:
+                out.append(None)
+                continue
+            entry = {str(lp.token_id): {"logprob": self._lp(lp.logprob), "rank": lp.rank,
+                                        "decoded_token": self._token_text(lp.token_id)}}
+            for rank, (tid, value) in enumerate(lp.top, 1):
+                entry.setdefault(str(tid), {"logprob": self._lp(value), "rank": rank,
+                                            "decoded_token": self._token_text(tid)})
+            out.append(entry)
+        return out
+
     @staticmethod
     def join_logprobs(*parts: dict | None) -> dict | None:
         parts = [p for p in parts if p is not None]
@@ -444,10 +468,13 @@ class OpenAIServer:
         choices = []
         num_generated = 0
         for i, prompt in enumerate(prompts):
+            scored = self.prompt_logprobs_json(final[i].prompt_logprobs)
             for comp in final[i].outputs:
                 num_generated += 0 if body.max_tokens == 0 else len(comp.token_ids)
                 choice = self._completion_choice(body, prompt, comp, final[i].prompt_logprobs, True, 0)
                 choices.append({"index": i * params.n + comp.index, **choice})
+                if scored is not None:  # as vLLM: on each choice of the prompt
+                    choices[-1]["prompt_logprobs"] = scored
         return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": self.model_name,
                 "choices": choices, "usage": self._usage(prompts, num_generated, final.values())}
 
@@ -631,8 +658,11 @@ class OpenAIServer:
                 "finish_reason": finish, "stop_reason": comp.stop_reason,
             })
         num_generated = sum(len(c.token_ids) for c in final.outputs)
-        return {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": self.model_name,
-                "choices": choices, "usage": self._usage([plan.prompt], num_generated, [final])}
+        response = {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": self.model_name,
+                    "choices": choices, "usage": self._usage([plan.prompt], num_generated, [final])}
+        if final.prompt_logprobs is not None:  # as vLLM: once, at the top level
+            response["prompt_logprobs"] = self.prompt_logprobs_json(final.prompt_logprobs)
+        return response
 
     def chat_stream(self, body: ChatCompletionRequest, rid: str, plan: _ChatPlan, queue: asyncio.Queue,
                     ids: list[str]) -> AsyncIterator[str]:

@@ -1,0 +1,123 @@
+"""The HTTP API's prompt_logprobs, echo text_offset and truncated "required" tool calls.
+
+- `prompt_logprobs` is returned where vLLM returns it (per choice on /v1/completions, at the
+  top level on /v1/chat/completions; null first, then per position {token id: {logprob, rank,
+  decoded_token}}), and every value equals HF's log_softmax over the same weights (fp32);
+  with stream=true it is a 400 naming the field (vLLM refuses it there too), never dropped.
+- `text_offset` is one running offset over a choice's tokens, echoed prompt included: each
+  token's offset is the length of the tokens before it joined, for n > 1, several prompts,
+  and streamed (the chunks' offsets go on from the previous chunk's).
+- tool_choice "required" cut off by max_tokens: the whole answer and the stream agree
+  (finish_reason "length", the calls begun so far in tool_calls with their partial
+  arguments) and neither shows the constraint's internal {"name", "parameters"} array.
+"""
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+import torch
+
+from pagedserve.default_model_path import DEFAULT_MODEL_DIR
+
+ATOL = 1e-4
+PROMPTS = ["import os\nimport sys\n\ndef main(", "for i in range(10):\n    print(i)\n"]
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string", "maxLength": 12},
+                                     "unit": {"enum": ["celsius", "fahrenheit"]}},
+    "required": ["city", "unit"], "additionalProperties": False}}},
+    {"type": "function", "function": {"name": "get_time", "parameters": {
+        "type": "object", "properties": {"zone": {"type": "integer"}}, "required": ["zone"]}}}]
+MESSAGES = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+@pytest.fixture(scope="module")
+def hf_model():
+    from transformers import AutoModelForCausalLM
+    return AutoModelForCausalLM.from_pretrained(DEFAULT_MODEL_DIR, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    from transformers import AutoTokenizer
+    return AutoTokenizer.from_pretrained(DEFAULT_MODEL_DIR)
+
+
+@pytest.fixture(scope="module")
+def client():
+    from pagedserve.config import EngineConfig
+    from pagedserve.server.launcher import ServerThread, build_server
+    app, _ = build_server(EngineConfig(dtype="float32", num_kv_blocks=64, max_model_len=512,
+                                       max_num_batched_tokens=16))
+    with ServerThread(app) as srv:
+        with httpx.Client(base_url=srv.url, timeout=120) as c:
+            yield c
+
+
+def _post(client, path, body):
+    r = client.post(path, json=body)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def _events(client, path, body) -> list[dict]:
+    with client.stream("POST", path, json={**body, "stream": True}) as r:
+        assert r.status_code == 200
+        return [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+
+
+# -- prompt_logprobs ------------------------------------------------------------------------
+def check_prompt_logprobs(hf_model, tokenizer, token_ids: list[int], scored: list, k: int) -> None:
+    """vLLM's shape, and each value HF's: the prompt token's logprob and rank, and the top k."""
+    assert len(scored) == len(token_ids) and scored[0] is None
+    with torch.no_grad():
+        ref = torch.log_softmax(hf_model(torch.tensor([token_ids])).logits[0].float(), dim=-1)
+    for j in range(1, len(token_ids)):
+        row, entry, token = ref[j - 1], scored[j], token_ids[j]
+        own = entry[str(token)]
+        assert own["logprob"] == pytest.approx(row[token].item(), abs=ATOL), j
+        # rank: 1 + the tokens HF finds more likely (a tie within ATOL may go either way)
+        assert int((row > own["logprob"] + ATOL).sum()) + 1 <= own["rank"] <= int((row > own["logprob"] - ATOL).sum()) + 1
+        assert own["decoded_token"] == tokenizer.decode([token])
+        top_values, top_ids = row.topk(k)
+        assert set(entry) == {str(token)} | {str(t) for t in top_ids.tolist()}
+        for rank, (value, tid) in enumerate(zip(top_values.tolist(), top_ids.tolist()), 1):
+            assert entry[str(tid)]["logprob"] == pytest.approx(value, abs=ATOL)
+            assert entry[str(tid)]["rank"] == rank
+            assert entry[str(tid)]["decoded_token"] == tokenizer.decode([tid])
+
+
+def test_completions_return_prompt_logprobs_per_choice(client, hf_model, tokenizer):
+    k = 3
+    body = _post(client, "/v1/completions", {"prompt": PROMPTS, "n": 2, "max_tokens": 2, "temperature": 1.0,
+                                             "seed": 5, "prompt_logprobs": k})
+    assert len(body["choices"]) == 4
+    for choice in body["choices"]:
+        prompt = PROMPTS[choice["index"] // 2]
+        assert choice["logprobs"] is None  # logprobs was not asked for
+        check_prompt_logprobs(hf_model, tokenizer, tokenizer(prompt).input_ids, choice["prompt_logprobs"], k)
+
+
+def test_prompt_logprobs_zero_is_the_prompt_tokens_alone(client, hf_model, tokenizer):
+    body = _post(client, "/v1/completions", {"prompt": PROMPTS[1], "max_tokens": 1, "prompt_logprobs": 0})
+    check_prompt_logprobs(hf_model, tokenizer, tokenizer(PROMPTS[1]).input_ids, body["choices"][0]["prompt_logprobs"], 0)
+
+
+def test_chat_returns_prompt_logprobs_at_the_top_level(client, hf_model, tokenizer):
+    k = 2
+    body = _post(client, "/v1/chat/completions", {"messages": MESSAGES, "max_tokens": 2, "prompt_logprobs": k})
+    templated = _post(client, "/tokenize", {"messages": MESSAGES})["tokens"]
+    check_prompt_logprobs(hf_model, tokenizer, templated, body["prompt_logprobs"], k)
+    assert all("prompt_logprobs" not in c for c in body["choices"])
+
+
+@pytest.mark.parametrize("path,body", [
+    ("/v1/completions", {"prompt": "x = 1", "max_tokens": 2}),
+    ("/v1/chat/completions", {"messages": MESSAGES, "max_tokens": 2}),
+])
+@pytest.mark.parametrize("k", [0, 2])
+def test_prompt_logprobs_with_stream_is_a_400_naming_it(client, path, body, k):
+    r = client.post(path, json={**body, "prompt_logprobs": k, "stream": True})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == "prompt_logprobs"
