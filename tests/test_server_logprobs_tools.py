@@ -121,3 +121,49 @@ def test_prompt_logprobs_with_stream_is_a_400_naming_it(client, path, body, k):
     r = client.post(path, json={**body, "prompt_logprobs": k, "stream": True})
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == "prompt_logprobs"
+
+
+# -- text_offset ----------------------------------------------------------------------------
+def running_offsets(tokens: list[str]) -> list[int]:
+    return [len("".join(tokens[:i])) for i in range(len(tokens))]
+
+
+@pytest.mark.parametrize("echo", [True, False])
+def test_text_offset_is_one_running_offset_whole_and_streamed(client, tokenizer, echo):
+    max_tokens = 6
+    request = {"prompt": PROMPTS, "n": 2, "max_tokens": max_tokens, "temperature": 0, "logprobs": 1,
+               "echo": echo, "ignore_eos": True}
+    whole = _post(client, "/v1/completions", request)["choices"]
+    assert len(whole) == 4
+    for choice in whole:
+        prompt = PROMPTS[choice["index"] // 2]
+        lp = choice["logprobs"]
+        n_prompt = len(tokenizer(prompt).input_ids) if echo else 0
+        assert len(lp["tokens"]) == n_prompt + max_tokens
+        assert lp["text_offset"] == running_offsets(lp["tokens"])
+        generated = choice["text"][len(prompt):] if echo else choice["text"]
+        assert "".join(lp["tokens"][n_prompt:]) == generated  # this prompt's tokens spell its text
+        if echo:
+            assert "".join(lp["tokens"][1:n_prompt]) == prompt  # after the BOS
+    streamed: dict[int, dict] = {}
+    for event in _events(client, "/v1/completions", request):
+        for choice in event["choices"]:
+            acc = streamed.setdefault(choice["index"], {"tokens": [], "text_offset": []})
+            acc["tokens"] += choice["logprobs"]["tokens"]
+            acc["text_offset"] += choice["logprobs"]["text_offset"]
+    for choice in whole:
+        got = streamed[choice["index"]]
+        assert got["tokens"] == choice["logprobs"]["tokens"]
+        assert got["text_offset"] == choice["logprobs"]["text_offset"]
+
+
+def test_text_offset_indexes_the_echoed_text_of_a_token_id_prompt(client, tokenizer):
+    """A token-id prompt echoes as its decoding (BOS included): the offsets index that text."""
+    ids = [tokenizer(p).input_ids for p in PROMPTS]
+    for choice in _post(client, "/v1/completions", {"prompt": ids, "max_tokens": 5, "temperature": 0, "logprobs": 0,
+                                                    "echo": True, "ignore_eos": True})["choices"]:
+        lp, text = choice["logprobs"], choice["text"]
+        assert len(lp["tokens"]) == len(ids[choice["index"]]) + 5
+        for token, offset in zip(lp["tokens"], lp["text_offset"]):
+            assert text[offset:offset + len(token)] == token
+        assert lp["text_offset"][-1] + len(lp["tokens"][-1]) == len(text)

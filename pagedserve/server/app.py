@@ -447,7 +447,10 @@ class OpenAIServer:
         return prompt.text if prompt.text is not None else self.decode(prompt.token_ids)
 
     def _completion_choice(self, body, prompt: _Prompt, comp, prompt_logprobs, first: bool, offset: int) -> dict:
-        """One completion choice (or its delta: `offset` = characters already sent)."""
+        """One completion choice (or its delta). `offset`: where its logprobs' text_offset goes on,
+        the length of the tokens already sent in this choice's logprobs (0 for the first).
+        text_offset is one running offset over the choice's tokens, echoed prompt included: each
+        token's offset is the length of the tokens before it joined (as vLLM counts it)."""
         prefix = self._echo(body, prompt) if first else ""
         text, logprobs = comp.text, comp.logprobs
         if body.max_tokens == 0:  # generated nothing: the one step's token is not part of the answer
@@ -455,9 +458,16 @@ class OpenAIServer:
         lp = None
         if logprobs is not None:
             echoed = self.echo_logprobs(prompt, prompt_logprobs) if first and prompt_logprobs is not None else None
-            lp = self.join_logprobs(echoed, self.completion_logprobs(logprobs, offset + len(prefix)))
+            lp = self.join_logprobs(echoed, self.completion_logprobs(logprobs, self._logprobs_end(echoed, offset)))
         return {"text": prefix + text, "logprobs": lp, "finish_reason": comp.finish_reason,
                 "stop_reason": comp.stop_reason}
+
+    @staticmethod
+    def _logprobs_end(lp: dict | None, offset: int) -> int:
+        """The text_offset that follows a logprobs object's last token (`offset` if it has none)."""
+        if not lp or not lp["tokens"]:
+            return offset
+        return lp["text_offset"][-1] + len(lp["tokens"][-1])
 
     async def completion(self, body: CompletionRequest, prompts: list[_Prompt], params: SamplingParams) -> dict:
         rid = f"cmpl-{uuid.uuid4().hex}"
@@ -547,16 +557,16 @@ class OpenAIServer:
 
     def completion_stream(self, body: CompletionRequest, rid: str, prompts: list[_Prompt], params: SamplingParams,
                           queue: asyncio.Queue, ids: list[str]) -> AsyncIterator[str]:
-        sent_chars: dict[int, int] = {}
+        lp_offset: dict[int, int] = {}  # choice index -> the text_offset its next token gets
         scored: dict[int, list] = {}  # prompt index -> its prompt logprobs (they come with its first output)
 
         def make_choice(index, comp, first, out):
-            offset = sent_chars.get(index, 0)
+            offset = lp_offset.get(index, 0)
             if out.prompt_logprobs is not None:
                 scored[index // params.n] = out.prompt_logprobs
             choice = self._completion_choice(body, prompts[index // params.n], comp, scored.get(index // params.n),
                                              first, offset)
-            sent_chars[index] = offset + len(choice["text"])
+            lp_offset[index] = self._logprobs_end(choice["logprobs"], offset)
             return {"index": index, **choice}
 
         return self._sse(rid, "text_completion", body.stream_options, prompts, params.n, queue, ids, make_choice,
