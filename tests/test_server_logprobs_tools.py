@@ -167,3 +167,83 @@ def test_text_offset_indexes_the_echoed_text_of_a_token_id_prompt(client, tokeni
         for token, offset in zip(lp["tokens"], lp["text_offset"]):
             assert text[offset:offset + len(token)] == token
         assert lp["text_offset"][-1] + len(lp["tokens"][-1]) == len(text)
+
+
+# -- tool_choice "required" cut off by max_tokens -------------------------------------------
+def _streamed_message(events: list[dict]) -> tuple[str, dict[int, dict], str | None]:
+    content, calls, finish = "", {}, None
+    for event in events:
+        for choice in event["choices"]:
+            delta = choice["delta"]
+            content += delta.get("content") or ""
+            for d in delta.get("tool_calls", []):
+                call = calls.setdefault(d["index"], {"name": None, "arguments": ""})
+                if "id" in d:
+                    assert call["name"] is None
+                    call["name"] = d["function"]["name"]
+                call["arguments"] += d["function"]["arguments"]
+            finish = choice["finish_reason"] or finish
+    return content, calls, finish
+
+
+def test_required_tool_choice_cut_off_by_max_tokens_whole_and_streamed_agree(client):
+    names = {t["function"]["name"] for t in TOOLS}
+    request = {"messages": MESSAGES, "tools": TOOLS, "tool_choice": "required", "temperature": 1.0, "seed": 3}
+    full = _post(client, "/v1/chat/completions", {**request, "max_tokens": 200})
+    assert full["choices"][0]["finish_reason"] == "tool_calls"
+    full_tokens = full["usage"]["completion_tokens"]
+    _, full_streamed, _ = _streamed_message(_events(client, "/v1/chat/completions", {**request, "max_tokens": 200}))
+    cut_with_call = 0
+    for max_tokens in range(2, min(full_tokens, 40)):
+        body = _post(client, "/v1/chat/completions", {**request, "max_tokens": max_tokens})
+        choice = body["choices"][0]
+        message = choice["message"]
+        assert choice["finish_reason"] == "length", (max_tokens, choice)
+        assert message["content"] is None, (max_tokens, message)
+        assert '"parameters"' not in json.dumps(message), (max_tokens, message)
+        calls = message.get("tool_calls", [])
+        assert all(c["function"]["name"] in names for c in calls)
+        content, streamed, finish = _streamed_message(_events(client, "/v1/chat/completions",
+                                                              {**request, "max_tokens": max_tokens}))
+        assert finish == "length" and content == "", (max_tokens, content)
+        assert [(c["name"], c["arguments"]) for _, c in sorted(streamed.items())] == \
+            [(c["function"]["name"], c["function"]["arguments"]) for c in calls], max_tokens
+        if calls:
+            cut_with_call += 1
+            # the same seed draws the same tokens: the cut calls are the start of the uncut ones
+            for i, call in enumerate(calls):
+                assert call["function"]["name"] == full_streamed[i]["name"]
+                assert full_streamed[i]["arguments"].startswith(call["function"]["arguments"])
+    assert cut_with_call > 0, "no max_tokens cut inside a call's arguments: widen the range"
+
+
+@pytest.mark.parametrize("text", [
+    '[{"name": "get_time", "parameters": {"zone": 3}}, {"name": "get_weather", "parameters": {"city": "P\\"a}',
+    '[{"parameters": {"zone": [1, {"x": "]"}]}, "name": "get_time"}, {"parameters": {"zone": 2}, "name": "get_time"}]',
+])
+def test_every_cut_of_a_required_text_gives_what_its_stream_sent(text):
+    """Every prefix (a cut anywhere): the calls begun in it, as the stream of that prefix sent
+    them in pieces; a call shows once its name is whole, and "parameters" is never shown."""
+    from pagedserve.structured.tools import RequiredCallStream, calls_from_required
+    for end in range(len(text) + 1):
+        cut = text[:end]
+        stream, streamed = RequiredCallStream(), {}
+        for start in range(0, end, 3):
+            for d in stream.feed(cut[start:start + 3])[1]:
+                call = streamed.setdefault(d["index"], {"name": d["function"].get("name"), "arguments": ""})
+                call["arguments"] += d["function"]["arguments"]
+        calls = calls_from_required(cut)
+        if end == len(text) and text.endswith("]"):  # whole: re-serialized arguments, the same values
+            assert [(c.name, json.loads(c.arguments)) for c in calls] == \
+                [(c["name"], json.loads(c["arguments"])) for _, c in sorted(streamed.items())]
+            continue
+        assert [(c.name, c.arguments) for c in calls] == [(c["name"], c["arguments"]) for _, c in sorted(streamed.items())]
+        assert all("parameters" not in c.arguments for c in calls)
+    if text.endswith("]"):  # parameters before the name: nothing until the name is whole
+        name_end = text.index('"get_time"') + len('"get_time"')
+        assert calls_from_required(text[:name_end - 1]) == []
+        assert [(c.name, c.arguments) for c in calls_from_required(text[:name_end])] == \
+            [("get_time", '{"zone": [1, {"x": "]"}]}')]
+    else:  # cut inside the second call's string argument
+        assert [(c.name, c.arguments) for c in calls_from_required(text)] == \
+            [("get_time", '{"zone": 3}'), ("get_weather", '{"city": "P\\"a}')]

@@ -638,10 +638,9 @@ class OpenAIServer:
         if plan.tool_mode == "named":
             calls, content = [ToolCall(plan.tool_name, comp.text)], None
         elif plan.tool_mode == "required":
-            try:
-                calls, content = calls_from_required(comp.text), None
-            except ValueError:  # cut off by max_tokens: not a whole call list; the text is returned as is
-                calls = []
+            # A text cut off by max_tokens gives the calls begun in it (finish_reason "length"),
+            # as its stream does; a call whose name was not yet written is not one.
+            calls, content = calls_from_required(comp.text), None
         elif plan.tool_mode == "auto":
             content, calls = get_tool_parser(self.tool_call_parser).extract(comp.text)
             if not plan.parallel_tool_calls:
