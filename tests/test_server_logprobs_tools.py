@@ -78,7 +78,8 @@ def check_prompt_logprobs(hf_model, tokenizer, token_ids: list[int], scored: lis
         own = entry[str(token)]
         assert own["logprob"] == pytest.approx(row[token].item(), abs=ATOL), j
         # rank: 1 + the tokens HF finds more likely (a tie within ATOL may go either way)
-        assert int((row > own["logprob"] + ATOL).sum()) + 1 <= own["rank"] <= int((row > own["logprob"] - ATOL).sum()) + 1
+        lo, hi = int((row > own["logprob"] + ATOL).sum()) + 1, int((row > own["logprob"] - ATOL).sum()) + 1
+        assert lo <= own["rank"] <= hi, j
         assert own["decoded_token"] == tokenizer.decode([token])
         top_values, top_ids = row.topk(k)
         assert set(entry) == {str(token)} | {str(t) for t in top_ids.tolist()}
@@ -101,7 +102,8 @@ def test_completions_return_prompt_logprobs_per_choice(client, hf_model, tokeniz
 
 def test_prompt_logprobs_zero_is_the_prompt_tokens_alone(client, hf_model, tokenizer):
     body = _post(client, "/v1/completions", {"prompt": PROMPTS[1], "max_tokens": 1, "prompt_logprobs": 0})
-    check_prompt_logprobs(hf_model, tokenizer, tokenizer(PROMPTS[1]).input_ids, body["choices"][0]["prompt_logprobs"], 0)
+    scored = body["choices"][0]["prompt_logprobs"]
+    check_prompt_logprobs(hf_model, tokenizer, tokenizer(PROMPTS[1]).input_ids, scored, 0)
 
 
 def test_chat_returns_prompt_logprobs_at_the_top_level(client, hf_model, tokenizer):
@@ -237,7 +239,8 @@ def test_every_cut_of_a_required_text_gives_what_its_stream_sent(text):
             assert [(c.name, json.loads(c.arguments)) for c in calls] == \
                 [(c["name"], json.loads(c["arguments"])) for _, c in sorted(streamed.items())]
             continue
-        assert [(c.name, c.arguments) for c in calls] == [(c["name"], c["arguments"]) for _, c in sorted(streamed.items())]
+        assert [(c.name, c.arguments) for c in calls] == \
+            [(c["name"], c["arguments"]) for _, c in sorted(streamed.items())]
         assert all("parameters" not in c.arguments for c in calls)
     if text.endswith("]"):  # parameters before the name: nothing until the name is whole
         name_end = text.index('"get_time"') + len('"get_time"')
