@@ -212,6 +212,11 @@ class OpenAIServer:
             raise APIError(400, "priority: the server schedules first come, first served; start it with "
                                 "--scheduling-policy priority to use priorities", "priority")
         if body.prompt_logprobs is not None:
+            if body.stream:
+                # As vLLM: a stream's chunks have no place for them (echo + logprobs streams the
+                # prompt's logprobs inside `logprobs` on /v1/completions).
+                raise APIError(400, "prompt_logprobs: not available with stream=true; send the request "
+                                    "without stream", "prompt_logprobs")
             if prompt_logprobs is not None and prompt_logprobs != body.prompt_logprobs:
                 raise APIError(400, "prompt_logprobs: echo with logprobs already sets it (to logprobs)",
                                "prompt_logprobs")
@@ -379,6 +384,25 @@ class OpenAIServer:
         return {"tokens": [first_text] + rest["tokens"], "token_logprobs": [None] + rest["token_logprobs"],
                 "top_logprobs": [None] + rest["top_logprobs"], "text_offset": [0] + rest["text_offset"]}
 
+    def prompt_logprobs_json(self, prompt_logprobs: list | None) -> list | None:
+        """vLLM's `prompt_logprobs`: null for the first prompt token (nothing predicts it), then
+        per token {token id (a string): {"logprob", "rank", "decoded_token"}} for the prompt's own
+        token (its rank in the vocabulary) and the top k (ranks 1..k)."""
+        if prompt_logprobs is None:
+            return None
+        out: list[dict | None] = []
+        for lp in prompt_logprobs:
+            if lp is None:
+                out.append(None)
+                continue
+            entry = {str(lp.token_id): {"logprob": self._lp(lp.logprob), "rank": lp.rank,
+                                        "decoded_token": self._token_text(lp.token_id)}}
+            for rank, (tid, value) in enumerate(lp.top, 1):
+                entry.setdefault(str(tid), {"logprob": self._lp(value), "rank": rank,
+                                            "decoded_token": self._token_text(tid)})
+            out.append(entry)
+        return out
+
     @staticmethod
     def join_logprobs(*parts: dict | None) -> dict | None:
         parts = [p for p in parts if p is not None]
@@ -423,7 +447,10 @@ class OpenAIServer:
         return prompt.text if prompt.text is not None else self.decode(prompt.token_ids)
 
     def _completion_choice(self, body, prompt: _Prompt, comp, prompt_logprobs, first: bool, offset: int) -> dict:
-        """One completion choice (or its delta: `offset` = characters already sent)."""
+        """One completion choice (or its delta). `offset`: where its logprobs' text_offset goes on,
+        the length of the tokens already sent in this choice's logprobs (0 for the first).
+        text_offset is one running offset over the choice's tokens, echoed prompt included: each
+        token's offset is the length of the tokens before it joined (as vLLM counts it)."""
         prefix = self._echo(body, prompt) if first else ""
         text, logprobs = comp.text, comp.logprobs
         if body.max_tokens == 0:  # generated nothing: the one step's token is not part of the answer
@@ -431,9 +458,16 @@ class OpenAIServer:
         lp = None
         if logprobs is not None:
             echoed = self.echo_logprobs(prompt, prompt_logprobs) if first and prompt_logprobs is not None else None
-            lp = self.join_logprobs(echoed, self.completion_logprobs(logprobs, offset + len(prefix)))
+            lp = self.join_logprobs(echoed, self.completion_logprobs(logprobs, self._logprobs_end(echoed, offset)))
         return {"text": prefix + text, "logprobs": lp, "finish_reason": comp.finish_reason,
                 "stop_reason": comp.stop_reason}
+
+    @staticmethod
+    def _logprobs_end(lp: dict | None, offset: int) -> int:
+        """The text_offset that follows a logprobs object's last token (`offset` if it has none)."""
+        if not lp or not lp["tokens"]:
+            return offset
+        return lp["text_offset"][-1] + len(lp["tokens"][-1])
 
     async def completion(self, body: CompletionRequest, prompts: list[_Prompt], params: SamplingParams) -> dict:
         rid = f"cmpl-{uuid.uuid4().hex}"
@@ -444,10 +478,13 @@ class OpenAIServer:
         choices = []
         num_generated = 0
         for i, prompt in enumerate(prompts):
+            scored = self.prompt_logprobs_json(final[i].prompt_logprobs)
             for comp in final[i].outputs:
                 num_generated += 0 if body.max_tokens == 0 else len(comp.token_ids)
                 choice = self._completion_choice(body, prompt, comp, final[i].prompt_logprobs, True, 0)
                 choices.append({"index": i * params.n + comp.index, **choice})
+                if scored is not None:  # as vLLM: on each choice of the prompt
+                    choices[-1]["prompt_logprobs"] = scored
         return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": self.model_name,
                 "choices": choices, "usage": self._usage(prompts, num_generated, final.values())}
 
@@ -520,16 +557,16 @@ class OpenAIServer:
 
     def completion_stream(self, body: CompletionRequest, rid: str, prompts: list[_Prompt], params: SamplingParams,
                           queue: asyncio.Queue, ids: list[str]) -> AsyncIterator[str]:
-        sent_chars: dict[int, int] = {}
+        lp_offset: dict[int, int] = {}  # choice index -> the text_offset its next token gets
         scored: dict[int, list] = {}  # prompt index -> its prompt logprobs (they come with its first output)
 
         def make_choice(index, comp, first, out):
-            offset = sent_chars.get(index, 0)
+            offset = lp_offset.get(index, 0)
             if out.prompt_logprobs is not None:
                 scored[index // params.n] = out.prompt_logprobs
             choice = self._completion_choice(body, prompts[index // params.n], comp, scored.get(index // params.n),
                                              first, offset)
-            sent_chars[index] = offset + len(choice["text"])
+            lp_offset[index] = self._logprobs_end(choice["logprobs"], offset)
             return {"index": index, **choice}
 
         return self._sse(rid, "text_completion", body.stream_options, prompts, params.n, queue, ids, make_choice,
@@ -601,10 +638,9 @@ class OpenAIServer:
         if plan.tool_mode == "named":
             calls, content = [ToolCall(plan.tool_name, comp.text)], None
         elif plan.tool_mode == "required":
-            try:
-                calls, content = calls_from_required(comp.text), None
-            except ValueError:  # cut off by max_tokens: not a whole call list; the text is returned as is
-                calls = []
+            # A text cut off by max_tokens gives the calls begun in it (finish_reason "length"),
+            # as its stream does; a call whose name was not yet written is not one.
+            calls, content = calls_from_required(comp.text), None
         elif plan.tool_mode == "auto":
             content, calls = get_tool_parser(self.tool_call_parser).extract(comp.text)
             if not plan.parallel_tool_calls:
@@ -631,8 +667,11 @@ class OpenAIServer:
                 "finish_reason": finish, "stop_reason": comp.stop_reason,
             })
         num_generated = sum(len(c.token_ids) for c in final.outputs)
-        return {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": self.model_name,
-                "choices": choices, "usage": self._usage([plan.prompt], num_generated, [final])}
+        response = {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": self.model_name,
+                    "choices": choices, "usage": self._usage([plan.prompt], num_generated, [final])}
+        if final.prompt_logprobs is not None:  # as vLLM: once, at the top level
+            response["prompt_logprobs"] = self.prompt_logprobs_json(final.prompt_logprobs)
+        return response
 
     def chat_stream(self, body: ChatCompletionRequest, rid: str, plan: _ChatPlan, queue: asyncio.Queue,
                     ids: list[str]) -> AsyncIterator[str]:

@@ -72,8 +72,22 @@ def tool_choice_constraint(tools: list[dict], tool_choice, parallel: bool) -> St
 
 
 def calls_from_required(text: str) -> list[ToolCall]:
-    """Calls from the text a "required" constraint produced (a JSON array of calls)."""
-    return [ToolCall(c["name"], json.dumps(c["parameters"], ensure_ascii=False)) for c in json.loads(text)]
+    """Calls from the text a "required" constraint produced (a JSON array of calls). A text cut
+    short (max_tokens, a stop string) gives the calls begun in it, the last one with its arguments
+    as far as they got: exactly what the stream of that text sent (RequiredCallStream), so a
+    whole answer and its stream agree, and the array's own shape never reaches the client."""
+    try:
+        return [ToolCall(c["name"], json.dumps(c["parameters"], ensure_ascii=False)) for c in json.loads(text)]
+    except ValueError:
+        pass
+    stream = RequiredCallStream()
+    calls: list[ToolCall] = []
+    for delta in stream.feed(text)[1]:
+        if "id" in delta:
+            calls.append(ToolCall(delta["function"]["name"], delta["function"]["arguments"], delta["id"]))
+        else:
+            calls[delta["index"]].arguments += delta["function"]["arguments"]
+    return calls
 
 
 # -- streaming --------------------------------------------------------------------------
