@@ -207,8 +207,9 @@ def steps_with_decodes_and_prompt_chunks_keep_the_budget(budget, num_decoders, p
         while pending and pending[0][0] <= step_no:
             _, n = pending.pop(0)
             rid = f"p{len(prompt_lens) - len(pending) - 1}"
-            sched.add_request(Request(rid, [3 + i % 45 for i in range(n)], SamplingParams(max_tokens=3, ignore_eos=True),
-                                      frozenset({EOS}), arrival_time=100.0 + step_no, max_model_len=max_model_len))
+            prompt = [3 + i % 45 for i in range(n)]
+            sched.add_request(Request(rid, prompt, SamplingParams(max_tokens=3, ignore_eos=True), frozenset({EOS}),
+                                      arrival_time=100.0 + step_no, max_model_len=max_model_len))
         if not sched.has_unfinished() and not pending:
             break
         out = sched.schedule()
