@@ -3,8 +3,9 @@
 Drives the torch-free core directly with a fake executor (random sampled tokens). The
 examples must exercise the mechanisms whose invariants they check: the test counts the
 preemptions (each mode), swap-ins and prefix-cache hits over all examples, and fails if
-any of them never happened. Examples: ~100 by default, 400 with
-`--hypothesis-profile thorough` (see conftest.py).
+any of them never happened. A second property aims at the token budget where prompt chunks share
+a step with decodes, and fails if its examples never had a chunk capped by the decodes' share.
+Examples: ~100 by default, 400 with `--hypothesis-profile thorough` (see conftest.py).
 """
 from __future__ import annotations
 
@@ -154,3 +155,78 @@ def test_random_interleavings_keep_invariants():
     missing = [name for name in ("recompute preemptions", "swap preemptions", "blocks swapped in",
                                  "prefix-cache hit tokens", "partial prefills") if SEEN[name] == 0]
     assert not missing, f"no example exercised: {missing} (seen: {dict(SEEN)})"
+
+
+# -- the token budget when prompt chunks share a step with decodes ---------------------------------
+# The property above draws budgets of 8-256 against a handful of requests: its examples rarely
+# have decodes running while a prompt's *last* chunk would fit an empty step but not what the
+# decodes leave, so a scheduler that granted that chunk in full (a 34-token step under a budget of
+# 32) passed it. These strategies aim at that case: small budgets, many decoding requests, prompts
+# a few budgets long arriving while they decode.
+BUDGET_CASES: collections.Counter = collections.Counter()
+
+
+def note_budget_cases(sched: Scheduler, out) -> None:
+    """Count the chunks the decodes beside them left less than an empty step would grant, where
+    that grant alone would have fit the full budget (the case a full grant overflows)."""
+    decodes = [r for r in out.scheduled if r.num_new_tokens == 1 and r.sample
+               and r.start_pos >= sched.requests[r.request_id].num_prompt_tokens]
+    threshold = sched.config.long_prefill_token_threshold
+    for r in out.scheduled:
+        remaining = sched.requests[r.request_id].num_tokens - r.start_pos
+        wanted = min(remaining, threshold) if threshold else remaining  # what an empty step would grant
+        if decodes and r.num_new_tokens < wanted <= sched.config.max_num_batched_tokens:
+            BUDGET_CASES["continued chunk capped beside decodes" if r.start_pos else
+                         "first chunk capped beside decodes"] += 1
+            event("a chunk capped by the decodes' share of the budget")
+
+
+@given(budget=st.integers(2, 48), num_decoders=st.integers(1, 12), prompt_budgets=st.lists(
+           st.floats(0.5, 4.0), min_size=1, max_size=4), arrivals=st.lists(st.integers(0, 6), min_size=4, max_size=4),
+       block_size=st.sampled_from([1, 4, 16]), caching=st.booleans(), extra_blocks=st.integers(0, 40),
+       threshold=st.sampled_from([0, 0, 0, 8, 20]))
+def steps_with_decodes_and_prompt_chunks_keep_the_budget(budget, num_decoders, prompt_budgets, arrivals, block_size,
+                                                         caching, extra_blocks, threshold):
+    prompt_lens = [max(2, round(f * budget)) for f in prompt_budgets]
+    decode_steps = 12
+    max_model_len = max(prompt_lens) + decode_steps + 4
+    # Room for every decoder and at least the longest prompt; `extra_blocks` short of all at once
+    # lets some examples preempt as well.
+    need = num_decoders * cdiv(2 + decode_steps, block_size) + cdiv(max_model_len, block_size)
+    num_blocks = need + extra_blocks
+    pool = BlockPool(num_blocks, enable_caching=caching)
+    sched = Scheduler(SchedulerConfig(max_num_seqs=num_decoders + len(prompt_lens), max_num_batched_tokens=budget,
+                                      max_model_len=max_model_len, long_prefill_token_threshold=threshold),
+                      KVCacheManager(pool, block_size))
+    params = SamplingParams(max_tokens=decode_steps, ignore_eos=True)
+    for k in range(num_decoders):
+        sched.add_request(Request(f"d{k}", [1 + k % 40, 2], params, frozenset({EOS}), arrival_time=float(k),
+                                  max_model_len=max_model_len))
+    pending = sorted(zip(arrivals, prompt_lens))
+    for step_no in range(10_000):
+        while pending and pending[0][0] <= step_no:
+            _, n = pending.pop(0)
+            rid = f"p{len(prompt_lens) - len(pending) - 1}"
+            prompt = [3 + i % 45 for i in range(n)]
+            sched.add_request(Request(rid, prompt, SamplingParams(max_tokens=3, ignore_eos=True), frozenset({EOS}),
+                                      arrival_time=100.0 + step_no, max_model_len=max_model_len))
+        if not sched.has_unfinished() and not pending:
+            break
+        out = sched.schedule()
+        check_invariants(sched, pool, out)
+        for r in out.scheduled:  # nobody is granted more than it has left
+            assert r.num_new_tokens <= sched.requests[r.request_id].num_tokens - r.start_pos
+        note_budget_cases(sched, out)
+        sched.update_from_output(out, StepResult({r.request_id: 3 for r in out.scheduled if r.sample}))
+    assert not sched.has_unfinished() and not pending
+    assert pool.num_free_blocks == pool.num_blocks
+
+
+def test_steps_with_decodes_and_prompt_chunks_keep_the_budget():
+    """Runs the budget property, then checks its examples did reach the case it is aimed at: a
+    prompt chunk, continued or first, capped below its remainder by the decodes beside it."""
+    BUDGET_CASES.clear()
+    steps_with_decodes_and_prompt_chunks_keep_the_budget()
+    missing = [name for name in ("continued chunk capped beside decodes", "first chunk capped beside decodes")
+               if BUDGET_CASES[name] == 0]
+    assert not missing, f"no example reached: {missing} (seen: {dict(BUDGET_CASES)})"

@@ -190,6 +190,67 @@ def test_histograms_put_known_values_in_the_right_buckets_and_seconds(server, mo
     for name, value in (("time_to_first_token_seconds", ttft), ("e2e_request_latency_seconds", e2e),
                         ("request_queue_time_seconds", queue)):
         assert_one_observation_in_place(bucket_deltas(after, before, name), value, name)
+    # The six engine steps ran inside the client's interval: their seconds add up to less than it
+    # (milliseconds would be 1000x too big), and every one sits in the buckets at or above their sum.
+    step_sum = delta(after, before, "pagedserve:engine_step_seconds_sum{}")
+    assert delta(after, before, "pagedserve:engine_step_seconds_count{}") == 6
+    assert 0 < step_sum <= client_e2e
+    assert_observations_at_most(bucket_deltas(after, before, "engine_step_seconds"), step_sum, 6, "engine_step")
+    assert_observations_at_most(bucket_deltas(after, before, "inter_token_latency_seconds"), itl, 5, "itl")
+
+
+def assert_observations_at_most(deltas: dict[float, float], bound: float, count: int, name: str) -> None:
+    """`count` observations, none above `bound`: every bucket with le >= bound holds all of them."""
+    assert deltas[float("inf")] == count, name
+    for le, d in deltas.items():
+        assert 0 <= d <= count and (le < bound or d == count), (name, le, d, bound)
+
+
+def histogram_samples(metrics: EngineMetrics, name: str) -> tuple[float, float, dict[float, float]]:
+    """(sum, count, {le: cumulative count}) of one histogram, as /metrics renders it."""
+    fams = {f.name: f for f in text_string_to_metric_families(metrics.render().decode())}
+    samples = fams["pagedserve:" + name].samples
+    value = {s.name.rsplit("_", 1)[1]: s.value for s in samples if not s.name.endswith("_bucket")}
+    return value["sum"], value["count"], {float(s.labels["le"]): s.value for s in samples
+                                          if s.name.endswith("_bucket")}
+
+
+def test_every_histogram_holds_known_observations_in_its_unit():
+    """Each histogram of the names table gets known observations through the calls the engine
+    makes (a 12.3 ms step of 7 tokens; a request that arrived at t=100 s, was first scheduled 40 ms
+    later, had its first token at 250 ms, two more 50 ms after that, and finished at 1.3 s after
+    2 preemptions): its _sum is their sum and each _bucket counts those <= its bound, in seconds for
+    durations and in tokens or preemptions for counts. A histogram added to the table without a
+    line here fails the test."""
+    from pagedserve.core.outputs import RequestMetrics, SchedulerStats
+
+    m = EngineMetrics("m", 64, log_interval=0, max_num_batched_tokens=32)
+    m.record_step(SchedulerStats(num_batched_tokens=7), duration=0.0123, forward_time=0.01, num_batched_tokens=7)
+    m.record_first_token(num_prompt_tokens=10, arrival=100.0, first_token=100.25)
+    m.record_new_tokens(1, None)
+    m.record_new_tokens(2, 0.05)  # two tokens in one step share the 50 ms gap: 25 ms each
+    m.record_finished("length", 10, 3, RequestMetrics(arrival_time=100.0, first_scheduled_time=100.04,
+                                                      first_token_time=100.25, last_token_time=101.3,
+                                                      finished_time=101.3, num_preemptions=2, num_cached_tokens=0))
+    observed = {
+        metric_names.ENGINE_STEP: [0.0123],
+        metric_names.ITERATION_TOKENS: [7],
+        metric_names.TIME_TO_FIRST_TOKEN: [0.25],
+        metric_names.INTER_TOKEN_LATENCY: [0.025, 0.025],
+        metric_names.E2E_REQUEST_LATENCY: [1.3],
+        metric_names.REQUEST_QUEUE_TIME: [0.04],
+        metric_names.REQUEST_PROMPT_TOKENS: [10],
+        metric_names.REQUEST_GENERATION_TOKENS: [3],
+        metric_names.REQUEST_NUM_PREEMPTIONS: [2],
+    }
+    assert set(observed) == {s.name for s in metric_names.METRICS if s.kind == "histogram"}
+    for name, values in observed.items():
+        total, count, cumulative = histogram_samples(m, name)
+        assert count == len(values) and total == pytest.approx(sum(values), abs=1e-9), (name, total)
+        assert cumulative[float("inf")] == len(values), name
+        for le, n in cumulative.items():
+            assert n == sum(v <= le for v in values), (name, le, n, values)
+        assert min(cumulative.values()) == 0, name  # some bound lies below the values: a unit error moves them
 
 
 def test_prefix_cache_hits(server, client, model):

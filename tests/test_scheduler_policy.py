@@ -97,3 +97,25 @@ def test_auto_mode_follows_the_costs(bandwidth, per_token, mode):
     else:
         assert out.blocks_to_swap_out == [] and out.stats.num_recomputed_tokens == 8
         assert out.stats.num_swapped == 0
+
+
+def test_last_prompt_chunk_beside_decodes_gets_only_the_leftover_budget():
+    """Two decodes and a prompt whose last chunk (32 tokens) would fit an empty step's budget (32)
+    but not what the decodes leave (30): it gets 30, the step computes exactly 32 tokens, and the
+    2 left over come the step after. (Granting the chunk in full would make a 34-token step.)"""
+    sched = make_scheduler(64, max_model_len=128, max_num_batched_tokens=32)
+    for t, (rid, n) in enumerate([("d1", 4), ("d2", 4), ("p", 56)]):
+        sched.add_request(Request(rid, list(range(2, 2 + n)), SamplingParams(max_tokens=20, ignore_eos=True),
+                                  arrival_time=float(t), max_model_len=128))
+    first = step(sched)  # d1 and d2 prefill 4 each, p's first chunk takes the remaining 24
+    assert [(r.request_id, r.num_new_tokens) for r in first.scheduled] == [("d1", 4), ("d2", 4), ("p", 24)]
+    second = step(sched)
+    assert [(r.request_id, r.start_pos, r.num_new_tokens) for r in second.scheduled] == \
+        [("d1", 4, 1), ("d2", 4, 1), ("p", 24, 30)]
+    assert second.num_batched_tokens == 32 == second.stats.num_batched_tokens
+    assert not second.scheduled[2].sample  # p's prompt is not done: nothing sampled for it yet
+    assert second.stats.num_decode_tokens == 2 and second.stats.num_prefill_tokens == 30
+    third = step(sched)
+    assert [(r.request_id, r.num_new_tokens, r.sample) for r in third.scheduled] == \
+        [("d1", 1, True), ("d2", 1, True), ("p", 2, True)]
+    assert third.num_batched_tokens == 4
