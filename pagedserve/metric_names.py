@@ -61,7 +61,7 @@ MODE_LABEL = "mode"                      # num_preemptions: recompute | swap
 FINISHED_REASON_LABEL = "finished_reason"  # request_success: stop | length | abort
 DIRECTION_LABEL = "direction"            # swapped_blocks: out | in
 CACHE_DTYPE_LABEL = "cache_dtype"        # cache_config_info: float32 | bfloat16 | fp8_e4m3 | int8 ... (vLLM's label)
-DEVICE_LABEL = "device"                  # cache_config_info: cpu | cuda, where the pool lives (`advise` spells knobs by it)
+DEVICE_LABEL = "device"                  # cache_config_info: cpu | cuda (`advise` spells knobs by it)
 # Labels that only say which engine or model a series came from; a normalised scrape adds over them.
 SOURCE_LABELS = ("model_name", "engine")
 
