@@ -17,8 +17,8 @@ monitoring section reads (KV pinned at the top, TTFT, ITL):
 Utilisation (and KV usage, for rule 1) is judged only over the samples with demand, requests
 running or waiting: a window that mixes a busy burst with idle seconds after it is not "underfed".
 The findings then move each knob one way only: where two name opposite moves of one knob, the one
-that lowers it wins (preemptions, a full pool, latency over the SLO outrank headroom), and the other
-is set aside in a note. `judge` is the one entry both `pagedserve advise` and the dashboard call, so
+that lowers it wins (preemptions or latency over the SLO outrank low utilisation; a restart outranks
+a pinned pool), and the other is set aside in a note. `judge` is the one entry both `pagedserve advise` and the dashboard call, so
 the same window gets the same verdict. Utilisation is called "engine busy" unless it is the GPU's
 (`--gpu-util` from nvidia-smi, not on a CPU): engine_busy_ratio is the engine's forward share of time.
 
@@ -554,9 +554,9 @@ def advise(obs: Observations, thresholds: Thresholds) -> Report:
 
 def _one_way_per_knob(findings: list[Finding], notes: list[str]) -> list[Finding]:
     """A knob moves one way per verdict. Where findings name opposite moves of one knob, the one
-    that lowers it wins: preemptions, a pinned pool, a restart or latency over the SLO say the
-    batch or the pool is already too much, and raising it on the word of an underfed signal
-    (low utilisation, a queue with room) would undo them. The loser goes to a note."""
+    that lowers it wins: preemptions, slow steps or ITL over the SLO say the batch is already too
+    much, and raising max_num_seqs on the word of low utilisation or a queue with room would undo
+    them; a restart (OOM) outranks a pinned pool on the pool's size. The loser goes to a note."""
     lowered = {f.knob: f for f in reversed(findings) if f.direction == "lower"}  # the first that lowers
     kept = []
     for f in findings:
