@@ -683,3 +683,12 @@ def test_low_utilisation_names_what_was_measured(device, gpu_util, title, monkey
 def test_device_is_read_from_pagedserve_cache_config_info():
     assert advise_cli.detect_device([record_window([{}], device="cpu")[0]]) == "cpu"
     assert advise_cli.detect_device([record_window([{}], device="cuda")[0]]) == "gpu"
+
+
+def test_a_restart_outranks_a_pinned_pool_on_the_pools_size():
+    """OOM (the restart) says the pool is too big, a pinned pool says too small: lower wins."""
+    report = advise(_obs(counter_resets=["num_preemptions"], kv_high_share=0.9, kv_usage_mean=0.97,
+                         kv_usage_max=1.0, ttft_p99_ms=100.0, queue_time_p99_ms=10.0), Thresholds())
+    assert [(f.rule, f.knob, f.direction) for f in report.findings] == [
+        ("restart", "gpu_memory_utilization", "lower")]
+    assert any(n.startswith("kv_pinned would raise") and "but restart lowers it" in n for n in report.notes)
