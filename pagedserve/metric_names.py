@@ -61,6 +61,7 @@ MODE_LABEL = "mode"                      # num_preemptions: recompute | swap
 FINISHED_REASON_LABEL = "finished_reason"  # request_success: stop | length | abort
 DIRECTION_LABEL = "direction"            # swapped_blocks: out | in
 CACHE_DTYPE_LABEL = "cache_dtype"        # cache_config_info: float32 | bfloat16 | fp8_e4m3 | int8 ... (vLLM's label)
+DEVICE_LABEL = "device"                  # cache_config_info: cpu | cuda (`advise` spells knobs by it)
 # Labels that only say which engine or model a series came from; a normalised scrape adds over them.
 SOURCE_LABELS = ("model_name", "engine")
 
@@ -96,8 +97,9 @@ METRICS: tuple[MetricSpec, ...] = (
     MetricSpec(KV_CACHE_USED_TOKENS, "gauge", "Token slots in blocks held by requests."),
     MetricSpec(KV_CACHE_BYTES_PER_TOKEN, "gauge",
                "Bytes one token's K and V take in the KV-cache pool (all layers, quantization scales included)."),
-    MetricSpec(CACHE_CONFIG_INFO, "gauge", "Information of the KV cache: its dtype, block size and blocks (value 1).",
-               (CACHE_DTYPE_LABEL, "block_size", "num_blocks"), vllm=CACHE_CONFIG_INFO),
+    MetricSpec(CACHE_CONFIG_INFO, "gauge",
+               "Information of the KV cache: its dtype, block size, blocks and device (value 1).",
+               (CACHE_DTYPE_LABEL, "block_size", "num_blocks", DEVICE_LABEL), vllm=CACHE_CONFIG_INFO),
     MetricSpec(ENGINE_BUSY_RATIO, "gauge", "Share of wall time spent in the model forward over the last window.",
                ratio=True),
     # Counters.

@@ -241,11 +241,13 @@ class EngineMetrics:
         self.engine_step.observe(duration)
         self._window_forward += forward_time
 
-    def set_cache_config(self, cache_dtype: str, block_size: int, num_blocks: int, bytes_per_token: int) -> None:
+    def set_cache_config(self, cache_dtype: str, block_size: int, num_blocks: int, bytes_per_token: int,
+                         device: str = "unknown") -> None:
         """The KV pool as the engine built it (once, at start-up): its dtype as resolved (fp8 is
-        fp8_e4m3, auto the compute dtype) in cache_config_info's labels, and its bytes per token."""
+        fp8_e4m3, auto the compute dtype) and its device in cache_config_info's labels, and its
+        bytes per token."""
         self._cache_config_info.clear()
-        self._cache_config_info.labels(self.model_name, cache_dtype, str(block_size), str(num_blocks)).set(1)
+        self._cache_config_info.labels(self.model_name, cache_dtype, str(block_size), str(num_blocks), device).set(1)
         self.kv_cache_bytes_per_token.set(bytes_per_token)
 
     def set_state(self, running: int, waiting: int, swapped: int, used_blocks: int, total_blocks: int,

@@ -536,3 +536,159 @@ def test_report_reads_like_a_report(caplog):
         server.shutdown()
         server.server_close()
     assert not [r for r in caplog.records if r.name.startswith(("httpx", "httpcore"))]
+
+
+# -- recorded windows: one verdict, from `advise` and from the dashboard -----------------------------
+
+NUM_BLOCKS = 256
+
+
+def record_window(samples: list[dict], device: str = "cpu") -> list[str]:
+    """The /metrics text (EngineMetrics, what the server serves) after each second of a timeline:
+    each dict gives that second's running / waiting / used blocks / busy ratio, and the counts
+    that second added (preemptions, prompt and generation tokens, finished requests with their
+    queue time and TTFT)."""
+    from types import SimpleNamespace
+
+    from pagedserve.metrics import EngineMetrics
+
+    m = EngineMetrics("m", 2048, log_interval=0)
+    m.set_cache_config("float32", 16, NUM_BLOCKS, 1024, device)
+    texts = []
+    for t, s in enumerate(samples):
+        m.set_state(s.get("running", 0), s.get("waiting", 0), 0, s.get("used", 0), NUM_BLOCKS, 16)
+        m.engine_busy_ratio.set(s.get("busy", 0.0))
+        stats = SimpleNamespace(num_preempted={"recompute": s.get("preempted", 0)}, num_recomputed_tokens=0,
+                                num_blocks_swapped_out=0, num_blocks_swapped_in=0, prefix_cache_queries=0)
+        if s.get("running"):
+            m.record_step(stats, 0.05, 0.05, 64)
+        for _ in range(s.get("finished", 0)):
+            queue_s, ttft_s = s["queue_s"], s["ttft_s"]
+            m.record_first_token(300, arrival=t, first_token=t + ttft_s)
+            m.record_new_tokens(s.get("gen_per_request", 20), inter_token_gap=0.05)
+            m.record_finished("length", 300, 20, SimpleNamespace(
+                num_preemptions=1, arrival_time=t, first_scheduled_time=t + queue_s, finished_time=t + ttft_s + 1))
+        if s.get("tokens"):
+            m.prompt_tokens.inc(s["tokens"])
+            m.generation_tokens.inc(s["tokens"] // 10)
+        texts.append(m.render().decode())
+    return texts
+
+
+# The issue's burst: `serve --num-kv-blocks 256 --max-num-seqs 16`, 24 requests of 300 tokens at once,
+# then nothing: four busy seconds (the pool full, requests preempted, eight waiting), six idle.
+BURST = [dict(running=16, waiting=8, used=250, busy=0.9, preempted=3, tokens=2400, finished=6,
+              queue_s=3.0, ttft_s=4.0)] * 4 + [dict()] * 6
+# Steady load the engine has room for: four requests running all the time, the engine 30% busy.
+STEADY_LOW = [dict(running=4, used=64, busy=0.3, tokens=200)] * 10
+# Busy with demand yet underfed AND preempting: the two rules name opposite moves of max_num_seqs.
+LOW_BUT_PREEMPTING = [dict(running=16, used=230, busy=0.4, preempted=2, tokens=300)] * 10
+IDLE = [dict()] * 10
+
+WINDOWS = {
+    "burst_then_idle": (BURST, "needs_tuning", ["preemptions", "ttft_queueing"],
+                        "2 finding(s); move the first knob first, one change per load-test run: --max-num-seqs "
+                        "(lower), replicas (add)"),
+    "steady_low_with_demand": (STEADY_LOW, "needs_tuning", ["low_utilisation"],
+                               "1 finding(s); move the first knob first, one change per load-test run: "
+                               "--max-num-seqs (raise)"),
+    "low_but_preempting": (LOW_BUT_PREEMPTING, "needs_tuning", ["preemptions"],
+                           "1 finding(s); move the first knob first, one change per load-test run: "
+                           "--max-num-seqs (lower)"),
+    "idle_only": (IDLE, "idle", [], "no traffic in the interval (no tokens, nothing running or waiting): run a "
+                                    "load test while advising"),
+}
+
+
+def dashboard_verdict(texts: list[str]) -> dict:
+    """The dashboard's advisor fed the window one second at a time, as the engine clock ticks."""
+    from pagedserve.server.dashboard_feed import LiveAdvisor
+
+    feed = iter(texts)
+    advisor = LiveAdvisor(lambda: next(feed), window_s=30.0, sample_every=1.0)
+    for t in range(len(texts)):
+        advisor.update(100.0 + t)
+    return advisor.verdict
+
+
+def advise_verdict(texts: list[str], monkeypatch, capsys) -> dict:
+    """`pagedserve advise --metrics-url ... --interval 9s --sample-every 1s --json` scraping the window."""
+    feed = iter(texts)
+    clock = FakeClock()
+    scrape_for_real = advise_cli.scrape_interval
+    monkeypatch.setattr(advise_cli, "fetch_text", lambda url, timeout: next(feed))
+    monkeypatch.setattr(advise_cli, "scrape_interval",
+                        lambda *a, **kw: scrape_for_real(*a, **kw, clock=clock.time, sleep=clock.sleep))
+    rc = advise_cli.main(["advise", "--metrics-url", "127.0.0.1:9", "--interval", f"{len(texts) - 1}s",
+                          "--sample-every", "1s", "--json"])
+    assert rc == 0
+    return json.loads(capsys.readouterr().out)
+
+
+@pytest.mark.parametrize("window", sorted(WINDOWS))
+def test_recorded_window_gets_one_verdict_from_advise_and_the_dashboard(window, monkeypatch, capsys):
+    samples, verdict, rules, summary = WINDOWS[window]
+    texts = record_window(samples)
+    cli = advise_verdict(texts, monkeypatch, capsys)
+    live = dashboard_verdict(texts)
+    assert cli["observations"]["device"] == "cpu"
+    assert (cli["verdict"], [f["rule"] for f in cli["findings"]], cli["summary"]) == (verdict, rules, summary)
+    # the dashboard says the very same thing of the same window
+    assert (live["verdict"], live["summary"], live["notes"]) == (cli["verdict"], cli["summary"], cli["notes"])
+    fields = ("rule", "title", "symptom", "knob", "direction", "action")
+    assert [[f[k] for k in fields] for f in live["findings"]] == [[f[k] for k in fields] for f in cli["findings"]]
+    # never two directions for one knob
+    moves = {}
+    for f in cli["findings"]:
+        moves.setdefault(f["knob"], set()).add(f["direction"])
+    assert all(len(ways) == 1 for ways in moves.values()), moves
+
+
+def test_utilisation_is_judged_over_the_seconds_with_demand(monkeypatch, capsys):
+    """The burst's busy seconds ran at 0.9: the idle seconds after it are not an underfed engine
+    (averaged over all ten samples it would read 0.36, under util_low)."""
+    obs = advise_verdict(record_window(BURST), monkeypatch, capsys)["observations"]
+    assert obs["utilisation"] == pytest.approx(0.9) and obs["utilisation_samples"] == 4
+    assert obs["demand_share"] == pytest.approx(0.4)
+    assert obs["kv_usage_mean_demand"] == pytest.approx(250 / NUM_BLOCKS)
+
+
+def test_preemptions_outrank_low_utilisation_and_say_so(monkeypatch, capsys):
+    out = advise_verdict(record_window(LOW_BUT_PREEMPTING), monkeypatch, capsys)
+    assert out["observations"]["utilisation"] == pytest.approx(0.4)  # low, with demand: rule 1 would fire
+    assert ("low_utilisation would raise --max-num-seqs, but preemptions lowers it and outranks it (pressure "
+            "before headroom): lower first, re-run the load test, advise again") in out["notes"]
+
+
+@pytest.mark.parametrize("device, gpu_util, title", [
+    ("cpu", None, "engine busy low, throughput not rising"),
+    ("cuda", None, "engine busy low, throughput not rising"),   # engine_busy_ratio is not the GPU's reading
+    ("cuda", 30, "GPU utilisation low, throughput not rising"),  # nvidia-smi's is
+])
+def test_low_utilisation_names_what_was_measured(device, gpu_util, title, monkeypatch, capsys, tmp_path):
+    texts = record_window(STEADY_LOW, device=device)
+    if gpu_util is None:
+        finding = advise_verdict(texts, monkeypatch, capsys)["findings"][0]
+    else:
+        a, b = tmp_path / "a.txt", tmp_path / "b.txt"
+        a.write_text(texts[0])
+        b.write_text(texts[-1])
+        assert advise_cli.main(["advise", "--from-files", str(a), str(b), "--interval", "9s", "--json",
+                                "--gpu-util", str(gpu_util)]) == 0
+        finding = json.loads(capsys.readouterr().out)["findings"][0]
+    assert finding["rule"] == "low_utilisation" and finding["title"] == title
+    assert "GPU" not in finding["symptom"] or gpu_util is not None
+
+
+def test_device_is_read_from_pagedserve_cache_config_info():
+    assert advise_cli.detect_device([record_window([{}], device="cpu")[0]]) == "cpu"
+    assert advise_cli.detect_device([record_window([{}], device="cuda")[0]]) == "gpu"
+
+
+def test_a_restart_outranks_a_pinned_pool_on_the_pools_size():
+    """OOM (the restart) says the pool is too big, a pinned pool says too small: lower wins."""
+    report = advise(_obs(counter_resets=["num_preemptions"], kv_high_share=0.9, kv_usage_mean=0.97,
+                         kv_usage_max=1.0, ttft_p99_ms=100.0, queue_time_p99_ms=10.0), Thresholds())
+    assert [(f.rule, f.knob, f.direction) for f in report.findings] == [
+        ("restart", "gpu_memory_utilization", "lower")]
+    assert any(n.startswith("kv_pinned would raise") and "but restart lowers it" in n for n in report.notes)

@@ -27,6 +27,7 @@ from pagedserve.sampling import SamplingParams
 from pagedserve.server.dashboard_feed import DashboardHub, DashboardInfo, LiveSeries
 from pagedserve.server.launcher import ServerThread, build_server
 from metrics_scrape import scrape
+from required_tools import require_tool
 
 # -- the snapshot's encoding (core/snapshot.py) ----------------------------------------------------
 
@@ -407,17 +408,22 @@ CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-backg
 
 def _chromium() -> str:
     path = os.environ.get("PAGEDSERVE_CHROMIUM") or shutil.which("chromium") or shutil.which("chromium-browser")
-    if path is None:
-        pytest.fail("the dashboard's browser test needs Chromium: `apt-get install -y chromium` (.ci/run does it), "
-                    "or PAGEDSERVE_CHROMIUM=/path/to/chrome")
+    require_tool(path is not None, "the dashboard's browser test needs Chromium: `apt-get install -y chromium` "
+                                   "(.ci/run does it), or PAGEDSERVE_CHROMIUM=/path/to/chrome")
     return path
 
 
 @pytest.fixture(scope="module")
 def browser():
-    sync_api = pytest.importorskip("playwright.sync_api", reason="pip install -e '.[test]' installs playwright")
+    import importlib.util
+
+    require_tool(importlib.util.find_spec("playwright") is not None,
+                 "the dashboard's browser test needs playwright: pip install -e '.[test]' installs it")
+    chromium = _chromium()
+    from playwright import sync_api
+
     with sync_api.sync_playwright() as p:
-        b = p.chromium.launch(executable_path=_chromium(), args=CHROMIUM_ARGS)
+        b = p.chromium.launch(executable_path=chromium, args=CHROMIUM_ARGS)
         yield b
         b.close()
 

@@ -74,7 +74,7 @@ def test_every_metric_is_exposed_with_its_type(server):
     assert m["pagedserve:kv_cache_total_tokens{}"] == 8 * 16
     # tiny_llama in fp32: K and V x 2 layers x 2 KV heads x head_dim 16 x 4 bytes
     assert m["pagedserve:kv_cache_bytes_per_token{}"] == 2 * 2 * 2 * 16 * 4
-    assert m["pagedserve:cache_config_info{block_size=16,cache_dtype=float32,num_blocks=8}"] == 1
+    assert m["pagedserve:cache_config_info{block_size=16,cache_dtype=float32,device=cpu,num_blocks=8}"] == 1
     assert "pagedserve:num_preemptions_total{mode=recompute}" in m
     # Our bounds: 24 per decade where TTFT and ITL live (vLLM has none between 10 and 25 ms ITL),
     # up to vLLM's top bound.

@@ -3,7 +3,8 @@ expression must return data through Prometheus' HTTP API, the counters must matc
 sent, and the dashboard's P50/P90/P99 ITL and TTFT must be within 10% of the bench's raw timings.
 
 Needs the `prometheus` binary (Debian/Ubuntu: `apt-get install -y prometheus`; `.ci/run` installs
-it when it runs as root with apt-get). Without it the test skips and says so.
+it when it runs as root with apt-get). Without it the test skips and says so, except under CI
+(`CI=true`), where it fails: a CI run must not go green with this file skipped.
 """
 from __future__ import annotations
 
@@ -18,11 +19,15 @@ import pytest
 from pagedserve.bench.prom import histogram_quantile, parse_metrics
 from prometheus_harness import (ROOT, grafana_to_promql, prometheus, prometheus_binary, random_llama, run_bench,
                                 serving)
+from required_tools import require_tool
 
-pytestmark = pytest.mark.skipif(
-    prometheus_binary() is None,
-    reason="no `prometheus` binary on PATH: install it (Debian/Ubuntu: apt-get install -y prometheus; "
-           ".ci/run does so as root) to check the dashboard against a real Prometheus")
+
+@pytest.fixture(autouse=True, scope="module")
+def _prometheus_on_path():
+    """Before any other fixture of the module starts a server: skip, or under CI=true fail."""
+    require_tool(prometheus_binary() is not None,
+                 "no `prometheus` binary on PATH: install it (Debian/Ubuntu: apt-get install -y prometheus; "
+                 ".ci/run does so as root) to check the dashboard against a real Prometheus")
 
 JOB = "pagedserve"
 NUM_PROMPTS = 100

@@ -260,3 +260,54 @@ def test_tp_flag_means_the_same_in_serve_plan_and_simulate_and_their_pools_agree
     assert dep.tp == 2
     assert dep.num_blocks == plan.pool.num_blocks == llama_tp2.llm.engine.pool_sizing.num_blocks
     assert dep.bytes_per_block == plan.pool.bytes_per_block == llama_tp2.llm.engine.pool_sizing.bytes_per_block
+
+
+SCRIPT_BODY = """from pagedserve import LLM, SamplingParams
+llm = LLM({path!r}, tensor_parallel_size=2, num_kv_blocks=64, max_model_len=256)
+out = llm.generate([{prompt!r}], SamplingParams(max_tokens={n}, temperature=0.0, ignore_eos=True), use_tqdm=False)
+print("TOKENS", list(out[0].outputs[0].token_ids))
+llm.shutdown()
+"""
+
+
+def _run_script(tmp_path, name: str, source: str):
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import pagedserve
+
+    script = tmp_path / name
+    script.write_text(source)
+    env = {**os.environ, "PYTHONPATH": str(Path(pagedserve.__file__).resolve().parents[1]), "OMP_NUM_THREADS": "1"}
+    return script, subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env,
+                                  cwd=str(tmp_path), timeout=600)
+
+
+def test_tp_script_without_main_guard_stops_with_one_line_naming_the_fix(tiny_llama, tmp_path):
+    """Ranks start with spawn, which imports the script again in each rank: a script whose
+    LLM(...) sits at module level (no `if __name__ == "__main__":`) stops with one line that
+    names the guard, not with multiprocessing's bootstrap traceback from every rank and a
+    bare "rank 0 died: exit code 1"; the same script with the guard gives HF's tokens."""
+    import textwrap
+
+    prompt, n = [5, 6, 7, 8, 9], 6
+    body = SCRIPT_BODY.format(path=str(tiny_llama), prompt=prompt, n=n)
+    script, bare = _run_script(tmp_path, "unguarded.py", body)
+    assert bare.returncode != 0, bare.stdout + bare.stderr
+    assert "TOKENS" not in bare.stdout
+    last = bare.stderr.strip().splitlines()[-1]
+    assert last == ("pagedserve.worker.multiproc_executor.UnguardedMainError: tensor_parallel_size=2 starts its "
+                    f"ranks with multiprocessing 'spawn', which imports {script} again in each rank, and that "
+                    "import builds the engine again: put the code that builds LLM(...) under "
+                    "`if __name__ == \"__main__\":`"), bare.stderr
+    for noise in ("bootstrapping phase", "multiprocessing/spawn.py", "died"):
+        assert noise not in bare.stderr, bare.stderr
+
+    # The fix the line names works, and the ranks give HF's tokens.
+    guarded = "if __name__ == \"__main__\":\n" + textwrap.indent(body, "    ")
+    _, fixed = _run_script(tmp_path, "guarded.py", guarded)
+    assert fixed.returncode == 0, fixed.stderr
+    got = next(line for line in fixed.stdout.splitlines() if line.startswith("TOKENS"))
+    assert got == f"TOKENS {hf_greedy(tiny_llama, [prompt], [n])[0]}"

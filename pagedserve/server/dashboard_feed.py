@@ -10,9 +10,9 @@ in `simulate --dashboard` the replay thread does); `DashboardHub.ingest` folds i
   (TTFT = first token's step end - arrival, ITL = gap between a request's token steps shared
   by the tokens that arrived together: the definitions /metrics' histograms use);
 - the latest pool snapshot (core/snapshot.py), when the engine thread attached one;
-- the advisor's verdict: `pagedserve advise`'s own rules (tune/advisor.py `observe` +
-  `advise`) over the same Prometheus text a scraper of /metrics would read, sampled once a
-  second of engine time over a sliding window.
+- the advisor's verdict: `pagedserve advise`'s own verdict (tune/advisor.py `judge`, the
+  device read from the metrics as `advise` reads it) over the same Prometheus text a scraper
+  of /metrics would read, sampled once a second of engine time over a sliding window.
 
 Everything here runs on the loop thread only; nothing reads the engine core.
 """
@@ -160,7 +160,7 @@ class LiveSeries:
 class LiveAdvisor:
     """`pagedserve advise` on the live numbers: the Prometheus text `metrics_text()` returns
     (what /metrics serves) is sampled every `sample_every` engine seconds into a window of
-    `window_s`, and the advisor's public `observe` + `advise` judge that window."""
+    `window_s`, and the advisor's `judge` (what `pagedserve advise` calls) gives that window's verdict."""
 
     def __init__(self, metrics_text: Callable[[], bytes | str], window_s: float = 30.0, sample_every: float = 1.0,
                  thresholds=None) -> None:
@@ -171,6 +171,7 @@ class LiveAdvisor:
         self.sample_every = sample_every
         self.thresholds = thresholds if thresholds is not None else Thresholds()
         self.samples: collections.deque = collections.deque()
+        self.device = "unknown"  # read from the metrics, as `pagedserve advise --device auto` does
         self.verdict: dict = {"verdict": "collecting", "summary": "waiting for a second sample of the metrics",
                               "findings": [], "notes": []}
         self._next = -math.inf
@@ -180,18 +181,20 @@ class LiveAdvisor:
         if now < self._next:
             return False
         self._next = now + self.sample_every
-        from pagedserve.tune.advisor import advise, observe
+        from pagedserve.tune.advisor import detect_device, judge
         from pagedserve.bench.prom import parse_metrics
 
         text = self.metrics_text()
-        self.samples.append((now, parse_metrics(text.decode() if isinstance(text, bytes) else text)))
+        text = text.decode() if isinstance(text, bytes) else text
+        if self.device == "unknown":
+            self.device = detect_device([text])
+        self.samples.append((now, parse_metrics(text)))
         while len(self.samples) > 2 and self.samples[1][0] <= now - self.window_s:
             self.samples.popleft()
         if len(self.samples) < 2:
             return False
-        (t0, first), (t1, last) = self.samples[0], self.samples[-1]
-        snapshots = [s for _, s in self.samples]
-        report = advise(observe(first, last, snapshots, max(t1 - t0, 1e-9), self.thresholds), self.thresholds)
+        t0, t1 = self.samples[0][0], self.samples[-1][0]
+        report = judge([s for _, s in self.samples], max(t1 - t0, 1e-9), self.thresholds, device=self.device)
         self.verdict = _verdict_dict(report, t1 - t0)
         return True
 

@@ -58,7 +58,8 @@ def build_server(config: EngineConfig, api_key: str | None = None, max_queue_len
         num_blocks = client.initial_snapshot().stats.num_total_blocks
         shape = ModelShape.from_hf_config(engine.model_config.hf_config)
         bytes_per_token = size_pool(engine.config, shape, engine.dtype).bytes_per_token
-    metrics.set_cache_config(engine.kv_cache_dtype, engine.config.block_size, num_blocks, bytes_per_token)
+    metrics.set_cache_config(engine.kv_cache_dtype, engine.config.block_size, num_blocks, bytes_per_token,
+                             engine.config.device)
     async_engine = AsyncLLM(engine, metrics, max_queue_len=max_queue_len, client=client)
     return build_app(async_engine, api_key=api_key, max_request_bytes=max_request_bytes,
                      enable_prompt_tokens_details=enable_prompt_tokens_details,

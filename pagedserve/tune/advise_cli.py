@@ -10,7 +10,7 @@ import sys
 import time
 from urllib.parse import urlsplit, urlunsplit
 
-from pagedserve.tune.advisor import Thresholds, advise, format_report, observe
+from pagedserve.tune.advisor import Thresholds, detect_device, format_report, judge
 from pagedserve.bench.prom import Snapshot, fetch_text, parse_metrics
 
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|min|h)?\s*$")
@@ -94,22 +94,6 @@ def scrape_interval(url: str, interval_s: float, sample_every_s: float, timeout:
     return snapshots, max(clock() - start, 1e-9)
 
 
-def detect_device(texts: list[str]) -> str:
-    """cpu / gpu from what a server says of itself in its metrics, else unknown. vLLM's
-    cache_config_info carries its engine's settings as labels; a CPU build reports a CPU
-    KV-cache space there."""
-    for text in texts:
-        for line in text.splitlines():
-            if not line.startswith("vllm:cache_config_info"):
-                continue
-            labels = dict(re.findall(r'(\w+)="([^"]*)"', line))
-            if labels.get("cpu_kvcache_space_bytes") not in (None, "", "None"):
-                return "cpu"
-            if labels.get("num_gpu_blocks") not in (None, "", "None", "0"):
-                return "gpu"
-    return "unknown"
-
-
 def run(args) -> int:
     # A report is for people: one httpx INFO line per scrape is noise in it.
     for name in ("httpx", "httpcore"):
@@ -146,9 +130,7 @@ def run(args) -> int:
         source = url
     if not any(s.counters or s.gauges or s.histograms for s in snapshots):
         raise ValueError(f"no metrics found in {source}")
-    obs = observe(snapshots[0], snapshots[-1], snapshots, interval_s, thresholds, gpu_util=gpu_util,
-                  gauges_sampled=sampled, device=device)
-    report = advise(obs, thresholds)
+    report = judge(snapshots, interval_s, thresholds, device=device, gpu_util=gpu_util, gauges_sampled=sampled)
     if args.json:
         print(json.dumps(dict(source=source, **report.to_dict()), indent=2))
     else:

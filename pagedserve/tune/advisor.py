@@ -14,6 +14,14 @@ monitoring section reads (KV pinned at the top, TTFT, ITL):
     ttft_slow_steps  ... and prompts too short to block      → every step is slow: lower max_num_seqs
   8 itl_overload     P99 ITL over SLO, prompts short         → decode squeezed: lower max_num_seqs
 
+Utilisation (and KV usage, for rule 1) is judged only over the samples with demand, requests
+running or waiting: a window that mixes a busy burst with idle seconds after it is not "underfed".
+The findings then move each knob one way only: where two name opposite moves of one knob, the one
+that lowers it wins (preemptions or latency over the SLO outrank low utilisation; a restart outranks
+a pinned pool), and the other is set aside in a note. `judge` is the one entry both `pagedserve advise` and the dashboard call, so
+the same window gets the same verdict. Utilisation is called "engine busy" unless it is the GPU's
+(`--gpu-util` from nvidia-smi, not on a CPU): engine_busy_ratio is the engine's forward share of time.
+
 "Queueing" is judged on the waiting gauge and on the queue-time histogram: requests that waited
 (queue-time P99 at least `queue_ttft_share` of TTFT P99) were queued even when a sparse gauge
 caught few of them. Every knob is named as the target server spells it on its device
@@ -24,6 +32,7 @@ Everything here is plain data and pure functions: the CLI scrapes, this module j
 """
 from __future__ import annotations
 
+import re
 from dataclasses import asdict, dataclass, field
 
 from pagedserve import metric_names as mn
@@ -122,6 +131,9 @@ class Observations:
     counter_resets: list[str] = field(default_factory=list)
     kv_cache_dtype: str | None = None       # cache_config_info's cache_dtype label (None: not exposed)
     device: str = "unknown"                 # cpu | gpu | unknown: how the server's knobs are spelled
+    demand_share: float | None = None       # share of samples with requests running or waiting (None: no gauges)
+    utilisation_samples: int | None = None  # samples the busy-ratio mean is over (those with demand)
+    kv_usage_mean_demand: float | None = None  # KV usage mean over the samples with demand
 
     @property
     def has_traffic(self) -> bool:
@@ -207,11 +219,19 @@ def observe(first: Snapshot, last: Snapshot, samples: list[Snapshot], interval_s
     running = gauge_series(mn.NUM_REQUESTS_RUNNING)
     waiting = gauge_series(mn.NUM_REQUESTS_WAITING)
     swapped = gauge_series(mn.NUM_REQUESTS_SWAPPED)
-    busy = gauge_series(mn.ENGINE_BUSY_RATIO)
+    demand = [_has_demand(s) for s in samples]
+    known_demand = [d for d in demand if d is not None]
+    # Judged where there was demand: a sample nobody was waiting on says nothing about being underfed.
+    busy = [s.gauges[mn.ENGINE_BUSY_RATIO] for s, d in zip(samples, demand)
+            if mn.ENGINE_BUSY_RATIO in s.gauges and d is not False]
+    kv_demand = [s.gauges[mn.KV_CACHE_USAGE_PERC] for s, d in zip(samples, demand)
+                 if mn.KV_CACHE_USAGE_PERC in s.gauges and d is not False]
     if gpu_util is not None:
         utilisation, source = gpu_util, "--gpu-util"
     elif busy:
         utilisation, source = _mean(busy), mn.ENGINE_BUSY_RATIO
+    elif any(mn.ENGINE_BUSY_RATIO in s.gauges for s in samples):
+        utilisation, source = None, f"{mn.ENGINE_BUSY_RATIO}, no sample with demand"
     else:
         utilisation, source = None, "unknown"
 
@@ -259,7 +279,29 @@ def observe(first: Snapshot, last: Snapshot, samples: list[Snapshot], interval_s
         counter_resets=sorted(set(resets)),
         kv_cache_dtype=next(iter(last.by_label(mn.CACHE_CONFIG_INFO, mn.CACHE_DTYPE_LABEL)), None),
         device=device,
+        demand_share=_share(known_demand, bool),
+        utilisation_samples=len(busy) if source == mn.ENGINE_BUSY_RATIO else None,
+        kv_usage_mean_demand=_mean(kv_demand),
     )
+
+
+def _has_demand(snapshot: Snapshot) -> bool | None:
+    """Requests running or waiting in this scrape; None when it has neither gauge."""
+    running = snapshot.gauges.get(mn.NUM_REQUESTS_RUNNING)
+    waiting = snapshot.gauges.get(mn.NUM_REQUESTS_WAITING)
+    if running is None and waiting is None:
+        return None
+    return (running or 0) + (waiting or 0) > 0
+
+
+def utilisation_name(obs: Observations) -> str:
+    """What the utilisation number is, in words: the GPU's only when the operator read it off the
+    GPU (--gpu-util); engine_busy_ratio is the engine's share of time in the forward, on any device."""
+    if obs.utilisation_source == "--gpu-util" and obs.device != "cpu":
+        return "GPU utilisation"
+    if obs.utilisation_source.startswith(mn.ENGINE_BUSY_RATIO) or obs.device == "cpu":
+        return "engine busy"
+    return "utilisation"
 
 
 # -- judging ------------------------------------------------------------------------------------
@@ -325,7 +367,7 @@ def advise(obs: Observations, thresholds: Thresholds) -> Report:
     if not obs.gauges_sampled:
         notes.append("gauges (KV usage, running, waiting, swapped, busy ratio) come from the two snapshots only, "
                      "not sampled through the interval: 'pinned' and 'queueing' are judged on 2 points")
-    if obs.utilisation is None:
+    if obs.utilisation is None and obs.utilisation_source == "unknown":
         notes.append("utilisation unknown (no engine_busy_ratio; pass --gpu-util PCT from nvidia-smi): "
                      "the utilisation rule is judged on KV usage and running/waiting alone")
     if obs.counter_resets:
@@ -342,22 +384,30 @@ def advise(obs: Observations, thresholds: Thresholds) -> Report:
     prompts_are_long = long_prompts is not None and long_prompts >= t.long_prompt_tokens
 
     # 1. GPU utilisation low, throughput not rising → KV pool too small / max_num_seqs too conservative.
+    #    Judged over the samples with demand only (a burst then idle seconds is not an underfed engine).
+    util_name = utilisation_name(obs)
+    demand_seen = obs.demand_share is None or obs.demand_share > 0
+    kv_busy = obs.kv_usage_mean_demand if obs.kv_usage_mean_demand is not None else kv_mean
     util_low = util is not None and util < t.util_low
-    kv_idle = kv_mean is not None and kv_mean < t.kv_low
-    if traffic and not kv_pinned and ((util_low and (kv_mean is None or kv_mean < t.kv_high)) or
-                                      (util is None and kv_idle)):
+    kv_idle = kv_busy is not None and kv_busy < t.kv_low
+    if traffic and demand_seen and not kv_pinned and ((util_low and (kv_busy is None or kv_busy < t.kv_high)) or
+                                                      (util is None and kv_idle)):
         load_hint = ("" if queueing else " No request waited through the interval, so the offered load may be "
                      "the limit too: raise the load test's concurrency as you raise the knob.")
-        add("low_utilisation", 1, "GPU utilisation low, throughput not rising",
-            f"utilisation {_f(util)} ({obs.utilisation_source}) < util_low {t.util_low}, KV usage mean "
-            f"{_f(kv_mean)} (kv_low {t.kv_low}), running mean {_f(obs.running_mean, 1)}, "
+        over = ("" if obs.demand_share is None else
+                f" over the {round(obs.demand_share * obs.num_gauge_samples)} of {obs.num_gauge_samples} samples "
+                "with requests running or waiting")
+        title = f"{util_name} low, throughput not rising" if util is not None else "KV pool idle, throughput not rising"
+        add("low_utilisation", 1, title,
+            f"{util_name} {_f(util)} ({obs.utilisation_source}) < util_low {t.util_low}, KV usage mean "
+            f"{_f(kv_busy)} (kv_low {t.kv_low}){over}; running mean {_f(obs.running_mean, 1)}, "
             f"waiting mean {_f(obs.waiting_mean, 1)}",
             "max_num_seqs is too conservative: the KV pool has room the scheduler may not use." + load_hint,
             "max_num_seqs", "raise",
             f"raise {k.max_num_seqs} one step (e.g. ×1.5); once KV usage nears kv_high, {pool_up}",
-            "utilisation and KV usage rise; stop and back off one step when P99 TTFT/ITL near the SLO "
+            f"{util_name} and KV usage rise; stop and back off one step when P99 TTFT/ITL near the SLO "
             "or preemptions appear",
-            dict(utilisation=util, kv_usage_mean=kv_mean, running_mean=obs.running_mean,
+            dict(utilisation=util, kv_usage_mean=kv_busy, running_mean=obs.running_mean,
                  waiting_mean=obs.waiting_mean),
             ("util_low", "kv_low", "kv_high"))
 
@@ -469,10 +519,11 @@ def advise(obs: Observations, thresholds: Thresholds) -> Report:
         add("itl_overload", 8, "high ITL: decode squeezed",
             f"ITL P99 {_f(obs.itl_p99_ms, 1)} ms > itl_p99 SLO {t.itl_p99_ms:g} ms, prompts short (P90 "
             f"{_f(obs.prompt_tokens_p90, 0)} < {t.long_prompt_tokens:g}), running mean "
-            f"{_f(obs.running_mean, 1)}, utilisation {_f(util)}" + (" ≥ util_high " + str(t.util_high)
-                                                                   if saturated else ""),
-            "the decode batch is too large for the latency target" + (": the GPU is saturated (overload)"
-                                                                      if saturated else ""),
+            f"{_f(obs.running_mean, 1)}, {util_name} {_f(util)}" + (" ≥ util_high " + str(t.util_high)
+                                                                    if saturated else ""),
+            "the decode batch is too large for the latency target"
+            + ((": the GPU is saturated (overload)" if util_name == "GPU utilisation" else
+                ": the engine is saturated (overload)") if saturated else ""),
             "max_num_seqs", "lower",
             f"lower {k.max_num_seqs} one step (e.g. ×0.75) and re-run the same load test",
             "ITL P99 under the SLO; throughput drops only a little; waiting should not grow",
@@ -480,17 +531,12 @@ def advise(obs: Observations, thresholds: Thresholds) -> Report:
             ("itl_p99_ms", "long_prompt_tokens", "util_high"))
 
     findings.sort(key=lambda f: f.order)
-    directions: dict[str, set[str]] = {}
-    for f in findings:
-        directions.setdefault(f.knob, set()).add(f.direction)
-    for knob, ways in directions.items():
-        if {"raise", "lower"} <= ways:
-            notes.append(f"findings disagree on {flags.get(knob, knob)}: follow the first one, re-run the load test, "
-                         "advise again")
+    findings = _one_way_per_knob(findings, notes)
     if findings:
         verdict = "needs_tuning"
+        moves = dict.fromkeys(f"{f.flag or f.knob} ({f.direction})" for f in findings)  # each move once, in order
         summary = f"{len(findings)} finding(s); move the first knob first, one change per load-test run: " + \
-            ", ".join(f"{f.flag or f.knob} ({f.direction})" for f in findings)
+            ", ".join(moves)
     elif not traffic:
         verdict = "idle"
         summary = ("no traffic in the interval (no tokens, nothing running or waiting): run a load test "
@@ -506,6 +552,54 @@ def advise(obs: Observations, thresholds: Thresholds) -> Report:
     return Report(verdict, summary, obs, findings, thresholds, notes)
 
 
+def _one_way_per_knob(findings: list[Finding], notes: list[str]) -> list[Finding]:
+    """A knob moves one way per verdict. Where findings name opposite moves of one knob, the one
+    that lowers it wins: preemptions, slow steps or ITL over the SLO say the batch is already too
+    much, and raising max_num_seqs on the word of low utilisation or a queue with room would undo
+    them; a restart (OOM) outranks a pinned pool on the pool's size. The loser goes to a note."""
+    lowered = {f.knob: f for f in reversed(findings) if f.direction == "lower"}  # the first that lowers
+    kept = []
+    for f in findings:
+        winner = lowered.get(f.knob)
+        if f.direction == "raise" and winner is not None:
+            notes.append(f"{f.rule} would raise {f.flag or f.knob}, but {winner.rule} lowers it and outranks it "
+                         "(pressure before headroom): lower first, re-run the load test, advise again")
+            continue
+        kept.append(f)
+    return kept
+
+
+def judge(snapshots: list[Snapshot], interval_s: float, thresholds: Thresholds, *, device: str = "unknown",
+          gpu_util: float | None = None, gauges_sampled: bool = True) -> Report:
+    """The verdict on one window of scrapes (first .. last, in order): `pagedserve advise` and the
+    dashboard both come here, so one window gets one verdict."""
+    if len(snapshots) < 2:
+        raise ValueError(f"a window needs two scrapes at least, got {len(snapshots)}")
+    obs = observe(snapshots[0], snapshots[-1], snapshots, interval_s, thresholds, gpu_util=gpu_util,
+                  gauges_sampled=gauges_sampled, device=device)
+    return advise(obs, thresholds)
+
+
+def detect_device(texts: list[str]) -> str:
+    """cpu / gpu from what a server says of itself in its metrics, else unknown. pagedserve's
+    cache_config_info has a device label (cpu | cuda); vLLM's carries its engine's settings as
+    labels, and a CPU build reports a CPU KV-cache space there."""
+    for text in texts:
+        for line in text.splitlines():
+            name = line.split("{", 1)[0]
+            if line.startswith("#") or name.rsplit(":", 1)[-1] != mn.CACHE_CONFIG_INFO or ":" not in name:
+                continue
+            labels = dict(re.findall(r'(\w+)="([^"]*)"', line))
+            device = labels.get(mn.DEVICE_LABEL)
+            if device in ("cpu", "cuda", "gpu"):
+                return "cpu" if device == "cpu" else "gpu"
+            if labels.get("cpu_kvcache_space_bytes") not in (None, "", "None"):
+                return "cpu"
+            if labels.get("num_gpu_blocks") not in (None, "", "None", "0"):
+                return "gpu"
+    return "unknown"
+
+
 # -- rendering ----------------------------------------------------------------------------------
 
 def format_report(report: Report, source: str) -> str:
@@ -517,7 +611,9 @@ def format_report(report: Report, source: str) -> str:
         + ("" if o.gauges_sampled else " (the two snapshots only)"),
         f"  throughput: prompt {_f(o.prompt_tokens_per_s, 1)} tok/s, generation {_f(o.generation_tokens_per_s, 1)} "
         f"tok/s, finished {_f(o.requests_per_s, 2)} req/s",
-        f"  utilisation: {_f(o.utilisation)} ({o.utilisation_source})"
+        f"  utilisation{'' if utilisation_name(o) == 'utilisation' else f' ({utilisation_name(o)})'}: "
+        f"{_f(o.utilisation)} ({o.utilisation_source}"
+        + (f", over {o.utilisation_samples} samples with demand" if o.utilisation_samples is not None else "") + ")"
         + (f"; engine steps {_f(o.steps_per_s, 1)}/s, {_f(o.tokens_per_step, 1)} tokens/step"
            if o.steps_per_s is not None else ""),
         f"  KV usage: mean {_f(o.kv_usage_mean)}, max {_f(o.kv_usage_max)}, ≥ {t.kv_high} in {_pct(o.kv_high_share)} "
@@ -551,4 +647,5 @@ def format_report(report: Report, source: str) -> str:
     return "\n".join(lines)
 
 
-__all__ = ["Thresholds", "Observations", "Finding", "Report", "observe", "advise", "format_report"]
+__all__ = ["Thresholds", "Observations", "Finding", "Report", "observe", "advise", "judge", "detect_device",
+           "utilisation_name", "format_report"]

@@ -15,12 +15,23 @@ Faults: a rank that dies (its process sentinel fires) or reports an error makes 
 raise WorkerDied naming the rank and pid, at once; a monitor thread notices a death between
 steps too (`check_health`). The engine then treats the step as fatal. shutdown() asks every
 rank to leave, then terminates and kills whatever is still alive: no rank outlives it.
+
+Starting ranks: always "spawn" (a fresh interpreter per rank), never "fork": the parent has
+torch's OpenMP pool and, in a server, the event loop's and the engine's threads, and a fork
+of a threaded process can hang on a lock some other thread held. Spawn imports the user's
+main module again in every rank, so a script that builds its LLM at module level without
+`if __name__ == "__main__":` would build it again there; a rank notices that (it is still
+bootstrapping) and leaves with UNGUARDED_MAIN_EXIT, and the parent raises UnguardedMainError,
+one line naming the fix, in place of multiprocessing's traceback in each rank and a bare
+"rank 0 died: exit code 1".
 """
 from __future__ import annotations
 
 import logging
+import multiprocessing
 import os
 import signal
+import sys
 import threading
 import time
 from multiprocessing.connection import wait
@@ -38,6 +49,32 @@ START_TIMEOUT = 900.0   # seconds for every rank to load its shard
 
 class WorkerDied(RuntimeError):
     """A tensor-parallel rank is gone or failed; the message names it."""
+
+
+class UnguardedMainError(WorkerDied):
+    """The script that builds a tensor-parallel engine has no `if __name__ == "__main__":`."""
+
+
+# A rank's exit status meaning "I was started while importing the script's main module, and
+# that import tried to start ranks of its own": the script lacks its __main__ guard.
+UNGUARDED_MAIN_EXIT = 83
+
+
+def leave_if_spawned_from_unguarded_main() -> None:
+    """In a process multiprocessing is still bootstrapping (it sets `_inheriting` while it
+    imports the parent's main module; its own check before starting a process reads the same
+    flag), building ranks means the main module does so at import time. Leave quietly with
+    UNGUARDED_MAIN_EXIT: the parent explains, once, instead of a traceback per rank."""
+    if getattr(multiprocessing.current_process(), "_inheriting", False):
+        raise SystemExit(UNGUARDED_MAIN_EXIT)
+
+
+def unguarded_main_message(tp: int) -> str:
+    main = sys.modules.get("__main__")
+    script = getattr(main, "__file__", None) or "the main module"
+    return (f"tensor_parallel_size={tp} starts its ranks with multiprocessing 'spawn', which imports "
+            f"{script} again in each rank, and that import builds the engine again: put the code that "
+            f"builds LLM(...) under `if __name__ == \"__main__\":`")
 
 
 def describe_exit(exitcode: int | None) -> str:
@@ -73,6 +110,7 @@ class MultiprocExecutor(RankCalls):
     def __init__(self, config: EngineConfig, dtype: str, eos_token_ids: frozenset[int]) -> None:
         import torch.multiprocessing as tmp
 
+        leave_if_spawned_from_unguarded_main()
         self.tp = config.tensor_parallel_size
         self.broadcast_seconds = 0.0
         self.broadcast_bytes = 0
@@ -175,6 +213,8 @@ class MultiprocExecutor(RankCalls):
 
     def _raise_dead(self) -> None:
         dead = self._dead_ranks()
+        if any(r.process.exitcode == UNGUARDED_MAIN_EXIT for r in dead):
+            raise UnguardedMainError(unguarded_main_message(self.tp))  # a script to fix, not a death to log
         if not dead:
             self._fail(WorkerDied("tensor-parallel: a rank closed its pipe"))
         self._fail(WorkerDied(self._death_message(dead)))
