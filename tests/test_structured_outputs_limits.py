@@ -280,3 +280,23 @@ def test_grammar_cache_size_on_metrics(server):
     m = _metrics(server)
     assert m["pagedserve:grammar_cache_entries{}"] == compiler.cache_num_entries >= 1
     assert m["pagedserve:grammar_cache_bytes{}"] == compiler.cache_num_bytes >= ENTRY_BASE_BYTES
+
+
+def test_matcher_failure_crosses_from_an_engine_core_process():
+    """The failure is found in the engine-core process and travels over its wire (StepResult
+    errors -> EngineCoreOutput.error) to the API process, which answers with the error."""
+    from pagedserve.config import EngineConfig
+    from pagedserve.server.launcher import ServerThread, build_server
+    app, async_engine = build_server(EngineConfig(num_kv_blocks=64, max_model_len=256), log_interval=0,
+                                     engine_core_mode="process")
+    with ServerThread(app) as srv, httpx.Client(base_url=srv.url, timeout=120) as c:
+        r = c.post("/v1/completions", json={"prompt": "word:", "max_tokens": 40, "temperature": 0,
+                                            "guided_grammar": GRAMMAR_FAILING_AFTER_A_WORD})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "guided_grammar", r.text
+        assert "failed after" in r.json()["error"]["message"]
+        from metrics_scrape import wait_idle
+        after = wait_idle(srv)
+        assert after["pagedserve:structured_output_errors_total{}"] == 1
+        ok = c.post("/v1/completions", json={"prompt": "x", "guided_choice": CHOICES, "max_tokens": 16,
+                                             "temperature": 1.0, "seed": 2})
+        assert ok.status_code == 200 and ok.json()["choices"][0]["text"] in CHOICES
