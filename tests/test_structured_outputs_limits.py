@@ -27,10 +27,10 @@ from pagedserve import LLM, SamplingParams
 from pagedserve.structured import StructuredOutputsParams
 from pagedserve.structured.compiler import GrammarCompiler
 
-WORDS = ["".join(w) for w in itertools.islice(itertools.product(string.ascii_lowercase, repeat=4), 4990)]
+WORDS = ["".join(w) for w in itertools.islice(itertools.product(string.ascii_lowercase, repeat=4), 4989)]
 # Strings a grammar literal must escape, among the 5,000.
 SPECIALS = ['say "hi"', "back\\slash", "new\nline", "tab\there", "ünï ✓ 日本", "a.b*c+(d)?[e]{2}^$|",
-            "/slash/", "C:\\path", "yes", "yesterday"]
+            "/slash/", "C:\\path", "yes", "yesterday", "emoji 😀 ok"]
 CHOICES = WORDS + SPECIALS
 assert len(set(CHOICES)) == 5000
 
