@@ -168,7 +168,9 @@ class OutputProcessor:
             if out.finish_reason is not None and not sample.finished:
                 sample.finish_reason, sample.stop_reason = out.finish_reason, out.stop_reason
                 if out.finish_reason == FinishReason.ERROR:
-                    failed.append((sample.parent.request_id, self._failure_message(sample, out.error)))
+                    failed.append((sample.parent.request_id, failure_message(sample, out.error)))
+                    if self.metrics is not None:
+                        self.metrics.record_structured_output_error()
             if sample.finished:
                 sample.finished_time = now
             self._record(sample, len(out.new_token_ids), prev_time, now)
@@ -183,15 +185,6 @@ class OutputProcessor:
                 for s in state.samples:
                     self._samples.pop(s.request.request_id, None)
         return ProcessedOutputs(outputs, stopped, failed)
-
-    def _failure_message(self, sample: SampleState, error: str | None) -> str:
-        spec = sample.request.sampling_params.structured_outputs
-        where = spec.field if spec is not None else "request"
-        if self.metrics is not None:
-            self.metrics.record_structured_output_error()
-        return (f"{where}: the constraint could not be enforced: the grammar engine failed after "
-                f"{len(sample.token_ids)} generated tokens ({error or 'no detail'}); no output is returned "
-                f"rather than unconstrained text")
 
     def _record(self, sample: SampleState, num_new: int, prev_time: float | None, now: float) -> None:
         metrics = self.metrics
@@ -245,6 +238,15 @@ class OutputProcessor:
             index=s.index, text=text, token_ids=new_tokens,
             cumulative_logprob=s.cumulative_logprob if s.logprobs is not None else None,
             logprobs=new_lps, finish_reason=s.finish_reason, stop_reason=s.stop_reason)
+
+def failure_message(sample: SampleState, error: str | None) -> str:
+    """'field: ...': what the client is told when a sample's grammar matcher failed."""
+    spec = sample.request.sampling_params.structured_outputs
+    where = spec.field if spec is not None else "request"
+    return (f"{where}: the constraint could not be enforced: the grammar engine failed after "
+            f"{len(sample.token_ids)} generated tokens ({error or 'no detail'}); no output is returned "
+            f"rather than unconstrained text")
+
 
 def make_core_requests(request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                        eos_token_ids: frozenset[int], arrival_time: float | None, priority: int,
