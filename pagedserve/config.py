@@ -116,6 +116,7 @@ class EngineConfig:
     step_trace_path: str | None = None
     tensor_parallel_size: int = 1
     distributed_executor_backend: str | None = None  # None: mp when tensor_parallel_size > 1, else uni
+    structured_outputs_cache_bytes: int | str = "64MiB"  # compiled grammars kept (estimated), besides 256 entries
 
     def __post_init__(self) -> None:
         self.validate()
@@ -170,6 +171,12 @@ class EngineConfig:
         self.scheduling_policy = SchedulingPolicy(self.scheduling_policy)
         _check(_is_int(self.max_logprobs) and self.max_logprobs >= 0, "max_logprobs",
                f"must be an integer >= 0, got {self.max_logprobs!r}")
+        try:
+            self.structured_outputs_cache_bytes = parse_bytes(self.structured_outputs_cache_bytes)
+        except ValueError as e:
+            raise ValueError(f"structured_outputs_cache_bytes: {e}") from None
+        _check(self.structured_outputs_cache_bytes >= 0, "structured_outputs_cache_bytes",
+               f"must be >= 0 bytes (0 = keep none), got {self.structured_outputs_cache_bytes}")
         _check(_is_int(self.tensor_parallel_size) and self.tensor_parallel_size >= 1, "tensor_parallel_size",
                f"must be an integer >= 1, got {self.tensor_parallel_size!r}")
         if self.distributed_executor_backend is None:

@@ -34,6 +34,8 @@ _FLAGS: list[tuple[str, dict]] = [
     ("--scheduling-policy", dict(choices=SCHEDULING_POLICIES, default=None)),
     ("--max-logprobs", dict(type=int, default=None)),
     ("--served-model-name", dict(default=None)),
+    ("--structured-outputs-cache-bytes", dict(default=None, help="bound on the compiled-grammar cache, by "
+                                              "estimated size, e.g. 64MiB (it also keeps at most 256 grammars)")),
     ("--step-trace-path", dict(default=None, help="write one JSON line per engine step (for sim calibrate)")),
     (("--tensor-parallel-size", "-tp", "--tp"), dict(type=int, default=None,
                                                       help="ranks the model is sharded over (one process each)")),

@@ -55,10 +55,13 @@ REQUEST_GENERATION_TOKENS = "request_generation_tokens"
 ITERATION_TOKENS = "iteration_tokens_total"      # vLLM's name: a histogram despite the `_total`
 REQUEST_NUM_PREEMPTIONS = "request_num_preemptions"
 ENGINE_STEP = "engine_step_seconds"
+STRUCTURED_OUTPUT_ERRORS = "structured_output_errors"
+GRAMMAR_CACHE_ENTRIES = "grammar_cache_entries"
+GRAMMAR_CACHE_BYTES = "grammar_cache_bytes"
 
 # Labels besides model_name.
 MODE_LABEL = "mode"                      # num_preemptions: recompute | swap
-FINISHED_REASON_LABEL = "finished_reason"  # request_success: stop | length | abort
+FINISHED_REASON_LABEL = "finished_reason"  # request_success: stop | length | abort | error
 DIRECTION_LABEL = "direction"            # swapped_blocks: out | in
 CACHE_DTYPE_LABEL = "cache_dtype"        # cache_config_info: float32 | bfloat16 | fp8_e4m3 | int8 ... (vLLM's label)
 DEVICE_LABEL = "device"                  # cache_config_info: cpu | cuda (`advise` spells knobs by it)
@@ -133,6 +136,12 @@ METRICS: tuple[MetricSpec, ...] = (
     MetricSpec(ITERATION_TOKENS, "histogram", "Histogram of tokens per engine step.", vllm=ITERATION_TOKENS),
     MetricSpec(REQUEST_NUM_PREEMPTIONS, "histogram", "Number of times a finished request was preempted."),
     MetricSpec(ENGINE_STEP, "histogram", "Histogram of engine step duration in seconds."),
+    # Structured outputs.
+    MetricSpec(STRUCTURED_OUTPUT_ERRORS, "counter",
+               "Requests ended with an error because their grammar matcher failed during generation."),
+    MetricSpec(GRAMMAR_CACHE_ENTRIES, "gauge", "Compiled grammars in the API process's grammar cache."),
+    MetricSpec(GRAMMAR_CACHE_BYTES, "gauge",
+               "Estimated bytes of the compiled grammars in the API process's grammar cache."),
 )
 
 SPECS: dict[str, MetricSpec] = {spec.name: spec for spec in METRICS}

@@ -183,11 +183,14 @@ class EngineMetrics:
         self.iteration_tokens = self._unlabelled(mn.ITERATION_TOKENS)
         self.request_num_preemptions = self._unlabelled(mn.REQUEST_NUM_PREEMPTIONS)
         self.engine_step = self._unlabelled(mn.ENGINE_STEP)
+        self.structured_output_errors = self._unlabelled(mn.STRUCTURED_OUTPUT_ERRORS)
+        self.grammar_cache_entries = self._unlabelled(mn.GRAMMAR_CACHE_ENTRIES)
+        self.grammar_cache_bytes = self._unlabelled(mn.GRAMMAR_CACHE_BYTES)
 
         # Every labelled series exists from the start, so rate() has a zero to start from.
         for mode in ("recompute", "swap"):
             self._preemptions.labels(model_name, mode)
-        for reason in ("stop", "length", "abort"):
+        for reason in ("stop", "length", "abort", "error"):
             self._request_success.labels(model_name, reason)
         for direction in ("out", "in"):
             self._swapped_blocks.labels(model_name, direction)
@@ -316,6 +319,14 @@ class EngineMetrics:
             self.e2e_request_latency.observe(max(metrics.finished_time - metrics.arrival_time, 0.0))
         if metrics.first_scheduled_time is not None:
             self.request_queue_time.observe(max(metrics.first_scheduled_time - metrics.arrival_time, 0.0))
+
+    def record_structured_output_error(self) -> None:
+        self.structured_output_errors.inc()
+
+    def watch_grammar_cache(self, compiler) -> None:
+        """Read the grammar cache's size at each scrape (it changes on the tokenizer thread)."""
+        self.grammar_cache_entries.set_function(lambda: compiler.cache_num_entries)
+        self.grammar_cache_bytes.set_function(lambda: compiler.cache_num_bytes)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

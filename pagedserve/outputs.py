@@ -18,7 +18,7 @@ class CompletionOutput:
     token_ids: list[int]
     cumulative_logprob: float | None = None
     logprobs: list[TokenLogprobs] | None = None  # per token
-    finish_reason: FinishReason | None = None     # a str enum: "stop" | "length" | "abort"
+    finish_reason: FinishReason | None = None     # a str enum: "stop" | "length" | "abort" | "error"
     stop_reason: int | str | None = None
 
 

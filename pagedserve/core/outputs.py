@@ -39,6 +39,9 @@ class StepResult(Struct, array_like=True):
     prompt_logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
     duration: float = 0.0          # seconds spent in execute()
     forward_time: float = 0.0      # of which in the model forward + sampling
+    # request id -> why it cannot go on (its grammar matcher failed): it samples nothing this
+    # step and the scheduler ends it with FINISHED_ERROR
+    errors: dict[str, str] = field(default_factory=dict)
 
 
 class SchedulerStats(Struct, array_like=True):
@@ -90,6 +93,7 @@ class EngineCoreOutput(Struct, array_like=True, omit_defaults=True):
     arrival_time: float | None = None          # on a request's first output only (TTFT without a lookup)
     # On a request's first output only, when it asked for them: prompt tokens 1.. (token 0 has none).
     prompt_logprobs: list[TokenLogprobs] | None = None
+    error: str | None = None                   # with finish_reason ERROR: what failed
 
     @property
     def finished(self) -> bool:

@@ -20,6 +20,7 @@ class FinishReason(str, enum.Enum):
     STOP = "stop"
     LENGTH = "length"
     ABORT = "abort"
+    ERROR = "error"  # the request could not be honoured (its grammar matcher failed): the client gets an error
 
     def __str__(self) -> str:
         return self.value
@@ -35,6 +36,7 @@ class RequestStatus(enum.Enum):
     FINISHED_STOPPED = "stop"
     FINISHED_LENGTH = "length"
     FINISHED_ABORTED = "abort"
+    FINISHED_ERROR = "error"
 
     @property
     def finished(self) -> bool:
@@ -47,7 +49,8 @@ class RequestStatus(enum.Enum):
 
 _FINISH_REASONS = {RequestStatus.FINISHED_STOPPED: FinishReason.STOP,
                    RequestStatus.FINISHED_LENGTH: FinishReason.LENGTH,
-                   RequestStatus.FINISHED_ABORTED: FinishReason.ABORT}
+                   RequestStatus.FINISHED_ABORTED: FinishReason.ABORT,
+                   RequestStatus.FINISHED_ERROR: FinishReason.ERROR}
 
 
 @dataclass

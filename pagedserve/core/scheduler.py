@@ -30,7 +30,7 @@ from pagedserve.config import PreemptionMode, SchedulingPolicy
 from pagedserve.core.block_pool import BlockPool
 from pagedserve.core.kv_cache import KVCacheManager
 from pagedserve.core.outputs import EngineCoreOutput, SchedulerStats, StepResult
-from pagedserve.core.request import Request, RequestStatus
+from pagedserve.core.request import FinishReason, Request, RequestStatus
 from pagedserve.core.stop import check_token_stop
 from pagedserve.sampling import SamplingParams
 
@@ -396,6 +396,12 @@ class Scheduler:
             if not sr.sample:
                 self.total_partial_prefills += 1
                 continue  # a prompt chunk that is not the last: nothing to sample yet
+            error = result.errors.get(sr.request_id)
+            if error is not None:  # it sampled nothing it may keep: it ends here, its blocks return
+                self.finish_request(req.request_id, RequestStatus.FINISHED_ERROR)
+                outputs.append(EngineCoreOutput(sr.request_id, [], finish_reason=FinishReason.ERROR,
+                                                num_preemptions=req.num_preemptions, error=error))
+                continue
             token = result.sampled[sr.request_id]
             req.append_output_token(token)
             lp = result.logprobs.get(sr.request_id)

@@ -192,6 +192,15 @@ class AsyncLLM:
         processed = self.output_processor.process_outputs(core_outputs)
         for core_id, stop in processed.stopped:
             self._finish([core_id], RequestStatus.FINISHED_STOPPED, stop)
+        for request_id, message in processed.failed:
+            # The request could not be honoured: it ends with an error (400 naming its constraint's
+            # field, or an SSE error event), never with the text generated so far. Its other
+            # samples, if any, are aborted.
+            queue = self._queues.get(request_id)
+            logger.warning("request %s failed: %s", request_id, message)
+            self.abort(request_id)
+            if queue is not None:
+                queue.put_nowait((request_id, ValueError(message)))
         for out in processed.request_outputs:
             queue = self._queues.get(out.request_id)
             if queue is None:

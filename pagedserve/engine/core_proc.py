@@ -72,7 +72,8 @@ def _build_core(config, eos_token_ids: frozenset[int]):
     dtype = resolve_dtype(config.dtype, model_config.checkpoint_dtype, config.device)
     grammar_compiler = None
     if config.distributed_executor_backend == "uni":  # the model runs here; ranks build their own
-        grammar_compiler = make_grammar_compiler(load_tokenizer(config), model_config.vocab_size, eos_token_ids)
+        grammar_compiler = make_grammar_compiler(load_tokenizer(config), model_config.vocab_size, eos_token_ids,
+                                                 config.structured_outputs_cache_bytes)
     return build_engine_core(config, model_config, dtype, eos_token_ids, grammar_compiler=grammar_compiler)
 
 

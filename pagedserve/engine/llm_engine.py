@@ -76,7 +76,8 @@ class EngineFrontend:
         return load_tokenizer(self.config)
 
     def _grammar_compiler(self):
-        return make_grammar_compiler(self.tokenizer, self.model_config.vocab_size, self.eos_token_ids)
+        return make_grammar_compiler(self.tokenizer, self.model_config.vocab_size, self.eos_token_ids,
+                                     self.config.structured_outputs_cache_bytes)
 
     def _eos_token_ids(self) -> frozenset[int]:
         ids: set[int] = set()

@@ -9,8 +9,12 @@ processed in time proportional to the tokens that step produced:
 - FINAL_ONLY outputs are built once, when every sample of the request has finished.
 
 A stop string ends a sample here; the caller must then end its core request
-(`ProcessedOutputs.stopped`), as it would an abort. Metrics are recorded as outputs are
-processed, when a sink is given.
+(`ProcessedOutputs.stopped`), as it would an abort. A sample the core ended with
+finish_reason "error" (its grammar matcher failed) is listed in `ProcessedOutputs.failed`
+with a message naming the request field of its constraint: a server answers that request
+with an error (and aborts its other samples); offline, its CompletionOutput carries
+finish_reason "error" and the text generated before the failure. Metrics are recorded as
+outputs are processed, when a sink is given.
 """
 from __future__ import annotations
 
@@ -84,6 +88,8 @@ class RequestState:
 class ProcessedOutputs:
     request_outputs: list[RequestOutput]
     stopped: list[tuple[str, str]]  # (core request id, stop string): end these in the core
+    # (request id, "field: message"): a sample failed (FinishReason.ERROR); fail the request
+    failed: list[tuple[str, str]] = field(default_factory=list)
 
 
 class OutputProcessor:
@@ -133,6 +139,7 @@ class OutputProcessor:
     def process_outputs(self, core_outputs: EngineCoreOutputs) -> ProcessedOutputs:
         touched: dict[str, RequestState] = {}
         stopped: list[tuple[str, str]] = []
+        failed: list[tuple[str, str]] = []
         now = core_outputs.timestamp
         for out in core_outputs.outputs:
             sample = self._samples.get(out.request_id)
@@ -160,6 +167,10 @@ class OutputProcessor:
                         break
             if out.finish_reason is not None and not sample.finished:
                 sample.finish_reason, sample.stop_reason = out.finish_reason, out.stop_reason
+                if out.finish_reason == FinishReason.ERROR:
+                    failed.append((sample.parent.request_id, failure_message(sample, out.error)))
+                    if self.metrics is not None:
+                        self.metrics.record_structured_output_error()
             if sample.finished:
                 sample.finished_time = now
             self._record(sample, len(out.new_token_ids), prev_time, now)
@@ -173,7 +184,7 @@ class OutputProcessor:
                 del self.requests[state.request_id]
                 for s in state.samples:
                     self._samples.pop(s.request.request_id, None)
-        return ProcessedOutputs(outputs, stopped)
+        return ProcessedOutputs(outputs, stopped, failed)
 
     def _record(self, sample: SampleState, num_new: int, prev_time: float | None, now: float) -> None:
         metrics = self.metrics
@@ -227,6 +238,15 @@ class OutputProcessor:
             index=s.index, text=text, token_ids=new_tokens,
             cumulative_logprob=s.cumulative_logprob if s.logprobs is not None else None,
             logprobs=new_lps, finish_reason=s.finish_reason, stop_reason=s.stop_reason)
+
+def failure_message(sample: SampleState, error: str | None) -> str:
+    """'field: ...': what the client is told when a sample's grammar matcher failed."""
+    spec = sample.request.sampling_params.structured_outputs
+    where = spec.field if spec is not None else "request"
+    return (f"{where}: the constraint could not be enforced: the grammar engine failed after "
+            f"{len(sample.token_ids)} generated tokens ({error or 'no detail'}); no output is returned "
+            f"rather than unconstrained text")
+
 
 def make_core_requests(request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                        eos_token_ids: frozenset[int], arrival_time: float | None, priority: int,

@@ -178,6 +178,11 @@ class OpenAIServer:
         if so is not None:
             spec = {k: v for k, v in {"json": so.json_, "regex": so.regex, "choice": so.choice,
                                        "grammar": so.grammar, "json_object": so.json_object}.items() if v is not None}
+            if so.disable_additional_properties is not None:
+                if so.json_ is None:
+                    raise APIError(400, "structured_outputs.disable_additional_properties: applies to a json "
+                                   "schema only", "structured_outputs.disable_additional_properties")
+                spec["disable_additional_properties"] = so.disable_additional_properties
             found.append(("structured_outputs", spec))
         for name, kind in (("guided_json", "json"), ("guided_regex", "regex"), ("guided_choice", "choice"),
                            ("guided_grammar", "grammar")):

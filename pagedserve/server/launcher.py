@@ -60,6 +60,8 @@ def build_server(config: EngineConfig, api_key: str | None = None, max_queue_len
         bytes_per_token = size_pool(engine.config, shape, engine.dtype).bytes_per_token
     metrics.set_cache_config(engine.kv_cache_dtype, engine.config.block_size, num_blocks, bytes_per_token,
                              engine.config.device)
+    if getattr(engine, "grammar_compiler", None) is not None:
+        metrics.watch_grammar_cache(engine.grammar_compiler)
     async_engine = AsyncLLM(engine, metrics, max_queue_len=max_queue_len, client=client)
     return build_app(async_engine, api_key=api_key, max_request_bytes=max_request_bytes,
                      enable_prompt_tokens_details=enable_prompt_tokens_details,

@@ -75,6 +75,8 @@ class StructuredOutputsRequest(_Strict):
     choice: list[str] | None = None
     grammar: str | None = None
     json_object: bool | None = None
+    # json only: false keeps JSON Schema's open objects (the default closes those that do not say)
+    disable_additional_properties: bool | None = None
 
 
 class FunctionDefinition(_Strict):

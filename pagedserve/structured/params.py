@@ -5,6 +5,11 @@ Plain, hashable data: it travels inside SamplingParams to the executor once, and
 schema share one compilation. Exactly one of json / regex / choice / grammar / json_object
 is set. `field` is the request field the constraint came from (e.g. "response_format"),
 so an error about it can name what the caller actually sent; it is not part of the key.
+
+`disable_additional_properties` (vLLM's name): an object schema that lists `properties` and
+says nothing about other keys is closed (`additionalProperties: false`), as vLLM's default
+backend (xgrammar) does; False keeps JSON Schema's open default. A schema that sets
+additionalProperties itself is always followed.
 """
 from __future__ import annotations
 
@@ -22,6 +27,7 @@ class StructuredOutputsParams:
     choice: tuple[str, ...] | None = None
     grammar: str | None = None       # Lark, or llama.cpp GBNF
     json_object: bool | None = None  # any JSON object
+    disable_additional_properties: bool = True  # json: close objects that do not say (see above)
     field: str = field(default="structured_outputs", compare=False)
 
     def __post_init__(self) -> None:
@@ -43,6 +49,8 @@ class StructuredOutputsParams:
             raise ValueError(f"{self.field}: give exactly one of {', '.join(KINDS)}; got "
                              f"{', '.join(set_kinds) or 'none'}")
         kind = set_kinds[0]
+        if not isinstance(self.disable_additional_properties, bool):
+            raise ValueError(f"{self.field}: disable_additional_properties must be true or false")
         if kind == "json":
             try:
                 schema = _json.loads(self.json)
@@ -64,7 +72,9 @@ class StructuredOutputsParams:
         return next(k for k in KINDS if getattr(self, k) is not None)
 
     @property
-    def cache_key(self) -> tuple[str, Any]:
+    def cache_key(self) -> tuple:
+        if self.kind == "json":
+            return self.kind, self.json, self.disable_additional_properties
         return self.kind, getattr(self, self.kind)
 
     def schema(self) -> dict | bool | None:

@@ -340,9 +340,14 @@ class ModelRunner:
         sync_grammars(sampling)
         tokens, logprobs = self.sampler(logits, sampling)
         for state, tok, lp in zip(sampling, tokens, logprobs):
+            grammar = state.grammar
+            if grammar is not None:
+                grammar.accept(tok)
+                failure = grammar.failure()
+                if failure is not None:  # never a token the grammar did not take: the request fails
+                    result.errors[state.request_id] = failure
+                    continue
             result.sampled[state.request_id] = tok
-            if state.grammar is not None:
-                state.grammar.accept(tok)
             if lp is not None:
                 result.logprobs[state.request_id] = lp
 

@@ -127,7 +127,8 @@ class Worker:
         if self.rank == 0:  # only rank 0 samples, so only it needs structured outputs' masks
             from pagedserve.structured.compiler import make_grammar_compiler
             from pagedserve.tokenizer import load_tokenizer
-            grammar_compiler = make_grammar_compiler(load_tokenizer(config), model_config.vocab_size, eos)
+            grammar_compiler = make_grammar_compiler(load_tokenizer(config), model_config.vocab_size, eos,
+                                                     config.structured_outputs_cache_bytes)
         # each rank's pool in the KV dtype: its share of the heads at the quantized bytes per token
         kv_cache_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, self.spec.dtype)
         self.runner = ModelRunner(model_config, self.spec.dtype, device, config.block_size, eos, config.seed,
