@@ -55,11 +55,13 @@ REQUEST_GENERATION_TOKENS = "request_generation_tokens"
 ITERATION_TOKENS = "iteration_tokens_total"      # vLLM's name: a histogram despite the `_total`
 REQUEST_NUM_PREEMPTIONS = "request_num_preemptions"
 ENGINE_STEP = "engine_step_seconds"
+KV_EVENTS = "kv_events"                          # --kv-events-config: events published / dropped
 
 # Labels besides model_name.
 MODE_LABEL = "mode"                      # num_preemptions: recompute | swap
 FINISHED_REASON_LABEL = "finished_reason"  # request_success: stop | length | abort
 DIRECTION_LABEL = "direction"            # swapped_blocks: out | in
+OUTCOME_LABEL = "outcome"                # kv_events: published | dropped
 CACHE_DTYPE_LABEL = "cache_dtype"        # cache_config_info: float32 | bfloat16 | fp8_e4m3 | int8 ... (vLLM's label)
 # Labels that only say which engine or model a series came from; a normalised scrape adds over them.
 SOURCE_LABELS = ("model_name", "engine")
@@ -115,6 +117,8 @@ METRICS: tuple[MetricSpec, ...] = (
                vllm=PREFIX_CACHE_HITS, vllm_old=("gpu_prefix_cache_hits",)),
     MetricSpec(RECOMPUTED_TOKENS, "counter", "Tokens whose KV was dropped by recompute preemption."),
     MetricSpec(SWAPPED_BLOCKS, "counter", "KV blocks moved between device and host.", (DIRECTION_LABEL,)),
+    MetricSpec(KV_EVENTS, "counter", "KV cache events (--kv-events-config) sent to subscribers, or dropped.",
+               (OUTCOME_LABEL,)),
     # Histograms.
     MetricSpec(TIME_TO_FIRST_TOKEN, "histogram", "Histogram of time to first token in seconds.",
                vllm=TIME_TO_FIRST_TOKEN),

@@ -21,6 +21,7 @@ from typing import Callable, Iterable
 
 from pagedserve.config import EngineConfig, PreemptionMode, resolve_kv_cache_dtype
 from pagedserve.core.executor import Executor
+from pagedserve.core.kv_events import KVEvent, KVEventLog, device_medium
 from pagedserve.core.outputs import EngineCoreOutputs, SchedulerStats
 from pagedserve.core.request import Request, RequestStatus
 from pagedserve.core.scheduler import PreemptionCosts, Scheduler, SchedulerOutput
@@ -139,6 +140,10 @@ class EngineCore:
         self.pool = pool
         self._trace = open(trace_path, "a") if trace_path else None
         self._cpu_clock = cpu_clock  # the step trace's cpu_time
+        # What watches the core from its loop (engine/kv_events.KVEventsHook): each has
+        # after_step(core, outputs) and shutdown(). The loops call `observe` after every step
+        # or idle snapshot; the core never calls them itself, so the simulator has none.
+        self.observers: list = []
 
     @classmethod
     def build(cls, config: EngineConfig, executor: Executor, pool: KVPoolSize,
@@ -166,6 +171,9 @@ class EngineCore:
                         costs.host_bandwidth / 1e9, costs.prefill_seconds_per_token * 1e6)
         scheduler = Scheduler.from_config(config, pool.num_blocks, clock=clock, num_host_blocks=num_host_blocks,
                                           costs=costs, prefix_extra_keys=prefix_extra_keys)
+        events = config.kv_events_config
+        if events is not None and events.enable_kv_cache_events and config.enable_prefix_caching:
+            scheduler.kv.pool.events = KVEventLog(config.block_size, device_medium(config.device))
         return cls(config, scheduler, executor, pool, config.step_trace_path, cpu_clock or time.thread_time)
 
     # -- requests -----------------------------------------------------------------------
@@ -181,6 +189,20 @@ class EngineCore:
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
+
+    # -- the prefix cache as KV events see it (core/kv_events.py) ----------------------------
+    def take_kv_events(self) -> list[KVEvent]:
+        """The KV events since the last call (none unless --kv-events-config enables them)."""
+        events = self.scheduler.kv.pool.events
+        return events.take() if events is not None else []
+
+    def cached_block_hashes(self) -> set[int]:
+        """Read-only: the external keys of every block the prefix cache can serve now."""
+        return self.scheduler.kv.pool.cached_block_hashes()
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget the prefix cache (an AllBlocksCleared event); refused while a block is in use."""
+        return self.scheduler.kv.pool.reset_prefix_cache()
 
     # -- the step -------------------------------------------------------------------------
     def step(self) -> EngineCoreOutputs:
@@ -215,7 +237,16 @@ class EngineCore:
         self.scheduler.fill_state(stats)
         return EngineCoreOutputs([], stats, self.scheduler.clock())
 
+    def observe(self, outputs: EngineCoreOutputs) -> EngineCoreOutputs:
+        """Let the observers see the core after a step or snapshot (from the loop's thread)."""
+        for observer in self.observers:
+            observer.after_step(self, outputs)
+        return outputs
+
     def shutdown(self) -> None:
+        for observer in self.observers:
+            observer.shutdown()
+        self.observers = []
         if self._trace is not None:
             self._trace.close()
             self._trace = None
