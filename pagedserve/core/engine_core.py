@@ -171,9 +171,6 @@ class EngineCore:
                         costs.host_bandwidth / 1e9, costs.prefill_seconds_per_token * 1e6)
         scheduler = Scheduler.from_config(config, pool.num_blocks, clock=clock, num_host_blocks=num_host_blocks,
                                           costs=costs, prefix_extra_keys=prefix_extra_keys)
-        events = config.kv_events_config
-        if events is not None and events.enable_kv_cache_events and config.enable_prefix_caching:
-            scheduler.kv.pool.events = KVEventLog(config.block_size, device_medium(config.device))
         return cls(config, scheduler, executor, pool, config.step_trace_path, cpu_clock or time.thread_time)
 
     # -- requests -----------------------------------------------------------------------
@@ -191,6 +188,12 @@ class EngineCore:
         return self.scheduler.has_unfinished()
 
     # -- the prefix cache as KV events see it (core/kv_events.py) ----------------------------
+    def record_kv_events(self) -> None:
+        """Have the pool log its KV events from now on. Only a loop that takes them each step
+        (an observer calling take_kv_events) turns this on, so nothing piles up unread."""
+        if self.scheduler.kv.pool.events is None:
+            self.scheduler.kv.pool.events = KVEventLog(self.config.block_size, device_medium(self.config.device))
+
     def take_kv_events(self) -> list[KVEvent]:
         """The KV events since the last call (none unless --kv-events-config enables them)."""
         events = self.scheduler.kv.pool.events

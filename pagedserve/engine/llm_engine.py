@@ -129,6 +129,7 @@ def build_engine_core(config: EngineConfig, model_config: ModelConfig, dtype: st
             prefix_extra_keys = lambda req: rope.prefix_cache_key(req.num_prompt_tokens)  # noqa: E731
         core = EngineCore.build(config, executor, pool, prefix_extra_keys=prefix_extra_keys)
         if (kv_events := make_kv_events_hook(config)) is not None:  # binds its sockets now: a bad one fails the start
+            core.record_kv_events()
             core.observers.append(kv_events)
         return core
     except BaseException:
