@@ -228,9 +228,15 @@ class Subscriber:
         self.sub = self.ctx.socket(zmq.SUB)
         self.sub.setsockopt(zmq.LINGER, 0)
         self.sub.setsockopt(zmq.SUBSCRIBE, topic)
+        monitor = self.sub.get_monitor_socket(zmq.EVENT_CONNECTED)
         self.sub.connect(endpoint)
         self.frames: list[list[bytes]] = []
-        time.sleep(0.5)  # let the connection and subscription settle (the first seq is checked below)
+        try:  # connected (a wait, not a timing assert: the deadline turns a hang into a failure)
+            assert monitor.poll(30_000), f"the subscriber did not connect to {endpoint}"
+        finally:
+            self.sub.disable_monitor()
+            monitor.close()
+        time.sleep(0.3)  # the subscription reaches the publisher just after; check_layout checks seq 0 came
 
     def drain(self, settle_s: float = 1.0) -> list[list[bytes]]:
         """Everything published so far: read until the socket stays quiet for settle_s."""
