@@ -421,3 +421,26 @@ def test_metrics_without_kv_events_show_zero(tiny_llama):
         run_conversations(server)
         m = wait_idle(server)
     assert m["pagedserve:kv_events_total{outcome=published}"] == 0
+
+
+def test_a_full_publisher_queue_drops_without_blocking_and_counts_every_lost_event():
+    """The engine thread never waits for the publisher: a batch that finds the queue full is
+    dropped and its events counted, and /metrics shows the counts as they grow."""
+    from pagedserve.engine.kv_events import ZmqEventPublisher
+    from pagedserve.metrics import EngineMetrics
+
+    publisher = ZmqEventPublisher(KVEventsConfig(enable_kv_cache_events=True, max_queue_size=1,
+                                                 endpoint=f"tcp://127.0.0.1:{free_port()}"))
+    publisher.shutdown()  # its thread is gone: nothing drains the queue any more
+    publisher.publish(1.0, [BlockRemoved([1], "CPU")])                    # fills the one slot
+    publisher.publish(2.0, [BlockRemoved([2], "CPU"), BlockRemoved([3], "CPU")])  # dropped: 2 events
+    publisher.publish(3.0, [BlockRemoved([4], "CPU")])                    # dropped: 1
+    assert (publisher.num_published, publisher.num_dropped) == (0, 3)
+
+    m = EngineMetrics("m", 64, log_interval=0)
+    m.set_kv_events(5, 0)
+    m.set_kv_events(7, 3)
+    m.set_kv_events(7, 3)  # cumulative counts: the same totals again add nothing
+    value = {outcome: m.registry.get_sample_value("pagedserve:kv_events_total", {"model_name": "m", "outcome": outcome})
+             for outcome in ("published", "dropped")}
+    assert value == {"published": 7, "dropped": 3}
