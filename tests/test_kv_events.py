@@ -444,3 +444,20 @@ def test_a_full_publisher_queue_drops_without_blocking_and_counts_every_lost_eve
     value = {outcome: m.registry.get_sample_value("pagedserve:kv_events_total", {"model_name": "m", "outcome": outcome})
              for outcome in ("published", "dropped")}
     assert value == {"published": 7, "dropped": 3}
+
+
+def test_extra_keys_travel_as_vllm_lays_them_out_one_entry_per_block():
+    """A dynamic-RoPE model's first block key covers the prompt length too: the bytes go out in
+    `extra_keys` (one entry per block, None where the key is the tokens alone); without any,
+    the field is left out, as msgspec's omit_defaults leaves vLLM's."""
+    from pagedserve.engine.kv_events import KVEventBatch, to_wire
+
+    with_extra = BlockStored([11, 12], None, [1, 2, 3, 4], 2, "GPU", [b"rope:9", None])
+    plain = BlockStored([13], 12, [5, 6], 2, "GPU", [None])
+    payload = msgspec.msgpack.encode(KVEventBatch(1.5, to_wire([with_extra, plain]), 0))
+    raw = msgspec.msgpack.decode(payload)
+    assert raw[0] == 1.5 and raw[2] == 0
+    assert raw[1][0]["extra_keys"] == [[b"rope:9"], None] and "extra_keys" not in raw[1][1]
+    assert raw[1][0]["medium"] == "GPU" and raw[1][1]["parent_block_hash"] == 12
+    decoded = DECODER.decode(payload)
+    assert decoded.events[0].extra_keys == [(b"rope:9",), None] and decoded.events[1].extra_keys is None
