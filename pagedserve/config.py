@@ -10,6 +10,7 @@ import logging
 from dataclasses import dataclass, fields
 from typing import Any
 
+from pagedserve.core.kv_events import KVEventsConfig
 from pagedserve.cpu_isa import CpuFeatures, cpu_features
 from pagedserve.utils import parse_bytes
 
@@ -117,6 +118,9 @@ class EngineConfig:
     tensor_parallel_size: int = 1
     distributed_executor_backend: str | None = None  # None: mp when tensor_parallel_size > 1, else uni
     structured_outputs_cache_bytes: int | str = "64MiB"  # compiled grammars kept (estimated), besides 256 entries
+    # vLLM's --kv-events-config (JSON text, a mapping, or a core.kv_events.KVEventsConfig);
+    # None = no KV events.
+    kv_events_config: Any = None
 
     def __post_init__(self) -> None:
         self.validate()
@@ -179,6 +183,7 @@ class EngineConfig:
                f"must be >= 0 bytes (0 = keep none), got {self.structured_outputs_cache_bytes}")
         _check(_is_int(self.tensor_parallel_size) and self.tensor_parallel_size >= 1, "tensor_parallel_size",
                f"must be an integer >= 1, got {self.tensor_parallel_size!r}")
+        self.kv_events_config = KVEventsConfig.parse(self.kv_events_config)
         if self.distributed_executor_backend is None:
             self.distributed_executor_backend = "mp" if self.tensor_parallel_size > 1 else "uni"
         _check(self.distributed_executor_backend in EXECUTOR_BACKENDS, "distributed_executor_backend",

@@ -58,11 +58,13 @@ ENGINE_STEP = "engine_step_seconds"
 STRUCTURED_OUTPUT_ERRORS = "structured_output_errors"
 GRAMMAR_CACHE_ENTRIES = "grammar_cache_entries"
 GRAMMAR_CACHE_BYTES = "grammar_cache_bytes"
+KV_EVENTS = "kv_events"                          # --kv-events-config: events published / dropped
 
 # Labels besides model_name.
 MODE_LABEL = "mode"                      # num_preemptions: recompute | swap
 FINISHED_REASON_LABEL = "finished_reason"  # request_success: stop | length | abort | error
 DIRECTION_LABEL = "direction"            # swapped_blocks: out | in
+OUTCOME_LABEL = "outcome"                # kv_events: published | dropped
 CACHE_DTYPE_LABEL = "cache_dtype"        # cache_config_info: float32 | bfloat16 | fp8_e4m3 | int8 ... (vLLM's label)
 DEVICE_LABEL = "device"                  # cache_config_info: cpu | cuda (`advise` spells knobs by it)
 # Labels that only say which engine or model a series came from; a normalised scrape adds over them.
@@ -120,6 +122,8 @@ METRICS: tuple[MetricSpec, ...] = (
                vllm=PREFIX_CACHE_HITS, vllm_old=("gpu_prefix_cache_hits",)),
     MetricSpec(RECOMPUTED_TOKENS, "counter", "Tokens whose KV was dropped by recompute preemption."),
     MetricSpec(SWAPPED_BLOCKS, "counter", "KV blocks moved between device and host.", (DIRECTION_LABEL,)),
+    MetricSpec(KV_EVENTS, "counter", "KV cache events (--kv-events-config) sent to subscribers, or dropped.",
+               (OUTCOME_LABEL,)),
     # Histograms.
     MetricSpec(TIME_TO_FIRST_TOKEN, "histogram", "Histogram of time to first token in seconds.",
                vllm=TIME_TO_FIRST_TOKEN),

@@ -173,6 +173,8 @@ class EngineMetrics:
         self.prefix_cache_hits = self._unlabelled(mn.PREFIX_CACHE_HITS)
         self.recomputed_tokens = self._unlabelled(mn.RECOMPUTED_TOKENS)
         self._swapped_blocks = self._collectors[mn.SWAPPED_BLOCKS]
+        self._kv_events = self._collectors[mn.KV_EVENTS]
+        self._kv_events_seen = {"published": 0, "dropped": 0}  # the core's cumulative counts so far
         # Histograms.
         self.time_to_first_token = self._unlabelled(mn.TIME_TO_FIRST_TOKEN)
         self.inter_token_latency = self._unlabelled(mn.INTER_TOKEN_LATENCY)
@@ -194,6 +196,8 @@ class EngineMetrics:
             self._request_success.labels(model_name, reason)
         for direction in ("out", "in"):
             self._swapped_blocks.labels(model_name, direction)
+        for outcome in self._kv_events_seen:
+            self._kv_events.labels(model_name, outcome)
 
         # engine_busy_ratio window, and the periodic log line's interval totals.
         self.busy_window = busy_window
@@ -243,6 +247,13 @@ class EngineMetrics:
             self.iteration_tokens.observe(num_batched_tokens)
         self.engine_step.observe(duration)
         self._window_forward += forward_time
+
+    def set_kv_events(self, published: int, dropped: int) -> None:
+        """The engine-core loop's cumulative KV-event counts (they only grow while it lives)."""
+        for outcome, total in (("published", published), ("dropped", dropped)):
+            if total > self._kv_events_seen[outcome]:
+                self._kv_events.labels(self.model_name, outcome).inc(total - self._kv_events_seen[outcome])
+                self._kv_events_seen[outcome] = total
 
     def set_cache_config(self, cache_dtype: str, block_size: int, num_blocks: int, bytes_per_token: int,
                          device: str = "unknown") -> None:

@@ -28,7 +28,7 @@ EXPECTED = {
     "engine_busy_ratio": "gauge", "kv_cache_bytes_per_token": "gauge", "cache_config_info": "gauge",
     "num_preemptions": "counter", "prompt_tokens": "counter", "generation_tokens": "counter",
     "request_success": "counter", "prefix_cache_queries": "counter", "prefix_cache_hits": "counter",
-    "recomputed_tokens": "counter", "swapped_blocks": "counter",
+    "recomputed_tokens": "counter", "swapped_blocks": "counter", "kv_events": "counter",
     "time_to_first_token_seconds": "histogram", "inter_token_latency_seconds": "histogram",
     "e2e_request_latency_seconds": "histogram", "request_queue_time_seconds": "histogram",
     "request_prompt_tokens": "histogram", "request_generation_tokens": "histogram",

@@ -9,11 +9,17 @@ Invariants this module keeps:
   keys) and its parent, the cached block before it as of the parent's `epoch`. A block's
   epoch grows each time it is handed out for new content. A lookup serves a block only if
   all three match, so what the prefix cache serves never rests on the hash alone: a hash
-  collision costs a cache miss, never another prompt's KV.
+  collision costs a cache miss, never another prompt's KV;
+- when `events` is set (a core.kv_events.KVEventLog), every key that enters or leaves
+  `hash_to_block` is reported to it, in order: replaying the events rebuilds
+  `cached_block_hashes()` exactly.
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
+
+from pagedserve.core.kv_events import KVEventLog, external_block_hash
 
 
 @dataclass(eq=False)
@@ -89,6 +95,7 @@ class BlockPool:
         self.blocks = [KVBlock(i) for i in range(num_blocks)]
         self.free_queue = FreeBlockQueue(self.blocks)
         self.hash_to_block: dict[bytes, KVBlock] = {}
+        self.events: KVEventLog | None = None  # KV events (--kv-events-config); None = not recorded
 
     @property
     def num_free_blocks(self) -> int:
@@ -140,13 +147,14 @@ class BlockPool:
         block.ref_cnt += 1
 
     def cache(self, block: KVBlock, block_hash: bytes, content: bytes, parent: KVBlock | None,
-              parent_epoch: int) -> KVBlock | None:
+              parent_epoch: int, token_ids: Sequence[int] = ()) -> KVBlock | None:
         """Publish `block` as holding `content` after `parent` (as of `parent_epoch`).
 
         Returns the cached block that now stands for this prefix: `block`, or an identical
         one cached earlier (the first is kept). None when nothing stands for it: caching is
         off, the parent has been handed out again since, or the key belongs to a different
         prefix (a hash collision); then blocks after this one cannot be published either.
+        `token_ids`: the block's tokens (the leading part of `content`), for the KV events.
         """
         if not self.enable_caching:
             return None
@@ -160,13 +168,38 @@ class BlockPool:
         block.block_hash = block_hash
         block.content, block.parent, block.parent_epoch = content, parent, parent_epoch
         self.hash_to_block[block_hash] = block
+        if self.events is not None:
+            self.events.stored(block_hash, parent.block_hash if parent is not None else None, list(token_ids),
+                               content[8 * len(token_ids):])
         return block
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached key (vLLM's reset_prefix_cache): only when no block is in use,
+        since a running request's table would then point at blocks its successors could no
+        longer find. Returns whether it reset."""
+        if self.num_used_blocks:
+            return False
+        for block in self.blocks:
+            if block.block_hash is not None:
+                block.block_hash = None
+                block.content = block.parent = None
+                block.epoch += 1  # chains recorded against the old content must not match again
+        self.hash_to_block.clear()
+        if self.events is not None:
+            self.events.cleared()
+        return True
+
+    def cached_block_hashes(self) -> set[int]:
+        """The keys the prefix cache can serve now, as KV events name them (read-only)."""
+        return {external_block_hash(key) for key in self.hash_to_block}
 
     def _evict(self, block: KVBlock) -> None:
         """`block` is being handed out for new content: drop its cache entry and start a new epoch."""
         if block.block_hash is not None:
             if self.hash_to_block.get(block.block_hash) is block:
                 del self.hash_to_block[block.block_hash]
+                if self.events is not None:
+                    self.events.removed(block.block_hash)
             block.block_hash = None
             block.content = block.parent = None
         block.epoch += 1

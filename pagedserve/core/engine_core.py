@@ -21,6 +21,7 @@ from typing import Callable, Iterable
 
 from pagedserve.config import EngineConfig, PreemptionMode, resolve_kv_cache_dtype
 from pagedserve.core.executor import Executor
+from pagedserve.core.kv_events import KVEvent, KVEventLog, device_medium
 from pagedserve.core.outputs import EngineCoreOutputs, SchedulerStats
 from pagedserve.core.request import Request, RequestStatus
 from pagedserve.core.scheduler import PreemptionCosts, Scheduler, SchedulerOutput
@@ -139,6 +140,10 @@ class EngineCore:
         self.pool = pool
         self._trace = open(trace_path, "a") if trace_path else None
         self._cpu_clock = cpu_clock  # the step trace's cpu_time
+        # What watches the core from its loop (engine/kv_events.KVEventsHook): each has
+        # after_step(core, outputs) and shutdown(). The loops call `observe` after every step
+        # or idle snapshot; the core never calls them itself, so the simulator has none.
+        self.observers: list = []
 
     @classmethod
     def build(cls, config: EngineConfig, executor: Executor, pool: KVPoolSize,
@@ -182,6 +187,26 @@ class EngineCore:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
 
+    # -- the prefix cache as KV events see it (core/kv_events.py) ----------------------------
+    def record_kv_events(self) -> None:
+        """Have the pool log its KV events from now on. Only a loop that takes them each step
+        (an observer calling take_kv_events) turns this on, so nothing piles up unread."""
+        if self.scheduler.kv.pool.events is None:
+            self.scheduler.kv.pool.events = KVEventLog(self.config.block_size, device_medium(self.config.device))
+
+    def take_kv_events(self) -> list[KVEvent]:
+        """The KV events since the last call (none unless --kv-events-config enables them)."""
+        events = self.scheduler.kv.pool.events
+        return events.take() if events is not None else []
+
+    def cached_block_hashes(self) -> set[int]:
+        """Read-only: the external keys of every block the prefix cache can serve now."""
+        return self.scheduler.kv.pool.cached_block_hashes()
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget the prefix cache (an AllBlocksCleared event); refused while a block is in use."""
+        return self.scheduler.kv.pool.reset_prefix_cache()
+
     # -- the step -------------------------------------------------------------------------
     def step(self) -> EngineCoreOutputs:
         clock = self.scheduler.clock  # wall time in the engine, virtual time in the simulator
@@ -215,7 +240,16 @@ class EngineCore:
         self.scheduler.fill_state(stats)
         return EngineCoreOutputs([], stats, self.scheduler.clock())
 
+    def observe(self, outputs: EngineCoreOutputs) -> EngineCoreOutputs:
+        """Let the observers see the core after a step or snapshot (from the loop's thread)."""
+        for observer in self.observers:
+            observer.after_step(self, outputs)
+        return outputs
+
     def shutdown(self) -> None:
+        for observer in self.observers:
+            observer.shutdown()
+        self.observers = []
         if self._trace is not None:
             self._trace.close()
             self._trace = None

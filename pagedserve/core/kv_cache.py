@@ -143,7 +143,8 @@ class KVCacheManager:
                 chain.published.append(None)
                 continue
             parent, parent_epoch = before
-            stands = self.pool.cache(table[i], chain.hashes[i], chain.contents[i], parent, parent_epoch)
+            stands = self.pool.cache(table[i], chain.hashes[i], chain.contents[i], parent, parent_epoch,
+                                     request.all_token_ids[i * self.block_size:(i + 1) * self.block_size])
             chain.published.append(None if stands is None else (stands, stands.epoch))
 
     # -- allocation ---------------------------------------------------------------------

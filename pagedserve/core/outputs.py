@@ -112,3 +112,7 @@ class EngineCoreOutputs(Struct, array_like=True):
     # The pool and queues after this step (core/snapshot.py), only when a dashboard asked for
     # one: the engine loop takes it at a bounded rate, the front-end's loop ships it.
     pool_snapshot: PoolSnapshot | None = None
+    # KV events (--kv-events-config) the engine-core loop's publisher has sent and dropped so
+    # far (cumulative; both 0 when KV events are off).
+    kv_events_published: int = 0
+    kv_events_dropped: int = 0

@@ -233,6 +233,8 @@ class AsyncLLM:
         metrics.set_state(running=stats.num_running, waiting=self.client.num_pending_adds + stats.num_waiting,
                           swapped=stats.num_swapped, used_blocks=stats.num_used_blocks,
                           total_blocks=stats.num_total_blocks, block_size=self.engine.config.block_size)
+        if core_outputs.kv_events_published or core_outputs.kv_events_dropped:
+            metrics.set_kv_events(core_outputs.kv_events_published, core_outputs.kv_events_dropped)
         metrics.tick()
 
     def _fail_all(self, error: BaseException) -> None:

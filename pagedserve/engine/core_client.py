@@ -123,7 +123,7 @@ class ThreadCoreClient:
                 check_health = getattr(core.executor, "check_health", None)
                 if check_health is not None:
                     check_health()
-                outputs = core.step() if core.has_unfinished_requests() else core.snapshot()
+                outputs = core.observe(core.step() if core.has_unfinished_requests() else core.snapshot())
             except BaseException as e:  # noqa: BLE001 - fatal, whatever it is: the core's state is unknown
                 logger.exception("engine step failed; the engine is dead")
                 self._post(e)

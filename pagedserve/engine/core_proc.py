@@ -127,7 +127,7 @@ class EngineCoreLoop:
                     self._handle(self.inbox.get(timeout=IDLE_WAIT))
                 except queue.Empty:
                     self._check_parent()
-                    self._emit(OutputsMsg(core.snapshot(), self.num_received))
+                    self._emit(OutputsMsg(core.observe(core.snapshot()), self.num_received))
                     if check_health is not None:
                         check_health()
                     continue
@@ -141,7 +141,7 @@ class EngineCoreLoop:
             if check_health is not None:
                 check_health()
             if core.has_unfinished_requests():
-                self._emit(OutputsMsg(core.step(), self.num_received))
+                self._emit(OutputsMsg(core.observe(core.step()), self.num_received))
 
     def _check_parent(self) -> None:
         if os.getppid() != self._parent:

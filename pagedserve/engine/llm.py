@@ -38,6 +38,11 @@ class LLM:
     def get_tokenizer(self):
         return self.engine.tokenizer
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix block (vLLM's LLM.reset_prefix_cache); False, and nothing
+        changes, while a request holds blocks. With KV events on, an AllBlocksCleared follows."""
+        return self.engine.reset_prefix_cache()
+
     def generate(self, prompts: PromptInput | Sequence[PromptInput],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = True, priority: Sequence[int] | None = None) -> list[RequestOutput]:

@@ -22,6 +22,7 @@ from pagedserve.config import EngineConfig, resolve_dtype, resolve_kv_cache_dtyp
 from pagedserve.core.engine_core import EngineCore, size_pool
 from pagedserve.core.request import RequestStatus
 from pagedserve.engine.input_processor import InputProcessor
+from pagedserve.engine.kv_events import make_kv_events_hook
 from pagedserve.engine.output_processor import OutputKind, OutputProcessor, make_core_requests
 from pagedserve.model.config import ModelConfig, check_tensor_parallel
 from pagedserve.outputs import RequestOutput
@@ -127,7 +128,11 @@ def build_engine_core(config: EngineConfig, model_config: ModelConfig, dtype: st
             # Dynamic NTK RoPE: a long prompt's K depends on its length, so prefix-cache keys must too.
             rope = model_config.rope
             prefix_extra_keys = lambda req: rope.prefix_cache_key(req.num_prompt_tokens)  # noqa: E731
-        return EngineCore.build(config, executor, pool, prefix_extra_keys=prefix_extra_keys)
+        core = EngineCore.build(config, executor, pool, prefix_extra_keys=prefix_extra_keys)
+        if (kv_events := make_kv_events_hook(config)) is not None:  # binds its sockets now: a bad one fails the start
+            core.record_kv_events()
+            core.observers.append(kv_events)
+        return core
     except BaseException:
         executor.shutdown()
         raise
@@ -194,9 +199,17 @@ class Engine(EngineFrontend):
     def has_unfinished_requests(self) -> bool:
         return len(self.output_processor) > 0
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget the prefix cache (refused while a request holds blocks); its KV event, if
+        KV events are on, is published now rather than at the next step."""
+        done = self.engine_core.reset_prefix_cache()
+        if done:
+            self.engine_core.observe(self.engine_core.snapshot())
+        return done
+
     # -- the step ------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        processed = self.output_processor.process_outputs(self.engine_core.step())
+        processed = self.output_processor.process_outputs(self.engine_core.observe(self.engine_core.step()))
         for core_id, stop in processed.stopped:
             self.engine_core.finish_requests([core_id], RequestStatus.FINISHED_STOPPED, stop)
         return processed.request_outputs
