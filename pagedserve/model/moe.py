@@ -129,6 +129,8 @@ class SparseMoeBlock(nn.Module):
             self.first_expert, end, inter = 0, moe.num_experts, moe.intermediate_size
             shared_inter = moe.shared_intermediate_size
         else:
+            if shard.expert_parallel and moe.num_experts % shard.tp:   # check_model_parallel refuses it first
+                raise ValueError(f"enable_expert_parallel: {shard.tp} ranks do not divide the {moe.num_experts} experts")
             self.first_expert, end = shard.expert_range(moe.num_experts)
             inter = shard.expert_intermediate_range(moe.intermediate_size)[1]
             shared_inter = shard.shared_intermediate_range(moe.shared_intermediate_size)[1]
