@@ -169,3 +169,26 @@ def test_expert_parallel_layout_that_divides_is_accepted_where_the_intermediate_
     check_model_parallel(cfg, 2, expert_parallel=True)
     with pytest.raises(ValueError, match="intermediate size 33"):
         check_model_parallel(cfg, 2, expert_parallel=False)
+
+
+def test_enable_expert_parallel_flag_means_the_same_in_serve_simulate_and_plan(tmp_path):
+    """vLLM's flag: serve and generate take it into the engine config; simulate (which has
+    the engine's flags) still reads it into its layout, and plan into its request."""
+    from pagedserve.cli import build_parser
+    from pagedserve.engine_args import engine_config_from_args
+    from pagedserve.plan.cli import build_request
+    from pagedserve.sim.cli import deployment_layout
+
+    path = str(make_checkpoint(tmp_path / "mixtral", "mixtral"))
+    parser = build_parser()
+    serve = engine_config_from_args(parser.parse_args(["serve", "--model", path, "-tp", "2",
+                                                       "--enable-expert-parallel"]))
+    assert serve.enable_expert_parallel is True and serve.tensor_parallel_size == 2
+    assert engine_config_from_args(parser.parse_args(["serve", "--model", path])).enable_expert_parallel is False
+    sim_args = parser.parse_args(["simulate", "--model", path, "--device", "cpu", "-tp", "2",
+                                  "--enable-expert-parallel"])
+    assert engine_config_from_args(sim_args).enable_expert_parallel is True
+    assert deployment_layout(sim_args, tp=2)["layout"].expert_parallel
+    plan_args = parser.parse_args(["plan", "--model", path, "--device", "cpu", "-tp", "2", "--enable-expert-parallel",
+                                   "--kv-cache-memory", str(KV_BYTES)])
+    assert build_request(plan_args).enable_expert_parallel is True
