@@ -192,3 +192,24 @@ def test_enable_expert_parallel_flag_means_the_same_in_serve_simulate_and_plan(t
     plan_args = parser.parse_args(["plan", "--model", path, "--device", "cpu", "-tp", "2", "--enable-expert-parallel",
                                    "--kv-cache-memory", str(KV_BYTES)])
     assert build_request(plan_args).enable_expert_parallel is True
+
+
+def test_ray_backend_runs_mla_with_expert_parallel_like_hf(tmp_path_factory):
+    """The same ranks as Ray actors (local Ray on loopback): DeepSeek-V3, tp=2 + EP."""
+    import ray
+
+    path, ref = _checkpoint("deepseek_v3", tmp_path_factory)
+    prompts, max_tokens = make_workload()
+    prompts, max_tokens = prompts[:4], max_tokens[:4]
+    ray.init(num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1", log_to_driver=False)
+    try:
+        with LLM(str(path), enable_expert_parallel=True, **{**ENGINE_ARGS, "distributed_executor_backend": "ray"}) as llm:
+            assert len(llm.engine.executor.actors) == 2
+            assert [layers[0][:2] for layers in llm.engine.executor._call("expert_layout")] == [[0, 4], [4, 4]]
+            outs = llm.generate(prompts, [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+                                          for n in max_tokens], use_tqdm=False)
+        for i, (out, prompt, n) in enumerate(zip(outs, prompts, max_tokens)):
+            assert len(out.outputs[0].token_ids) == n
+            assert ref.first_divergence(prompt, out.outputs[0].token_ids) is None, f"prompt {i}"
+    finally:
+        ray.shutdown()
