@@ -117,6 +117,7 @@ class EngineConfig:
     step_trace_path: str | None = None
     tensor_parallel_size: int = 1
     distributed_executor_backend: str | None = None  # None: mp when tensor_parallel_size > 1, else uni
+    enable_expert_parallel: bool = False  # MoE: whole experts per TP rank instead of a slice of every expert
     structured_outputs_cache_bytes: int | str = "64MiB"  # compiled grammars kept (estimated), besides 256 entries
     # vLLM's --kv-events-config (JSON text, a mapping, or a core.kv_events.KVEventsConfig);
     # None = no KV events.
@@ -184,6 +185,8 @@ class EngineConfig:
         _check(_is_int(self.tensor_parallel_size) and self.tensor_parallel_size >= 1, "tensor_parallel_size",
                f"must be an integer >= 1, got {self.tensor_parallel_size!r}")
         self.kv_events_config = KVEventsConfig.parse(self.kv_events_config)
+        _check(isinstance(self.enable_expert_parallel, bool), "enable_expert_parallel",
+               f"must be true or false, got {self.enable_expert_parallel!r}")
         if self.distributed_executor_backend is None:
             self.distributed_executor_backend = "mp" if self.tensor_parallel_size > 1 else "uni"
         _check(self.distributed_executor_backend in EXECUTOR_BACKENDS, "distributed_executor_backend",

@@ -42,6 +42,9 @@ _FLAGS: list[tuple[str, dict]] = [
     ("--step-trace-path", dict(default=None, help="write one JSON line per engine step (for sim calibrate)")),
     (("--tensor-parallel-size", "-tp", "--tp"), dict(type=int, default=None,
                                                       help="ranks the model is sharded over (one process each)")),
+    ("--enable-expert-parallel", dict(action="store_true", default=None,
+                                      help="MoE: each rank holds whole experts (E / tp of them) instead of a "
+                                           "1/tp slice of every expert")),
     ("--distributed-executor-backend", dict(choices=EXECUTOR_BACKENDS, default=None,
                                             help="how ranks run: uni (in the engine process, tp=1), mp (one "
                                                  "process per rank, the default for tp > 1), ray (Ray actors)")),

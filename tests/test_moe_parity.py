@@ -114,13 +114,6 @@ def test_mla_pool_is_the_latent_and_equals_plans(deepseek_case):
     assert llm.engine.pool_sizing == plan.pool
 
 
-def test_tensor_parallel_is_refused_by_name_for_moe_and_mla(deepseek_case):
-    """Only Llama-family models are sharded over TP workers; the others say so before any worker starts."""
-    path, *_ = deepseek_case
-    with pytest.raises(ValueError, match="tensor_parallel_size: 2, but DeepseekV3ForCausalLM runs on one rank"):
-        LLM(str(path), max_model_len=256, tensor_parallel_size=2)
-
-
 @pytest.mark.parametrize("kv_cache_dtype", ["fp8", "int8"])
 def test_quantized_kv_cache_is_refused_by_name_for_mla(deepseek_case, kv_cache_dtype):
     """The MLA latent pool is read through the model's own metadata, which knows no quantized

@@ -1,15 +1,15 @@
 """The MoE block's pieces against plain per-token references: grouped expert GEMMs equal a
-loop over tokens and their chosen experts; an expert shard computes exactly its experts'
-share, so the shards' outputs sum to the whole block (the invariant expert parallelism
-across workers will rely on)."""
+loop over tokens and their chosen experts; a rank's shard (whole experts under expert
+parallelism, or a slice of every expert's intermediate dimension) computes exactly its share,
+so the shards' outputs sum to the whole block (the invariant the all-reduce combine relies on)."""
 from __future__ import annotations
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from pagedserve.model.config import MoEConfig
-from pagedserve.model.moe import ExpertShard, SparseMoeBlock, grouped_experts, route
+from pagedserve.model.config import MoEConfig, TPShard
+from pagedserve.model.moe import SparseMoeBlock, grouped_experts, route
 
 HIDDEN, INTER, EXPERTS = 16, 8, 8
 
@@ -55,8 +55,17 @@ def test_route_softmax_renormalised_and_deepseek_groups():
     torch.testing.assert_close(weights[0], 2.5 * scores / scores.sum())
 
 
+def rank_shard(rank: int, size: int, expert_parallel: bool) -> TPShard:
+    """The MoE fields of a TPShard (attention and vocabulary do not matter to the block)."""
+    return TPShard(size, rank, 1, 0, 1, 0, 0, 0, 1, 0, 1, expert_parallel=expert_parallel)
+
+
+@pytest.mark.parametrize("expert_parallel", [True, False], ids=["whole-experts", "intermediate-slices"])
 @pytest.mark.parametrize("size", [2, 4])
-def test_expert_shards_sum_to_the_whole_block(size):
+def test_expert_shards_sum_to_the_whole_block(size, expert_parallel):
+    """Each rank's partial output (its whole experts, or its slice of every expert's
+    intermediate dimension; its slice of the gated shared expert) sums over the ranks to
+    the unsharded block's: the invariant the all-reduce combine relies on."""
     torch.manual_seed(0)
     moe = moe_config(shared_intermediate_size=12, shared_gate=True)
     full = SparseMoeBlock(HIDDEN, moe)
@@ -66,17 +75,25 @@ def test_expert_shards_sum_to_the_whole_block(size):
     with torch.no_grad():
         want = full(x)
         total = torch.zeros_like(want)
-        per_rank = EXPERTS // size
         for rank in range(size):
-            shard = SparseMoeBlock(HIDDEN, moe, ExpertShard(rank, size))
+            shard = rank_shard(rank, size, expert_parallel)
+            block = SparseMoeBlock(HIDDEN, moe, shard)
             state = dict(full.state_dict())
-            rows = slice(rank * per_rank, (rank + 1) * per_rank)
-            state["experts.w13"], state["experts.w2"] = state["experts.w13"][rows], state["experts.w2"][rows]
-            shard.load_state_dict(state)
-            total += shard(x)
+            first, end = shard.expert_range(EXPERTS)
+            lo, width = shard.expert_intermediate_range(INTER)
+            w13, w2 = state["experts.w13"][first:end], state["experts.w2"][first:end]
+            state["experts.w13"] = torch.cat([w13[:, lo:lo + width], w13[:, INTER + lo:INTER + lo + width]], dim=1)
+            state["experts.w2"] = w2[:, :, lo:lo + width]
+            s_lo, s_width = shard.shared_intermediate_range(12)
+            gate_up = state["shared_expert.gate_up_proj.weight"]
+            state["shared_expert.gate_up_proj.weight"] = torch.cat([gate_up[s_lo:s_lo + s_width],
+                                                                   gate_up[12 + s_lo:12 + s_lo + s_width]])
+            state["shared_expert.down_proj.weight"] = state["shared_expert.down_proj.weight"][:, s_lo:s_lo + s_width]
+            block.load_state_dict(state)
+            total += block(x)
     torch.testing.assert_close(total, want, rtol=1e-5, atol=1e-5)
 
 
 def test_a_shard_size_that_does_not_divide_the_experts_is_refused():
-    with pytest.raises(ValueError, match="expert_parallel_size"):
-        SparseMoeBlock(HIDDEN, moe_config(), ExpertShard(0, 3))
+    with pytest.raises(ValueError, match="enable_expert_parallel: 3 ranks do not divide the 8 experts"):
+        SparseMoeBlock(HIDDEN, moe_config(), rank_shard(0, 3, expert_parallel=True))

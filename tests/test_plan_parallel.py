@@ -45,7 +45,8 @@ def deepseek_fp8_weights_per_gpu(tp: int, experts_per_gpu_share: float, layers: 
         if layer < DENSE:
             linear += 3 * H * INTER // tp
         else:
-            linear += H * EXPERTS + EXPERT // tp + int(experts_per_gpu_share * EXPERT)   # router, shared, routed
+            # router (+ its e_score_correction_bias, in the checkpoint per MoE layer), shared, routed
+            linear += H * EXPERTS + EXPERTS + EXPERT // tp + int(experts_per_gpu_share * EXPERT)
     bf16 = 2 * H * len(layers) + (H if last else 0) + (VOCAB * H // tp) * (int(first) + int(last))
     return linear + 2 * bf16
 

@@ -24,7 +24,7 @@ from pagedserve.core.request import RequestStatus
 from pagedserve.engine.input_processor import InputProcessor
 from pagedserve.engine.kv_events import make_kv_events_hook
 from pagedserve.engine.output_processor import OutputKind, OutputProcessor, make_core_requests
-from pagedserve.model.config import ModelConfig, check_tensor_parallel
+from pagedserve.model.config import ModelConfig, check_model_parallel
 from pagedserve.outputs import RequestOutput
 from pagedserve.plan.kv_budget import ModelShape, kv_cache_log_lines, kv_replication_warning
 from pagedserve.sampling import SamplingParams
@@ -53,11 +53,8 @@ class EngineFrontend:
         self.config = config
         self.model_config = read_model_config(config.model)
         config.resolve(self.model_config.max_model_len)
-        mc = self.model_config
-        if (mc.moe is not None or mc.mla is not None) and config.tensor_parallel_size > 1:
-            raise ValueError(f"tensor_parallel_size: {config.tensor_parallel_size}, but {mc.architecture} runs on one "
-                             "rank (tensor and expert parallelism are implemented for Llama-family models only)")
-        check_tensor_parallel(mc.num_heads, mc.num_kv_heads, mc.intermediate_size, config.tensor_parallel_size)
+        # before any rank starts: a layout the model cannot be divided by is refused with the numbers
+        check_model_parallel(self.model_config, config.tensor_parallel_size, config.enable_expert_parallel)
         self.dtype = resolve_dtype(config.dtype, self.model_config.checkpoint_dtype, config.device)
         self.kv_cache_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, self.dtype)
         self.tokenizer = tokenizer if tokenizer is not None else self._load_tokenizer()

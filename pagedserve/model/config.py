@@ -731,10 +731,12 @@ class TPShard:
     vocab_per_rank: int
     vocab_start: int
     vocab_end: int          # exclusive, never past the real vocabulary
+    # MoE: whole experts per rank (E / tp each) instead of 1/tp of every expert's intermediate dimension
+    expert_parallel: bool = False
 
     @classmethod
-    def of(cls, cfg: ModelConfig, tp: int = 1, rank: int = 0) -> "TPShard":
-        check_tensor_parallel(cfg.num_heads, cfg.num_kv_heads, cfg.intermediate_size, tp)
+    def of(cls, cfg: ModelConfig, tp: int = 1, rank: int = 0, expert_parallel: bool = False) -> "TPShard":
+        check_model_parallel(cfg, tp, expert_parallel)
         heads = cfg.num_heads // tp
         if tp <= cfg.num_kv_heads:
             kv_heads, kv_start = cfg.num_kv_heads // tp, rank * (cfg.num_kv_heads // tp)
@@ -744,7 +746,49 @@ class TPShard:
         vocab = -(-cfg.vocab_size // tp)
         start = rank * vocab
         return cls(tp, rank, heads, rank * heads, kv_heads, kv_start, inter, rank * inter, vocab, start,
-                   min(start + vocab, cfg.vocab_size))
+                   min(start + vocab, cfg.vocab_size), expert_parallel and cfg.moe is not None)
+
+    def expert_range(self, num_experts: int) -> tuple[int, int]:
+        """[first, end) of the routed experts this rank holds: all of them without EP."""
+        if not self.expert_parallel or self.tp == 1:
+            return 0, num_experts
+        per_rank = num_experts // self.tp
+        return self.rank * per_rank, (self.rank + 1) * per_rank
+
+    def expert_intermediate_range(self, intermediate_size: int) -> tuple[int, int]:
+        """(start, size) of each held expert's intermediate dimension: whole under EP."""
+        if self.expert_parallel or self.tp == 1:
+            return 0, intermediate_size
+        size = intermediate_size // self.tp
+        return self.rank * size, size
+
+    def shared_intermediate_range(self, intermediate_size: int) -> tuple[int, int]:
+        """(start, size) of the shared experts' intermediate dimension: sharded like a dense MLP, EP or not."""
+        size = intermediate_size // self.tp
+        return self.rank * size, size
+
+
+def check_model_parallel(cfg: ModelConfig, tp: int, expert_parallel: bool = False) -> None:
+    """Refuse, with the numbers, a layout the model cannot be split by: heads and the dense
+    MLP as `check_tensor_parallel`; an MoE model's experts (split by their intermediate
+    dimension, or whole under expert parallelism) and its shared experts."""
+    moe = cfg.moe
+    if expert_parallel and moe is None:
+        raise ValueError(f"enable_expert_parallel: {cfg.architecture} has no experts to spread")
+    has_dense_mlp = moe is None or not all(moe.sparse_layers)
+    # Mixtral's intermediate_size is its experts' (it has no dense MLP): checked below, by the EP rule
+    check_tensor_parallel(cfg.num_heads, cfg.num_kv_heads, cfg.intermediate_size if has_dense_mlp else 0, tp)
+    if moe is None or tp == 1:
+        return
+    if expert_parallel and moe.num_experts % tp:
+        raise ValueError(f"enable_expert_parallel: the expert-parallel size {tp} (= tensor_parallel_size) does not "
+                         f"divide the model's {moe.num_experts} experts; use a divisor of {moe.num_experts}")
+    if not expert_parallel and moe.intermediate_size % tp:
+        raise ValueError(f"tensor_parallel_size: {tp} does not divide the experts' intermediate size "
+                         f"{moe.intermediate_size} (each expert is split by it without --enable-expert-parallel)")
+    if moe.shared_intermediate_size % tp:
+        raise ValueError(f"tensor_parallel_size: {tp} does not divide the shared experts' intermediate size "
+                         f"{moe.shared_intermediate_size}")
 
 
 def check_tensor_parallel(num_heads: int, num_kv_heads: int, intermediate_size: int, tp: int) -> None:

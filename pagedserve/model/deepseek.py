@@ -8,6 +8,9 @@ space, prompt chunks expanded; that module says why). RoPE: HF rotates interleav
 when rope_interleave; the rope rows of q_b_proj (or q_proj) and kv_a_proj_with_mqa are
 de-interleaved at load ([x0, x2, ..., x1, x3, ...]), after which rotating halves, as Llama
 does, rotates exactly HF's pairs and lays the result out as HF does.
+
+Tensor parallelism: query heads split over the ranks, the latent replicated (MLAttention
+says how); the MoE layers as model/moe.py; dense MLPs, embedding and head as Llama's.
 """
 from __future__ import annotations
 
@@ -20,11 +23,13 @@ from torch import nn
 from pagedserve.attention import torch_backend
 from pagedserve.attention.mla import mla_attention
 from pagedserve.attention.torch_backend import AttentionMetadata
-from pagedserve.model.config import ModelConfig
+from pagedserve.model.config import ModelConfig, TPShard
 from pagedserve.model.layers import Linear
 from pagedserve.model.llama import RMSNorm, rotate_half
-from pagedserve.model.moe import DenseMLP, ExpertShard, SparseMoeBlock
-from pagedserve.model.moe_models import expert_placement, llama_placement
+from pagedserve.model.moe import DenseMLP, SparseMoeBlock
+from pagedserve.model.moe_models import expert_placement, llama_placement, shared_expert_placement, tp_sliced
+from pagedserve.model.parallel import (RowParallelLinear, VocabParallelEmbedding, all_reduce, gather_vocab_logits,
+                                       shard_heads)
 from pagedserve.model.rope import RotaryEmbedding
 from pagedserve.model.weights import Placement, load_tensors
 
@@ -43,10 +48,15 @@ def deinterleave_rows(width: int, group: int, rope: int) -> torch.Tensor:
 
 
 class MLAttention(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    """MLA over this rank's query heads (`shard.num_heads`): q_b_proj (or q_proj) and
+    kv_b_proj hold those heads' rows, o_proj their columns (row-parallel, one all-reduce);
+    q_a_proj and kv_a_proj_with_mqa are replicated, so every rank computes, writes and
+    reads the whole latent: its KV pool is the full latent cache."""
+
+    def __init__(self, cfg: ModelConfig, shard: TPShard) -> None:
         super().__init__()
         mla, h = cfg.mla, cfg.hidden_size
-        self.mla, self.num_heads = mla, cfg.num_heads
+        self.mla, self.num_heads = mla, shard.num_heads
         self.qk_head_dim = mla.qk_nope_head_dim + mla.qk_rope_head_dim
         bias = cfg.o_proj_bias  # attention_bias: q_a, kv_a and o carry a bias
         if mla.q_lora_rank is None:
@@ -60,7 +70,7 @@ class MLAttention(nn.Module):
         # kept a plain parameter: attention reads its weight as the per-head W_k / W_v
         self.kv_b_proj = nn.Linear(mla.kv_lora_rank, self.num_heads * (mla.qk_nope_head_dim + mla.v_head_dim),
                                    bias=False)
-        self.o_proj = Linear(self.num_heads * mla.v_head_dim, h, bias=bias)
+        self.o_proj = RowParallelLinear(self.num_heads * mla.v_head_dim, h, bias, shard.tp)
 
     def forward(self, x, cos, sin, cache, meta: AttentionMetadata):
         mla = self.mla
@@ -80,13 +90,13 @@ class MLAttention(nn.Module):
 
 
 class DeepseekDecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, sparse: bool, expert_shard: ExpertShard, combine) -> None:
+    def __init__(self, cfg: ModelConfig, sparse: bool, shard: TPShard) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = MLAttention(cfg)
+        self.self_attn = MLAttention(cfg, shard)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = (SparseMoeBlock(cfg.hidden_size, cfg.moe, expert_shard, combine) if sparse
-                    else DenseMLP(cfg.hidden_size, cfg.intermediate_size))
+        self.mlp = (SparseMoeBlock(cfg.hidden_size, cfg.moe, shard, all_reduce) if sparse
+                    else DenseMLP(cfg.hidden_size, shard.intermediate_size, shard.tp))
 
     def forward(self, h, cos, sin, cache, meta):
         h = h + self.self_attn(self.input_layernorm(h), cos, sin, cache, meta)
@@ -103,17 +113,17 @@ class DeepseekV3ForCausalLM(nn.Module):
             raise ValueError("kv_cache_dtype: a quantized cache is not implemented for the MLA latent cache")
         return torch_backend.build_metadata(decodes, prefills, block_size, sliding_window, device)
 
-    def __init__(self, cfg: ModelConfig, expert_shard: ExpertShard = ExpertShard(), combine=None) -> None:
+    def __init__(self, cfg: ModelConfig, shard: TPShard | None = None) -> None:
         super().__init__()
-        self.cfg, self.expert_shard = cfg, expert_shard
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DeepseekDecoderLayer(cfg, sparse, expert_shard, combine)
-                                    for sparse in cfg.moe.sparse_layers)
+        self.cfg = cfg
+        self.shard = shard = shard or TPShard.of(cfg)
+        self.embed_tokens = VocabParallelEmbedding(shard, cfg.hidden_size)
+        self.layers = nn.ModuleList(DeepseekDecoderLayer(cfg, sparse, shard) for sparse in cfg.moe.sparse_layers)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, shard.vocab_per_rank, bias=False)
 
     def load_checkpoint(self, tensors) -> None:
-        cfg, mla = self.cfg, self.cfg.mla
+        cfg, mla, shard = self.cfg, self.cfg.mla, self.shard
         self._keep_router_fp32()
         qk = mla.qk_nope_head_dim + mla.qk_rope_head_dim
         rope = mla.qk_rope_head_dim
@@ -123,8 +133,14 @@ class DeepseekV3ForCausalLM(nn.Module):
             kv_order = deinterleave_rows(mla.kv_lora_rank + rope, mla.kv_lora_rank + rope, rope)
         shared = cfg.moe.shared_intermediate_size
 
-        def rows(order):
-            return None if order is None else (lambda t: t.index_select(0, order))
+        def rows(order, head_width):
+            """De-interleave the whole tensor's rope rows (when HF interleaves), then keep
+            this rank's heads' rows (`head_width` rows each; None: replicated)."""
+            def transform(t):
+                if order is not None:
+                    t = t.index_select(0, order)
+                return t if head_width is None or shard.tp == 1 else shard_heads(t, shard, head_width)
+            return None if order is None and (head_width is None or shard.tp == 1) else transform
 
         def resolve(name: str) -> Placement | None:
             if "rotary_emb" in name or (name == "lm_head.weight" and self.lm_head is None):
@@ -132,20 +148,25 @@ class DeepseekV3ForCausalLM(nn.Module):
             m = _LAYER.match(name)
             if m is not None and int(m.group(1)) >= cfg.num_layers:
                 return None  # the multi-token-prediction layer: HF skips it too
-            place = expert_placement(name, cfg, self.expert_shard)
+            place = expert_placement(name, cfg, shard)
             if place is not False:
                 return place
             if name.endswith(("self_attn.q_b_proj.weight", "self_attn.q_proj.weight")):
-                return Placement(name, transform=rows(q_order))
+                return Placement(name, transform=rows(q_order, qk))
             if name.endswith(("self_attn.kv_a_proj_with_mqa.weight", "self_attn.kv_a_proj_with_mqa.bias")):
-                return Placement(name, transform=rows(kv_order))
+                return Placement(name, transform=rows(kv_order, None))   # the latent: replicated
+            if name.endswith("self_attn.kv_b_proj.weight"):
+                return Placement(name, transform=rows(None, mla.qk_nope_head_dim + mla.v_head_dim))
+            if name.endswith("self_attn.o_proj.weight") and shard.tp > 1:
+                return Placement(name, transform=lambda t: shard_heads(t, shard, mla.v_head_dim, dim=1))
+            if ".self_attn." in name:
+                return Placement(name)   # q_a_proj, the norms, o_proj's bias (added once): replicated
             if ".shared_experts." in name and not shared:
                 return None  # n_shared_experts = 0: HF's shared MLP is zero-width and adds 0
             if ".shared_experts." in name:
-                name = name.replace(".shared_experts.", ".shared_expert.")
-                return llama_placement(name, cfg, {"gate_proj": shared, "up_proj": shared})
-            inter = cfg.intermediate_size
-            return llama_placement(name, cfg, {"gate_proj": inter, "up_proj": inter})
+                return shared_expert_placement(name.replace(".shared_experts.", ".shared_expert."), shared, shard)
+            inter = shard.intermediate_size
+            return tp_sliced(name, llama_placement(name, cfg, {"gate_proj": inter, "up_proj": inter}), cfg, shard)
 
         load_tensors(self, tensors, resolve)
 
@@ -170,7 +191,10 @@ class DeepseekV3ForCausalLM(nn.Module):
             h = layer(h, cos, sin, kv_cache[i, 0], meta)
         return self.norm(h)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """As LlamaForCausalLM's: vocabulary-parallel, the full logits on rank 0 only."""
         if self.lm_head is None:
-            return F.linear(hidden, self.embed_tokens.weight).float()
-        return self.lm_head(hidden).float()
+            local = F.linear(hidden, self.embed_tokens.weight).float()
+        else:
+            local = self.lm_head(hidden).float()
+        return gather_vocab_logits(local, self.shard, self.cfg.vocab_size)

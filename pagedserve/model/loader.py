@@ -50,17 +50,16 @@ def model_class(config: ModelConfig):
 def load_model(config: ModelConfig, dtype: str, device: str, shard: TPShard | None = None,
                **model_kwargs) -> LlamaForCausalLM:
     """Build the architecture's model on `device` in `dtype` and load its weights.
-    `shard`: the tensor-parallel rank's share (default: the whole model; Llama-family only).
-    model_kwargs: what an MoE model class takes beyond the config (an expert shard)."""
+    `shard`: the tensor-parallel rank's share (default: the whole model), experts included
+    (model.config.TPShard: sliced by their intermediate dimension, or whole under EP)."""
     torch_dtype = TORCH_DTYPES[dtype]
     cls = model_class(config)
-    if cls is not LlamaForCausalLM and shard is not None and shard.tp > 1:
-        raise ValueError(f"tensor_parallel_size: {shard.tp} ranks, but {config.architecture} runs on one rank "
-                         "(tensor and expert parallelism are implemented for Llama-family models only)")
     with torch.device("meta"):
-        model = cls(config, shard) if cls is LlamaForCausalLM else cls(config, **model_kwargs)
+        model = cls(config, shard, **model_kwargs)
     model = model.to_empty(device=device).to(torch_dtype)
     model.load_checkpoint(iter_checkpoint_tensors(config.path))
+    # what this rank holds, counted before packing changes any weight's storage (plan counts the same)
+    model.weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     model.init_buffers(device)
     model.eval()
     prepare_linear_layers(model, torch_dtype, torch.device(device))

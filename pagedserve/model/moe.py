@@ -10,42 +10,30 @@ Invariants:
 - Experts run without a loop over tokens: the step's (token, slot) pairs are sorted by
   expert id, each active expert multiplies its contiguous run of rows in one GEMM pair,
   and the weighted rows are scatter-added back to their tokens.
-- Expert parallelism: a block built with `ExpertShard(rank, size)` holds only experts
-  [rank * E / size, (rank + 1) * E / size) and computes the routed output of those experts
-  alone (every rank routes every token the same way: the router is replicated). The sum
-  over ranks of their partial outputs is the full routed output, which `combine` (an
-  all-reduce across the expert-parallel group) assembles; the shared expert is added by
-  rank 0 only, so it is counted once.
+- Tensor parallelism (a block built with a TPShard of tp > 1): the router is replicated,
+  so every rank routes every token the same way (DeepSeek's groups, correction bias,
+  renormalisation and scaling all run unchanged on each rank). Without expert parallelism
+  (vLLM's default) each rank holds every expert's [start, start + I / tp) slice of the
+  intermediate dimension (w1/w3 rows, w2 columns); with it (`shard.expert_parallel`) each
+  holds whole experts [rank * E / tp, (rank + 1) * E / tp) and computes only those. The
+  shared expert is sharded like a dense MLP either way, and its Qwen2-MoE gate (a scalar
+  per token) scales each rank's partial output. Either way a rank's output is a partial
+  sum over its slices or its experts, and one all-reduce (`combine`) of routed + shared
+  partials gives the full MLP output: the tokens are already on every rank (attention is
+  TP, so its output is replicated), which makes dispatch an identity and the all-reduce
+  the combine (an all-gather + reduce-scatter over replicated activations computes the
+  same sum, in two collectives instead of one).
 """
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagedserve.model.config import MoEConfig
+from pagedserve.model.config import MoEConfig, TPShard
 from pagedserve.model.cpu import fused
 from pagedserve.model.layers import Linear
-
-
-@dataclass(frozen=True)
-class ExpertShard:
-    """Which experts one expert-parallel rank holds: a contiguous run of E / size."""
-
-    rank: int = 0
-    size: int = 1
-
-    def __post_init__(self) -> None:
-        if self.size < 1 or not 0 <= self.rank < self.size:
-            raise ValueError(f"expert parallel rank {self.rank} of {self.size}: need 0 <= rank < size")
-
-    def local_range(self, num_experts: int) -> tuple[int, int]:
-        if num_experts % self.size:
-            raise ValueError(f"expert_parallel_size: {self.size} does not divide the model's {num_experts} experts")
-        per_rank = num_experts // self.size
-        return self.rank * per_rank, (self.rank + 1) * per_rank
+from pagedserve.model.parallel import RowParallelLinear
 
 
 def route(logits: torch.Tensor, moe: MoEConfig, correction_bias: torch.Tensor | None = None
@@ -110,13 +98,17 @@ def grouped_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w
 
 
 class DenseMLP(nn.Module):
-    """SwiGLU MLP with gate/up fused (the dense layers and the shared experts)."""
+    """SwiGLU MLP with gate/up fused (the dense layers and the shared experts).
+    `intermediate_size` is this rank's share; `tp` > 1 with `reduce`: down_proj is
+    row-parallel and sums the ranks' partial outputs itself (a dense layer); without
+    `reduce` the partial output is returned (a shared expert, summed with the experts')."""
 
-    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
+    def __init__(self, hidden_size: int, intermediate_size: int, tp: int = 1, reduce: bool = True) -> None:
         super().__init__()
         self.inter = intermediate_size
         self.gate_up_proj = Linear(hidden_size, 2 * intermediate_size, bias=False)
-        self.down_proj = Linear(intermediate_size, hidden_size, bias=False)
+        self.down_proj = (RowParallelLinear(intermediate_size, hidden_size, False, tp) if reduce
+                          else Linear(intermediate_size, hidden_size, bias=False))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(fused.silu_and_mul(self.gate_up_proj(x)))
@@ -126,26 +118,34 @@ class SparseMoeBlock(nn.Module):
     """Router + routed experts (this rank's share) + optional shared expert (and its gate).
 
     Parameter names: gate.weight [E, H] (the router), gate.e_score_correction_bias [E]
-    (DeepSeek), experts.w13 [E_local, 2I, H], experts.w2 [E_local, H, I], shared_expert.*,
-    shared_expert_gate.weight [1, H] (Qwen2-MoE)."""
+    (DeepSeek), experts.w13 [E_local, 2 I_local, H], experts.w2 [E_local, H, I_local],
+    shared_expert.*, shared_expert_gate.weight [1, H] (Qwen2-MoE)."""
 
-    def __init__(self, hidden_size: int, moe: MoEConfig, shard: ExpertShard = ExpertShard(),
-                 combine=None) -> None:
+    def __init__(self, hidden_size: int, moe: MoEConfig, shard: TPShard | None = None, combine=None) -> None:
         super().__init__()
-        self.moe, self.shard = moe, shard
-        self.first_expert, end = shard.local_range(moe.num_experts)
+        self.moe = moe
+        self.tp = shard.tp if shard is not None else 1
+        if shard is None:
+            self.first_expert, end, inter = 0, moe.num_experts, moe.intermediate_size
+            shared_inter = moe.shared_intermediate_size
+        else:
+            if shard.expert_parallel and moe.num_experts % shard.tp:   # check_model_parallel refuses it first
+                raise ValueError(f"enable_expert_parallel: {shard.tp} ranks do not divide the {moe.num_experts} experts")
+            self.first_expert, end = shard.expert_range(moe.num_experts)
+            inter = shard.expert_intermediate_range(moe.intermediate_size)[1]
+            shared_inter = shard.shared_intermediate_range(moe.shared_intermediate_size)[1]
         num_local = end - self.first_expert
         self.gate = nn.Module()
         self.gate.weight = nn.Parameter(torch.empty(moe.num_experts, hidden_size))
         if moe.correction_bias:
             self.gate.e_score_correction_bias = nn.Parameter(torch.empty(moe.num_experts))
         self.experts = nn.Module()
-        self.experts.w13 = nn.Parameter(torch.empty(num_local, 2 * moe.intermediate_size, hidden_size))
-        self.experts.w2 = nn.Parameter(torch.empty(num_local, hidden_size, moe.intermediate_size))
-        self.shared_expert = (DenseMLP(hidden_size, moe.shared_intermediate_size)
+        self.experts.w13 = nn.Parameter(torch.empty(num_local, 2 * inter, hidden_size))
+        self.experts.w2 = nn.Parameter(torch.empty(num_local, hidden_size, inter))
+        self.shared_expert = (DenseMLP(hidden_size, shared_inter, self.tp, reduce=False)
                               if moe.shared_intermediate_size else None)
         self.shared_expert_gate = Linear(hidden_size, 1, bias=False) if moe.shared_gate else None
-        # sums the ranks' partial outputs (an all-reduce); None: one rank holds every expert
+        # sums the ranks' partial outputs (an all-reduce); None: one rank holds the whole MLP
         self.combine = combine
 
     def router_logits(self, x: torch.Tensor) -> torch.Tensor:
@@ -157,11 +157,11 @@ class SparseMoeBlock(nn.Module):
         bias = getattr(self.gate, "e_score_correction_bias", None)
         ids, weights = route(self.router_logits(x), self.moe, None if bias is None else bias.float())
         out = grouped_experts(x, ids, weights, self.experts.w13, self.experts.w2, self.first_expert)
-        if self.shared_expert is not None and self.shard.rank == 0:
-            shared = self.shared_expert(x)
+        if self.shared_expert is not None:
+            shared = self.shared_expert(x)   # this rank's partial sum of the shared expert
             if self.shared_expert_gate is not None:
                 shared = torch.sigmoid(self.shared_expert_gate(x)) * shared
             out = out + shared
-        if self.combine is not None and self.shard.size > 1:
+        if self.combine is not None and self.tp > 1:
             out = self.combine(out)
         return out

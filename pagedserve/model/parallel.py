@@ -118,3 +118,21 @@ def shard_checkpoint_tensor(name: str, tensor: torch.Tensor, cfg: ModelConfig, s
         pad = shard.vocab_per_rank - rows.shape[0]
         return F.pad(rows, (0, 0, 0, pad)) if pad else rows
     return tensor
+
+
+def shard_mlp_tensor(proj: str, tensor: torch.Tensor, start: int, size: int) -> torch.Tensor:
+    """An MLP projection's slice of the intermediate dimension [start, start + size): rows
+    of gate/up (w1/w3), columns of down (w2). Used for experts and shared experts, whose
+    widths are not the dense MLP's."""
+    if proj in ("gate_proj", "up_proj", "w1", "w3"):
+        return tensor[start:start + size]
+    if proj in ("down_proj", "w2"):
+        return tensor[:, start:start + size]
+    raise ValueError(f"shard_mlp_tensor: {proj!r} is not an MLP projection")
+
+
+def shard_heads(tensor: torch.Tensor, shard: TPShard, width: int, dim: int = 0) -> torch.Tensor:
+    """The rows (dim 0) or columns (dim 1) of this rank's query heads, `width` per head
+    (MLA's q_b_proj and kv_b_proj rows, o_proj columns)."""
+    lo, hi = shard.q_head_start * width, (shard.q_head_start + shard.num_heads) * width
+    return tensor[lo:hi] if dim == 0 else tensor[:, lo:hi]

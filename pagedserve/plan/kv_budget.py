@@ -65,6 +65,10 @@ class ModelShape:
     moe_intermediate_size: int = 0
     shared_expert_intermediate_size: int = 0
     first_dense_layers: int = 0
+    # per MoE layer, beside the router: Qwen2-MoE's [1, hidden] shared-expert gate, DeepSeek-V3's
+    # [num_experts] e_score_correction_bias (both replicated on every rank)
+    shared_expert_gate: bool = False
+    router_bias: bool = False
     max_position_embeddings: int = 0
 
     @property
@@ -110,13 +114,17 @@ class ModelShape:
             q_lora_rank=cfg.get("q_lora_rank"),
             qk_nope_head_dim=cfg.get("qk_nope_head_dim"),
             v_head_dim=cfg.get("v_head_dim"),
-            # Qwen2 has biases on q/k/v without saying so in its config.
-            attention_bias=bool(cfg.get("attention_bias", cfg.get("model_type") == "qwen2")),
+            # Qwen2 has biases on q/k/v without saying so in its config; Qwen2-MoE says so by qkv_bias.
+            attention_bias=bool(cfg.get("qkv_bias", True) if cfg.get("model_type") == "qwen2_moe"
+                                else cfg.get("attention_bias", cfg.get("model_type") == "qwen2")),
             num_experts=num_experts,
             num_experts_per_tok=int(cfg.get("num_experts_per_tok") or 0),
             moe_intermediate_size=moe_intermediate,
             shared_expert_intermediate_size=shared,
             first_dense_layers=int(cfg.get("first_k_dense_replace") or 0) if num_experts else 0,
+            shared_expert_gate=bool(num_experts and shared and cfg.get("model_type") == "qwen2_moe"),
+            router_bias=bool(num_experts and (cfg.get("topk_method") == "noaux_tc"
+                                              or cfg.get("model_type") == "deepseek_v3")),
             max_position_embeddings=int(cfg.get("max_position_embeddings") or 0),
         )
 

@@ -197,7 +197,8 @@ def param_breakdown(shape: ModelShape) -> dict[str, int]:
     dense_mlp = 3 * h * shape.intermediate_size
     if shape.is_moe:
         moe_mlp = (3 * h * shape.moe_intermediate_size * shape.num_experts
-                   + 3 * h * shape.shared_expert_intermediate_size + h * shape.num_experts)
+                   + 3 * h * shape.shared_expert_intermediate_size + h * shape.num_experts
+                   + h * shape.shared_expert_gate + shape.num_experts * shape.router_bias)
         num_dense = shape.first_dense_layers
         mlp = num_dense * dense_mlp + (shape.num_layers - num_dense) * moe_mlp
     else:

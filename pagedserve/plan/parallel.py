@@ -8,7 +8,8 @@ GPUs = TP x PP x DP, laid out as vLLM lays them out:
   also carries the final norm and the LM head). Stage 0 holds the embedding.
 - Within a stage, TP shards the attention heads (q/kv/o projections), dense MLPs, shared
   experts, the embedding and the LM head (vocab-parallel). Every TP rank keeps a whole copy
-  of the norms, the MoE router and MLA's down-projections q_a_proj / kv_a_proj_with_mqa
+  of the norms, the MoE router (with Qwen2-MoE's shared-expert gate and DeepSeek-V3's
+  correction bias) and MLA's down-projections q_a_proj / kv_a_proj_with_mqa
   (vLLM and SGLang build those as ReplicatedLinear).
 - Routed experts: without EP each expert is TP-sharded like a dense MLP, and every DP rank
   holds all of them. With EP (vLLM's --enable-expert-parallel: EP size = TP x DP) whole
@@ -154,7 +155,8 @@ def _layer_params(shape: ModelShape, sparse: bool, tp: int, ep: int) -> dict[str
     else:
         expert = 3 * h * shape.moe_intermediate_size
         routed = expert * math.ceil(shape.num_experts / ep) if ep > 1 else expert * shape.num_experts / tp
-        mlp = h * shape.num_experts + 3 * h * shape.shared_expert_intermediate_size / tp + routed
+        router = h * shape.num_experts + h * shape.shared_expert_gate + shape.num_experts * shape.router_bias
+        mlp = router + 3 * h * shape.shared_expert_intermediate_size / tp + routed
     return {"attention": attention, "mlp": mlp, "norms": 2 * h}
 
 

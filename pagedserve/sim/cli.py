@@ -44,8 +44,9 @@ def _add_deployment_args(p: argparse.ArgumentParser, engine_flags: bool = True) 
     g.add_argument("--gpu", default=None, help="GPU preset (H100-SXM, A100-80GB, H200, L40S, ...); omit with --device cpu")
     g.add_argument("--pipeline-parallel-size", "-pp", "--pp", dest="pp", type=int, default=1,
                    help="pipeline stages (layers split between them; TP x PP GPUs in all)")
-    g.add_argument("--enable-expert-parallel", action="store_true",
-                   help="MoE: spread whole experts over the TP group (all-to-all dispatch and combine)")
+    if not engine_flags:  # otherwise the engine's own --enable-expert-parallel (same meaning) is there
+        g.add_argument("--enable-expert-parallel", action="store_true",
+                       help="MoE: spread whole experts over the TP group (all-to-all dispatch and combine)")
     g.add_argument("--gpus-per-node", type=int, default=8,
                    help="GPUs per node: a TP/EP group or stage boundary past it crosses the inter-node link")
     g.add_argument("--inter-node-bandwidth", type=float, default=50.0, metavar="GB/s",
@@ -128,7 +129,7 @@ def deployment_layout(args, layout: str | None = None, tp: int | None = None) ->
             raise ValueError(f"tensor_parallel_size: must be >= 1, got {tp}")
         if args.pp < 1:
             raise ValueError(f"pipeline_parallel_size: must be >= 1, got {args.pp}")
-        chosen = ParallelLayout(tp, args.pp, enable_expert_parallel=args.enable_expert_parallel)
+        chosen = ParallelLayout(tp, args.pp, enable_expert_parallel=bool(args.enable_expert_parallel))
     return {"layout": chosen, "topology": Topology(args.gpus_per_node, args.inter_node_bandwidth)}
 
 

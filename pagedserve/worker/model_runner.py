@@ -352,6 +352,18 @@ class ModelRunner:
                 result.logprobs[state.request_id] = lp
 
     @property
+    def weight_bytes(self) -> int:
+        """Bytes of this rank's weights as loaded (before any GEMM packing): `plan`'s per-GPU figure."""
+        return self.model.weight_bytes
+
+    @property
+    def expert_layout(self) -> list[tuple[int, int, int]]:
+        """(first expert, experts held, intermediate width held) of each MoE layer on this rank."""
+        from pagedserve.model.moe import SparseMoeBlock
+        return [(m.first_expert, m.experts.w13.shape[0], m.experts.w2.shape[2])
+                for m in self.model.modules() if isinstance(m, SparseMoeBlock)]
+
+    @property
     def kv_cache_bytes(self) -> int:
         """Bytes of this rank's device KV pool, as allocated."""
         if self.kv_cache is None:

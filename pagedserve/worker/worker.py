@@ -121,7 +121,7 @@ class Worker:
 
         config = self.spec.config
         model_config = read_model_config(config.model)
-        shard = TPShard.of(model_config, self.tp, self.rank)
+        shard = TPShard.of(model_config, self.tp, self.rank, config.enable_expert_parallel)
         eos = frozenset(self.spec.eos_token_ids)
         grammar_compiler = None
         if self.rank == 0:  # only rank 0 samples, so only it needs structured outputs' masks
