@@ -36,7 +36,7 @@ logger = logging.getLogger("pagedserve.server")
 
 
 class EngineOverloaded(Exception):
-    """The waiting queue is at --max-queue-len."""
+    """The request's sequences would take the waiting queue past --max-queue-len."""
 
 
 class EngineDead(Exception):
@@ -126,9 +126,11 @@ class AsyncLLM:
         one output queue: all of them, or none (EngineOverloaded, EngineDead)."""
         if not self.is_running:
             raise EngineDead(f"the engine is not running{self._dead_detail()}")
-        if self.max_queue_len is not None and self.num_waiting + len(entries) > self.max_queue_len:
+        # The queue counts sequences, as the core does: a prompt with n samples is n of them.
+        num_new = len(entries) * params.n
+        if self.max_queue_len is not None and self.num_waiting + num_new > self.max_queue_len:
             raise EngineOverloaded(f"the waiting queue is full ({self.num_waiting} of {self.max_queue_len} "
-                                   f"requests); retry later")
+                                   f"sequences wait; this request adds {num_new}); retry later")
         queue: asyncio.Queue = asyncio.Queue()
         arrival = time.monotonic()
         engine = self.engine
