@@ -856,6 +856,11 @@ def build_app(async_engine: AsyncLLM, api_key: str | None = None, manage_engine:
             detail = async_engine.dead_error
             message = f"engine is not running: {type(detail).__name__}: {detail}" if detail else "engine is not running"
             return JSONResponse(error_body(503, message, "ServiceUnavailableError", None), status_code=503)
+        stall = async_engine.check_stall()
+        if stall is not None:  # alive but not stepping (engine/async_llm.py: the step watchdog)
+            body = error_body(503, stall.message(), "ServiceUnavailableError", None)
+            body["error"].update(stall.to_dict())
+            return JSONResponse(body, status_code=503)
         return Response(status_code=200)
 
     @app.get("/version")

@@ -12,7 +12,7 @@ from pagedserve.structured.tool_parsers import TOOL_PARSERS
 logger = logging.getLogger("pagedserve.server")
 
 _SERVER_DEFAULTS = {"host": "127.0.0.1", "port": 8000, "api_key": None, "max_queue_len": None,
-                    "max_seqs_per_request": None, "max_request_bytes": None, "enable_prompt_tokens_details": False,
+                    "max_seqs_per_request": None, "step_watchdog_timeout": None, "max_request_bytes": None, "enable_prompt_tokens_details": False,
                     "enable_auto_tool_choice": False, "tool_call_parser": None, "dashboard": True}
 
 
@@ -34,6 +34,10 @@ def register(sub) -> None:
     server.add_argument("--max-seqs-per-request", type=int, default=None,
                         help="answer 400 to a request of more sequences (prompts x n) than this "
                              "(default 256; 0 = no limit)")
+    server.add_argument("--step-watchdog-timeout", type=float, default=None,
+                        help="seconds without a completed engine step, while requests are in flight, before "
+                             "/health answers 503 naming the stuck process (default: 10 x the slowest step seen, "
+                             "at least 60; 0 = off)")
     server.add_argument("--max-request-bytes", type=int, default=None,
                         help="answer 413 to a request body larger than this (default: 32 bytes per token of "
                              "max_model_len, at least 1 MiB; 0 = no limit)")
@@ -83,6 +87,10 @@ def server_settings(args) -> dict:
         raise ValueError(f"dashboard: must be true or false, got {settings['dashboard']!r}")
     if queue is not None and (not isinstance(queue, int) or queue < 0):
         raise ValueError(f"max_queue_len: must be an integer >= 0 (0 = no limit), got {queue!r}")
+    watchdog = settings["step_watchdog_timeout"]
+    if watchdog is not None and (isinstance(watchdog, bool) or not isinstance(watchdog, (int, float))
+                                 or watchdog < 0):
+        raise ValueError(f"step_watchdog_timeout: must be a number of seconds >= 0 (0 = off), got {watchdog!r}")
     per_request = settings["max_seqs_per_request"]
     if per_request is not None and (not isinstance(per_request, int) or per_request < 0):
         raise ValueError(f"max_seqs_per_request: must be an integer >= 0 (0 = no limit), got {per_request!r}")
@@ -111,6 +119,7 @@ def run(args) -> int:
     app, async_engine = build_server(config, api_key=settings["api_key"],
                                      max_queue_len=settings["max_queue_len"], log_interval=args.log_interval,
                                      max_seqs_per_request=settings["max_seqs_per_request"],
+                                     step_watchdog_timeout=settings["step_watchdog_timeout"],
                                      max_request_bytes=settings["max_request_bytes"],
                                      enable_prompt_tokens_details=bool(settings["enable_prompt_tokens_details"]),
                                      enable_auto_tool_choice=bool(settings["enable_auto_tool_choice"]),

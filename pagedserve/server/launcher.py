@@ -54,11 +54,13 @@ def build_server(config: EngineConfig, api_key: str | None = None, max_queue_len
                  log_interval: float = 10.0, max_request_bytes: int | None = None,
                  enable_prompt_tokens_details: bool = False, enable_auto_tool_choice: bool = False,
                  tool_call_parser: str | None = None, engine_core_mode: str = "thread",
-                 dashboard: bool = True, max_seqs_per_request: int | None = None):
+                 dashboard: bool = True, max_seqs_per_request: int | None = None,
+                 step_watchdog_timeout: float | None = None):
     """(app, async_engine). engine_core_mode: "thread" (the core steps in a thread of this
     process, from an Engine), "process" (an engine-core process, started and ready before
     this returns), or "auto". The core's side starts with the app. `max_queue_len` and
-    `max_seqs_per_request`: None = the defaults (resolve_admission), 0 = no limit."""
+    `max_seqs_per_request`: None = the defaults (resolve_admission), 0 = no limit.
+    `step_watchdog_timeout`: see AsyncLLM (None = derived from measured steps, 0 = off)."""
     max_queue_len, max_seqs_per_request = resolve_admission(config, max_queue_len, max_seqs_per_request)
     from pagedserve.engine.llm_engine import Engine, EngineFrontend
 
@@ -85,7 +87,8 @@ def build_server(config: EngineConfig, api_key: str | None = None, max_queue_len
                              engine.config.device)
     if getattr(engine, "grammar_compiler", None) is not None:
         metrics.watch_grammar_cache(engine.grammar_compiler)
-    async_engine = AsyncLLM(engine, metrics, max_queue_len=max_queue_len, client=client)
+    async_engine = AsyncLLM(engine, metrics, max_queue_len=max_queue_len, client=client,
+                            step_watchdog_timeout=step_watchdog_timeout)
     return build_app(async_engine, api_key=api_key, max_request_bytes=max_request_bytes,
                      max_seqs_per_request=max_seqs_per_request,
                      enable_prompt_tokens_details=enable_prompt_tokens_details,
