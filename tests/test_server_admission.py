@@ -123,3 +123,48 @@ def test_explicit_bounds_are_kept_and_a_request_larger_than_the_queue_is_a_400(t
         message = check_400(post(st, {"prompt": "hi", "n": 4, "max_tokens": 1}), "n")
         assert "4 sequences (1 prompt x n=4)" in message
         assert post(st, {"prompt": ["hi"] * 3, "max_tokens": 1}).status_code == 200
+
+
+def test_process_mode_the_same_bounds(tiny_llama):
+    """The engine core in its own process: the same 400 (changing nothing in the core), and the
+    default queue bound while the core is held (SIGSTOP: what was sent waits in its socket)."""
+    import os
+    import signal
+
+    from metrics_scrape import wait_idle
+
+    config = EngineConfig(model=str(tiny_llama), num_kv_blocks=64, max_model_len=128, max_num_seqs=8)
+    app, ae = build_server(config, engine_core_mode="process")
+    with ServerThread(app) as st:
+        before = wait_idle(st)
+        check_400(post(st, {"prompt": [[5, 6]] * 300, "max_tokens": 1}), "prompt")
+        after = wait_idle(st)
+        for name in ("pagedserve:prompt_tokens_total{}", "pagedserve:num_requests_waiting{}",
+                     "pagedserve:num_requests_running{}", "pagedserve:kv_cache_used_tokens{}"):
+            assert after[name] == before[name], name
+        results: list[int] = []
+
+        def call() -> None:
+            results.append(post(st, {"prompt": [[5, 6]] * 256, "max_tokens": 1, "ignore_eos": True}).status_code)
+
+        core = ae.client.process.pid
+        os.kill(core, signal.SIGSTOP)
+        try:
+            waiting = [threading.Thread(target=call) for _ in range(4)]
+            for t in waiting:
+                t.start()
+            end = time.monotonic() + 60
+            while ae.num_waiting < 1024 and time.monotonic() < end:
+                time.sleep(0.02)
+            assert ae.num_waiting == 1024
+            r = post(st, {"prompt": "hi", "max_tokens": 1})
+            assert r.status_code == 503 and int(r.headers["Retry-After"]) >= 1, r.text
+            assert ae.num_waiting == 1024
+        finally:
+            os.kill(core, signal.SIGCONT)
+        for t in waiting:
+            t.join(120)
+        assert results == [200] * 4
+        m = wait_idle(st)  # every block back, nothing left waiting (it fails on a deadline otherwise)
+        assert m["pagedserve:request_success_total{finished_reason=length}"] == (
+            before["pagedserve:request_success_total{finished_reason=length}"] + 1024)

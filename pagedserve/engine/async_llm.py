@@ -271,8 +271,7 @@ class AsyncLLM:
         return bool(self._queues) or self.client.num_pending_adds > 0
 
     async def _watch_steps(self) -> None:
-        while True:
-            bound = self.watchdog_bound
+        while (bound := self.watchdog_bound) is not None:
             await asyncio.sleep(min(1.0, max(bound / 4, 0.05)))
             try:
                 self.check_stall()
