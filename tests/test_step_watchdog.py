@@ -23,6 +23,9 @@ from pagedserve.config import EngineConfig
 from pagedserve.server.launcher import ServerThread, build_server
 
 DEADLINE = 60.0
+# The watchdog's bound here: far above a tiny model's step (milliseconds), even on a loaded
+# machine, so only the frozen engine trips it.
+BOUND = 2.0
 BODY = {"prompt": [5, 6, 7, 8], "max_tokens": 48, "temperature": 0, "ignore_eos": True}
 
 
@@ -113,7 +116,7 @@ def check_stall_report(stalled: dict, during: dict, after: dict, out: dict, refe
     assert stalled["reason"] == "engine_stalled"
     assert "no engine step has completed for" in stalled["message"]
     assert "1 request in flight" in stalled["message"] and "--step-watchdog-timeout" in stalled["message"]
-    assert stalled["stalled_seconds"] > stalled["bound_seconds"] == 1.0
+    assert stalled["stalled_seconds"] > stalled["bound_seconds"] == BOUND
     assert during == {"pagedserve:engine_stalls_total": 1.0, "pagedserve:engine_stalled": 1.0}
     assert after == {"pagedserve:engine_stalls_total": 1.0, "pagedserve:engine_stalled": 0.0}
     assert out["status"] == "ok", out
@@ -123,7 +126,7 @@ def check_stall_report(stalled: dict, during: dict, after: dict, out: dict, refe
 # -- thread mode ----------------------------------------------------------------------------
 def test_thread_mode_a_step_that_never_ends_is_a_stall(tiny_llama):
     config = EngineConfig(model=str(tiny_llama), num_kv_blocks=64, max_model_len=128, max_num_seqs=4)
-    app, async_engine = build_server(config, step_watchdog_timeout=1.0)
+    app, async_engine = build_server(config, step_watchdog_timeout=BOUND)
     executor = async_engine.engine_core.executor
     execute = executor.execute
     hold, held, release = threading.Event(), threading.Event(), threading.Event()
@@ -139,7 +142,7 @@ def test_thread_mode_a_step_that_never_ends_is_a_stall(tiny_llama):
         reference = reference_text(st.url)
         # no work: a silent engine is not a stalled one (the client is held, nothing posts)
         async_engine.pause()
-        time.sleep(1.5)
+        time.sleep(BOUND + 0.5)
         assert health(st.url).status_code == 200
         async_engine.resume()
 
@@ -167,7 +170,7 @@ def model(tmp_path_factory):
 def test_process_mode_a_stopped_engine_core_is_a_stall(tmp_path, model):
     from test_scaleout_faults import Served, _core_pid
 
-    server = Served(tmp_path, model, "--engine-core-mode", "process", "--step-watchdog-timeout", "1")
+    server = Served(tmp_path, model, "--engine-core-mode", "process", "--step-watchdog-timeout", str(BOUND))
     core = _core_pid(server)
     try:
         reference = reference_text(server.url)
@@ -188,7 +191,7 @@ def test_tensor_parallel_a_stopped_rank_is_a_stall_naming_it(tmp_path, model):
     from test_scaleout_faults import Served, _rank_pids
 
     server = Served(tmp_path, model, "--tensor-parallel-size", "2", "--engine-core-mode", "process",
-                    "--step-watchdog-timeout", "1")
+                    "--step-watchdog-timeout", str(BOUND))
     rank1 = _rank_pids(server)[1]
     try:
         reference = reference_text(server.url)
