@@ -168,3 +168,23 @@ def test_process_mode_the_same_bounds(tiny_llama):
         m = wait_idle(st)  # every block back, nothing left waiting (it fails on a deadline otherwise)
         assert m["pagedserve:request_success_total{finished_reason=length}"] == (
             before["pagedserve:request_success_total{finished_reason=length}"] + 1024)
+
+
+def test_flags_and_yaml_keys(tmp_path, tiny_llama):
+    from pagedserve.cli import build_parser
+    from pagedserve.engine_args import engine_config_from_args
+    from pagedserve.server.cli import server_settings
+
+    cfg = tmp_path / "serve.yaml"
+    cfg.write_text("max-seqs-per-request: 64\nstep-watchdog-timeout: 30\nmax_queue_len: 0\n")
+    args = build_parser().parse_args(["serve", "--model", str(tiny_llama), "--config", str(cfg)])
+    settings = server_settings(args)
+    assert (settings["max_seqs_per_request"], settings["step_watchdog_timeout"], settings["max_queue_len"]) == (
+        64, 30, 0)
+    engine_config_from_args(args)  # the server's keys are not unknown engine knobs
+    args = build_parser().parse_args(["serve", "--max-seqs-per-request", "8", "--step-watchdog-timeout", "2.5"])
+    assert (server_settings(args)["max_seqs_per_request"], server_settings(args)["step_watchdog_timeout"]) == (8, 2.5)
+    for flags, name in ((["--max-seqs-per-request", "-1"], "max_seqs_per_request"),
+                        (["--step-watchdog-timeout", "-1"], "step_watchdog_timeout")):
+        with pytest.raises(ValueError, match=name):
+            server_settings(build_parser().parse_args(["serve", *flags]))
