@@ -12,7 +12,8 @@ from pagedserve.structured.tool_parsers import TOOL_PARSERS
 logger = logging.getLogger("pagedserve.server")
 
 _SERVER_DEFAULTS = {"host": "127.0.0.1", "port": 8000, "api_key": None, "max_queue_len": None,
-                    "max_seqs_per_request": None, "step_watchdog_timeout": None, "max_request_bytes": None, "enable_prompt_tokens_details": False,
+                    "max_seqs_per_request": None, "step_watchdog_timeout": None,
+                    "max_request_bytes": None, "enable_prompt_tokens_details": False,
                     "enable_auto_tool_choice": False, "tool_call_parser": None, "dashboard": True}
 
 
