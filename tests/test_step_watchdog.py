@@ -123,6 +123,26 @@ def check_stall_report(stalled: dict, during: dict, after: dict, out: dict, refe
     assert out["text"] == reference  # the stall changed nothing in what was generated
 
 
+# -- the derived bound ------------------------------------------------------------------------
+def test_the_default_bound_follows_the_measured_steps():
+    from types import SimpleNamespace
+
+    from pagedserve.engine.async_llm import (STALL_FLOOR_SECONDS, STALL_MARGIN, STALL_WARMUP_SECONDS, AsyncLLM)
+
+    engine = SimpleNamespace(output_processor=SimpleNamespace(), config=SimpleNamespace(max_num_batched_tokens=2048))
+    client = SimpleNamespace(initial_snapshot=lambda: None)
+    ae = AsyncLLM(engine, client=client)
+    assert ae.watchdog_bound == STALL_WARMUP_SECONDS == 60  # nothing measured yet: the first steps may compile
+    ae.observe_step(0.005, 4)         # a 4-token step: a full 2,048-token chunk extrapolates to 2.56 s
+    assert ae.watchdog_bound == pytest.approx(STALL_MARGIN * 0.005 * 2048 / 4) == pytest.approx(25.6)
+    ae.observe_step(0.2, 512)         # a larger step is the better basis: 0.8 s a full chunk, under the floor
+    assert ae.watchdog_bound == STALL_FLOOR_SECONDS == 10
+    ae.observe_step(3.0, 1)           # a slow step of few tokens (a long decode batch): 10 x 3 s
+    assert ae.watchdog_bound == pytest.approx(30.0)
+    assert AsyncLLM(engine, client=client, step_watchdog_timeout=2.5).watchdog_bound == 2.5
+    assert AsyncLLM(engine, client=client, step_watchdog_timeout=0).watchdog_bound is None  # off
+
+
 # -- thread mode ----------------------------------------------------------------------------
 def test_thread_mode_a_step_that_never_ends_is_a_stall(tiny_llama):
     config = EngineConfig(model=str(tiny_llama), num_kv_blocks=64, max_model_len=128, max_num_seqs=4)

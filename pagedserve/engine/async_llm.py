@@ -50,11 +50,13 @@ class EngineDead(Exception):
     """The engine is not running (shut down, or a step failed)."""
 
 
-# The step watchdog's bound when none is given: this many times the slowest step seen so far,
-# and never under the floor (the first steps may compile kernels; a long prefill chunk on a
-# loaded CPU takes seconds).
+# The step watchdog's bound when none is given: STALL_MARGIN times the longest step to expect,
+# which is the slower of the slowest step seen and a full prefill chunk (max_num_batched_tokens)
+# extrapolated from the largest step measured; never under the floor; and until a step was
+# measured, the warm-up bound (the first steps may compile kernels).
 STALL_MARGIN = 10.0
-STALL_FLOOR_SECONDS = 60.0
+STALL_FLOOR_SECONDS = 10.0
+STALL_WARMUP_SECONDS = 60.0
 
 
 @dataclass
@@ -99,8 +101,8 @@ class AsyncLLM:
         """`engine`: the front-end parts (an Engine, or an EngineFrontend when `client` runs
         the core in another process). Without `client` the Engine's core steps in a thread.
         `step_watchdog_timeout`: seconds without a step, while there is work, before the
-        engine counts as stalled; None = max(STALL_FLOOR_SECONDS, STALL_MARGIN x the slowest
-        step seen), 0 = no watchdog."""
+        engine counts as stalled; None = derived from measured steps (watchdog_bound),
+        0 = no watchdog."""
         self.engine = engine
         self.client = client if client is not None else ThreadCoreClient(engine.engine_core, idle_wait)
         self.output_processor = engine.output_processor
@@ -118,6 +120,7 @@ class AsyncLLM:
         self.stall: Stall | None = None
         self._last_output = time.monotonic()  # when the core last posted (written by the client's thread)
         self._slowest_step = 0.0
+        self._largest_step = (0, 0.0)  # (batched tokens, seconds) of the step with the most tokens
         self._watchdog: asyncio.Task | None = None
         # The dashboard's seam (server/dashboard.py): callables the loop hands every step's
         # outputs to. Pool snapshots are taken by the client's engine thread (pool_snapshots).
@@ -265,7 +268,18 @@ class AsyncLLM:
             return None
         if self.step_watchdog_timeout is not None:
             return float(self.step_watchdog_timeout)
-        return max(STALL_FLOOR_SECONDS, STALL_MARGIN * self._slowest_step)
+        tokens, seconds = self._largest_step
+        if not tokens:
+            return STALL_WARMUP_SECONDS
+        full_chunk = seconds * self.engine.config.max_num_batched_tokens / tokens
+        return max(STALL_FLOOR_SECONDS, STALL_MARGIN * max(self._slowest_step, full_chunk))
+
+    def observe_step(self, step_time: float, num_batched_tokens: int) -> None:
+        """A completed step, for the watchdog's derived bound."""
+        self._slowest_step = max(self._slowest_step, step_time)
+        tokens, seconds = self._largest_step
+        if num_batched_tokens > tokens or (num_batched_tokens == tokens and step_time > seconds):
+            self._largest_step = (num_batched_tokens, step_time)
 
     def _has_work(self) -> bool:
         return bool(self._queues) or self.client.num_pending_adds > 0
@@ -304,8 +318,8 @@ class AsyncLLM:
     def _process(self, core_outputs: EngineCoreOutputs) -> None:
         if self.stall is not None:
             self._recover()
-        if core_outputs.step_time:
-            self._slowest_step = max(self._slowest_step, core_outputs.step_time)
+        if core_outputs.step_time and core_outputs.stats.num_batched_tokens:
+            self.observe_step(core_outputs.step_time, core_outputs.stats.num_batched_tokens)
         self._num_waiting_in_core = core_outputs.stats.num_waiting
         processed = self.output_processor.process_outputs(core_outputs)
         for core_id, stop in processed.stopped:

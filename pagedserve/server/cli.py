@@ -37,8 +37,9 @@ def register(sub) -> None:
                              "(default 256; 0 = no limit)")
     server.add_argument("--step-watchdog-timeout", type=float, default=None,
                         help="seconds without a completed engine step, while requests are in flight, before "
-                             "/health answers 503 naming the stuck process (default: 10 x the slowest step seen, "
-                             "at least 60; 0 = off)")
+                             "/health answers 503 naming the stuck process (default: 10 x the longest step to "
+                             "expect, measured: the slowest step seen or a full prefill chunk extrapolated from the "
+                             "largest step; at least 10, and 60 until a step was measured; 0 = off)")
     server.add_argument("--max-request-bytes", type=int, default=None,
                         help="answer 413 to a request body larger than this (default: 32 bytes per token of "
                              "max_model_len, at least 1 MiB; 0 = no limit)")
