@@ -80,6 +80,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
             if name in known:
                 values[name] = value
             elif name not in ("host", "port", "api_key", "max_queue_len", "max_request_bytes",
+                              "max_seqs_per_request", "step_watchdog_timeout",
                               "enable_prompt_tokens_details", "dashboard"):
                 raise ValueError(f"config: unknown key {key!r} in {args.config}")
     for flag, _ in _FLAGS:

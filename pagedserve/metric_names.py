@@ -59,6 +59,8 @@ STRUCTURED_OUTPUT_ERRORS = "structured_output_errors"
 GRAMMAR_CACHE_ENTRIES = "grammar_cache_entries"
 GRAMMAR_CACHE_BYTES = "grammar_cache_bytes"
 KV_EVENTS = "kv_events"                          # --kv-events-config: events published / dropped
+ENGINE_STALLS = "engine_stalls"                  # the step watchdog (engine/async_llm.py)
+ENGINE_STALLED = "engine_stalled"
 
 # Labels besides model_name.
 MODE_LABEL = "mode"                      # num_preemptions: recompute | swap
@@ -124,6 +126,9 @@ METRICS: tuple[MetricSpec, ...] = (
     MetricSpec(SWAPPED_BLOCKS, "counter", "KV blocks moved between device and host.", (DIRECTION_LABEL,)),
     MetricSpec(KV_EVENTS, "counter", "KV cache events (--kv-events-config) sent to subscribers, or dropped.",
                (OUTCOME_LABEL,)),
+    MetricSpec(ENGINE_STALLS, "counter",
+               "Times the step watchdog saw no engine step complete for longer than its bound while there was work."),
+    MetricSpec(ENGINE_STALLED, "gauge", "1 while the engine is stalled (/health answers 503), else 0."),
     # Histograms.
     MetricSpec(TIME_TO_FIRST_TOKEN, "histogram", "Histogram of time to first token in seconds.",
                vllm=TIME_TO_FIRST_TOKEN),

@@ -175,6 +175,9 @@ class EngineMetrics:
         self._swapped_blocks = self._collectors[mn.SWAPPED_BLOCKS]
         self._kv_events = self._collectors[mn.KV_EVENTS]
         self._kv_events_seen = {"published": 0, "dropped": 0}  # the core's cumulative counts so far
+        self.engine_stalls = self._unlabelled(mn.ENGINE_STALLS)
+        self.engine_stalled = self._unlabelled(mn.ENGINE_STALLED)
+        self._stalled = False
         # Histograms.
         self.time_to_first_token = self._unlabelled(mn.TIME_TO_FIRST_TOKEN)
         self.inter_token_latency = self._unlabelled(mn.INTER_TOKEN_LATENCY)
@@ -254,6 +257,13 @@ class EngineMetrics:
             if total > self._kv_events_seen[outcome]:
                 self._kv_events.labels(self.model_name, outcome).inc(total - self._kv_events_seen[outcome])
                 self._kv_events_seen[outcome] = total
+
+    def set_stalled(self, stalled: bool) -> None:
+        """The step watchdog's verdict: a new stall counts once; the gauge follows the state."""
+        if stalled and not self._stalled:
+            self.engine_stalls.inc()
+        self._stalled = stalled
+        self.engine_stalled.set(1 if stalled else 0)
 
     def set_cache_config(self, cache_dtype: str, block_size: int, num_blocks: int, bytes_per_token: int,
                          device: str = "unknown") -> None:

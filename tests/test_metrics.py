@@ -35,6 +35,7 @@ EXPECTED = {
     "iteration_tokens_total": "histogram", "request_num_preemptions": "histogram",
     "engine_step_seconds": "histogram",
     "structured_output_errors": "counter", "grammar_cache_entries": "gauge", "grammar_cache_bytes": "gauge",
+    "engine_stalls": "counter", "engine_stalled": "gauge",
 }
 # Small pool on purpose: 8 blocks of 16, and one request may need 4 (max_model_len 64).
 CONFIG = dict(num_kv_blocks=8, block_size=16, max_model_len=64, max_num_seqs=4, enable_prefix_caching=True,

@@ -306,6 +306,7 @@ def test_cli_flags_and_yaml(tmp_path, tiny_llama):
                                       "--api-key", "k", "--max-num-seqs", "5", "--served-model-name", "tiny"])
     settings = server_settings(args)
     assert settings == {"host": "127.0.0.1", "port": 9100, "api_key": "k", "max_queue_len": 7,
+                        "max_seqs_per_request": None, "step_watchdog_timeout": None,
                         "max_request_bytes": None, "enable_prompt_tokens_details": False,
                         "enable_auto_tool_choice": False, "tool_call_parser": None,
                         "dashboard": True}

@@ -13,6 +13,13 @@ Invariants this module keeps:
 - when `events` is set (a core.kv_events.KVEventLog), every key that enters or leaves
   `hash_to_block` is reported to it, in order: replaying the events rebuilds
   `cached_block_hashes()` exactly.
+
+The host swap pool is a BlockPool with `reuse_recent_first`: it hands out the most recently
+freed block first (a stack), lowest ids first while none was ever freed. Its memory is
+mapped lazily, so a page is resident once written and stays so; handing out the oldest
+free block instead would walk the whole swap space, one never-touched block per swap,
+until all of it is resident. Stack order keeps what is resident at the most blocks ever
+swapped out at once.
 """
 from __future__ import annotations
 
@@ -72,6 +79,14 @@ class FreeBlockQueue:
         block.prev_free = block.next_free = None
         self.num_free -= 1
 
+    def pop(self) -> KVBlock:
+        """The most recently appended block."""
+        block = self._tail.prev_free
+        if block is self._head:
+            raise RuntimeError("no free blocks")
+        self.remove(block)
+        return block
+
     def popleft(self) -> KVBlock:
         block = self._head.next_free
         if block is self._tail:
@@ -87,13 +102,19 @@ class FreeBlockQueue:
 
 
 class BlockPool:
-    def __init__(self, num_blocks: int, enable_caching: bool = False) -> None:
+    def __init__(self, num_blocks: int, enable_caching: bool = False, reuse_recent_first: bool = False) -> None:
+        """`reuse_recent_first`: allocate the most recently freed block first (the host swap
+        pool: see the module's docstring); otherwise the least recently freed (LRU eviction)."""
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
+        if reuse_recent_first and enable_caching:
+            raise ValueError("reuse_recent_first: a prefix-caching pool evicts the oldest block first")
         self.num_blocks = num_blocks
         self.enable_caching = enable_caching
+        self.reuse_recent_first = reuse_recent_first
         self.blocks = [KVBlock(i) for i in range(num_blocks)]
-        self.free_queue = FreeBlockQueue(self.blocks)
+        # A stack pops from the tail: start it reversed so block 0 goes first.
+        self.free_queue = FreeBlockQueue(self.blocks[::-1] if reuse_recent_first else self.blocks)
         self.hash_to_block: dict[bytes, KVBlock] = {}
         self.events: KVEventLog | None = None  # KV events (--kv-events-config); None = not recorded
 
@@ -110,12 +131,14 @@ class BlockPool:
         return self.num_used_blocks / self.num_blocks
 
     def allocate(self, n: int) -> list[KVBlock]:
-        """Take n blocks from the head of the free queue (evicting their cached hashes)."""
+        """Take n blocks from the head of the free queue (evicting their cached hashes), or
+        from its tail with reuse_recent_first."""
         if n > self.free_queue.num_free:
             raise RuntimeError(f"asked for {n} blocks, {self.free_queue.num_free} free")
+        take = self.free_queue.pop if self.reuse_recent_first else self.free_queue.popleft
         out = []
         for _ in range(n):
-            block = self.free_queue.popleft()
+            block = take()
             self._evict(block)
             block.ref_cnt = 1
             out.append(block)

@@ -25,7 +25,8 @@ from pagedserve.core.kv_events import KVEvent, KVEventLog, device_medium
 from pagedserve.core.outputs import EngineCoreOutputs, SchedulerStats
 from pagedserve.core.request import Request, RequestStatus
 from pagedserve.core.scheduler import PreemptionCosts, Scheduler, SchedulerOutput
-from pagedserve.plan.kv_budget import KVPoolSize, ModelShape, blocks_per_request, size_kv_pool_for_dtype
+from pagedserve.plan.kv_budget import (KVPoolSize, ModelShape, blocks_per_request, size_kv_pool_for_dtype,
+                                       swap_space_line)
 
 logger = logging.getLogger("pagedserve.engine")
 
@@ -158,8 +159,9 @@ class EngineCore:
         check_pool_fits(pool, config)
         num_host_blocks = num_host_blocks_for(config, pool)
         if num_host_blocks:
-            logger.info("swap space: %d blocks (%.2f GiB host memory)", num_host_blocks,
-                        num_host_blocks * pool.bytes_per_block / 2**30)
+            logger.info("%s", swap_space_line(num_host_blocks, pool.bytes_per_block, config.device,
+                                              config.tensor_parallel_size,
+                                              probed=config.preemption_mode == PreemptionMode.AUTO))
         executor.initialize_cache(pool.num_blocks, num_host_blocks)
         costs = None
         if config.preemption_mode == PreemptionMode.AUTO and num_host_blocks:

@@ -137,7 +137,7 @@ class Scheduler:
                     prefix_extra_keys: Callable[[Request], bytes] | None = None) -> "Scheduler":
         """Pool + KV manager + scheduler from an EngineConfig (EngineCore.build comes here)."""
         pool = BlockPool(num_blocks, enable_caching=config.enable_prefix_caching)
-        host_pool = (BlockPool(num_host_blocks)
+        host_pool = (BlockPool(num_host_blocks, reuse_recent_first=True)
                      if num_host_blocks > 0 and config.preemption_mode != PreemptionMode.RECOMPUTE else None)
         return cls(SchedulerConfig(
             max_num_seqs=config.max_num_seqs,

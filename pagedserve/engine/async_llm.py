@@ -17,12 +17,19 @@ A step that raises, or an engine core (or one of its ranks) that dies, is fatal 
 vLLM): the core's state is unknown, so every request in flight and every later one fails
 with EngineDead, /health turns 503 naming the error, and each `on_dead` callback runs
 (`pagedserve serve` then exits non-zero).
+
+A core that is alive but makes no progress (stopped, stuck in a step) is caught by the step
+watchdog, here on the loop's side, because a frozen core cannot report itself: when there is
+work and nothing has come from the core for longer than the bound, `stall` is set (/health
+turns 503 naming the stuck process, `engine_stalls_total` counts it); the core's next
+output clears it. Not fatal: a step that was merely long resumes.
 """
 from __future__ import annotations
 
 import asyncio
 import logging
 import time
+from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
 from pagedserve.core.outputs import EngineCoreOutputs
@@ -36,18 +43,66 @@ logger = logging.getLogger("pagedserve.server")
 
 
 class EngineOverloaded(Exception):
-    """The waiting queue is at --max-queue-len."""
+    """The request's sequences would take the waiting queue past --max-queue-len."""
 
 
 class EngineDead(Exception):
     """The engine is not running (shut down, or a step failed)."""
 
 
+# The step watchdog's bound when none is given: STALL_MARGIN times the longest step to expect,
+# which is the slower of the slowest step seen and a full prefill chunk (max_num_batched_tokens)
+# extrapolated from the largest step measured; never under the floor; and until a step was
+# measured, the warm-up bound (the first steps may compile kernels).
+STALL_MARGIN = 10.0
+STALL_FLOOR_SECONDS = 10.0
+STALL_WARMUP_SECONDS = 60.0
+
+
+@dataclass
+class Stall:
+    """No output from the engine core since `since` (monotonic), with work outstanding."""
+
+    since: float
+    bound: float
+    num_requests: int
+    suspects: list[dict] = field(default_factory=list)  # core_client.held_processes()
+    core: str = "the engine core"
+
+    @property
+    def rank(self) -> int | None:
+        """The tensor-parallel rank that cannot run, if one is the cause."""
+        return next((s["rank"] for s in self.suspects if s["rank"] is not None), None)
+
+    @property
+    def pid(self) -> int | None:
+        return self.suspects[0]["pid"] if self.suspects else None
+
+    def seconds(self, now: float | None = None) -> float:
+        return (time.monotonic() if now is None else now) - self.since
+
+    def message(self, now: float | None = None) -> str:
+        head = (f"engine stalled: no engine step has completed for {self.seconds(now):.1f} s with "
+                f"{self.num_requests} request{'s' if self.num_requests != 1 else ''} in flight "
+                f"(bound {self.bound:g} s, --step-watchdog-timeout)")
+        if self.suspects:
+            return head + "; " + "; ".join(f"{s['who']} (pid {s['pid']}) is {s['state']}" for s in self.suspects)
+        return head + f"; no engine process is stopped: {self.core} is inside one step longer than the bound"
+
+    def to_dict(self, now: float | None = None) -> dict:
+        return {"reason": "engine_stalled", "rank": self.rank, "pid": self.pid,
+                "stalled_seconds": round(self.seconds(now), 3), "bound_seconds": self.bound,
+                "suspects": self.suspects}
+
+
 class AsyncLLM:
     def __init__(self, engine, metrics=None, max_queue_len: int | None = None, idle_wait: float = 0.25,
-                 client=None) -> None:
+                 client=None, step_watchdog_timeout: float | None = None) -> None:
         """`engine`: the front-end parts (an Engine, or an EngineFrontend when `client` runs
-        the core in another process). Without `client` the Engine's core steps in a thread."""
+        the core in another process). Without `client` the Engine's core steps in a thread.
+        `step_watchdog_timeout`: seconds without a step, while there is work, before the
+        engine counts as stalled; None = derived from measured steps (watchdog_bound),
+        0 = no watchdog."""
         self.engine = engine
         self.client = client if client is not None else ThreadCoreClient(engine.engine_core, idle_wait)
         self.output_processor = engine.output_processor
@@ -61,6 +116,12 @@ class AsyncLLM:
         self._started = False
         self.dead_error: BaseException | None = None
         self._num_waiting_in_core = 0
+        self.step_watchdog_timeout = step_watchdog_timeout
+        self.stall: Stall | None = None
+        self._last_output = time.monotonic()  # when the core last posted (written by the client's thread)
+        self._slowest_step = 0.0
+        self._largest_step = (0, 0.0)  # (batched tokens, seconds) of the step with the most tokens
+        self._watchdog: asyncio.Task | None = None
         # The dashboard's seam (server/dashboard.py): callables the loop hands every step's
         # outputs to. Pool snapshots are taken by the client's engine thread (pool_snapshots).
         self.step_listeners: list = []
@@ -94,11 +155,17 @@ class AsyncLLM:
         self._handler_queue: asyncio.Queue = asyncio.Queue()
         self._handler = self._loop.create_task(self._handle_outputs())
         self._started = True
+        self._last_output = time.monotonic()
+        if self.step_watchdog_timeout != 0:
+            self._watchdog = self._loop.create_task(self._watch_steps())
         self.client.start(self._post)
 
     def shutdown(self, timeout: float = 10.0) -> None:
         self.client.shutdown(timeout)
         self._started = False
+        if self._watchdog is not None:
+            self._watchdog.cancel()
+            self._watchdog = None
         if self._handler is not None:
             self._handler.cancel()
             self._handler = None
@@ -126,11 +193,15 @@ class AsyncLLM:
         one output queue: all of them, or none (EngineOverloaded, EngineDead)."""
         if not self.is_running:
             raise EngineDead(f"the engine is not running{self._dead_detail()}")
-        if self.max_queue_len is not None and self.num_waiting + len(entries) > self.max_queue_len:
+        # The queue counts sequences, as the core does: a prompt with n samples is n of them.
+        num_new = len(entries) * params.n
+        if self.max_queue_len is not None and self.num_waiting + num_new > self.max_queue_len:
             raise EngineOverloaded(f"the waiting queue is full ({self.num_waiting} of {self.max_queue_len} "
-                                   f"requests); retry later")
+                                   f"sequences wait; this request adds {num_new}); retry later")
         queue: asyncio.Queue = asyncio.Queue()
         arrival = time.monotonic()
+        if not self._has_work():  # the watchdog's clock for this work starts now, not at the last idle output
+            self._last_output = max(self._last_output, arrival)
         engine = self.engine
         batch = []
         for request_id, text, token_ids in entries:
@@ -166,6 +237,8 @@ class AsyncLLM:
 
     def _post(self, item) -> None:
         """Called from the client's thread: hand a step's outputs (or the fatal error) to the loop."""
+        if not isinstance(item, BaseException):
+            self._last_output = time.monotonic()  # the watchdog's clock: the core is alive and stepping
         try:
             self._loop.call_soon_threadsafe(self._handler_queue.put_nowait, item)
         except RuntimeError:  # the loop is closed: nobody is listening any more
@@ -187,7 +260,66 @@ class AsyncLLM:
         for callback in self.on_dead:
             callback(error)
 
+    # -- the step watchdog ----------------------------------------------------------------
+    @property
+    def watchdog_bound(self) -> float | None:
+        """Seconds without output, with work outstanding, before the engine counts as stalled."""
+        if self.step_watchdog_timeout == 0:
+            return None
+        if self.step_watchdog_timeout is not None:
+            return float(self.step_watchdog_timeout)
+        tokens, seconds = self._largest_step
+        if not tokens:
+            return STALL_WARMUP_SECONDS
+        full_chunk = seconds * self.engine.config.max_num_batched_tokens / tokens
+        return max(STALL_FLOOR_SECONDS, STALL_MARGIN * max(self._slowest_step, full_chunk))
+
+    def observe_step(self, step_time: float, num_batched_tokens: int) -> None:
+        """A completed step, for the watchdog's derived bound."""
+        self._slowest_step = max(self._slowest_step, step_time)
+        tokens, seconds = self._largest_step
+        if num_batched_tokens > tokens or (num_batched_tokens == tokens and step_time > seconds):
+            self._largest_step = (num_batched_tokens, step_time)
+
+    def _has_work(self) -> bool:
+        return bool(self._queues) or self.client.num_pending_adds > 0
+
+    async def _watch_steps(self) -> None:
+        while (bound := self.watchdog_bound) is not None:
+            await asyncio.sleep(min(1.0, max(bound / 4, 0.05)))
+            try:
+                self.check_stall()
+            except Exception:  # noqa: BLE001 - the watchdog must not die of a /proc read
+                logger.exception("the step watchdog failed a check")
+
+    def check_stall(self, now: float | None = None) -> Stall | None:
+        """Set (or refresh) `stall` if there is work and the core has been silent past the bound."""
+        now = time.monotonic() if now is None else now
+        bound = self.watchdog_bound
+        if bound is None or self.dead_error is not None or not self._started or not self._has_work():
+            return self.stall
+        since = self._last_output
+        if now - since <= bound:
+            return self.stall
+        first = self.stall is None
+        self.stall = Stall(since, bound, len(self._queues), self.client.stall_suspects(), self.client.describe())
+        if first:
+            logger.warning("%s", self.stall.message(now))
+            if self.metrics is not None:
+                self.metrics.set_stalled(True)
+        return self.stall
+
+    def _recover(self) -> None:
+        logger.warning("the engine stepped again after %.1f s; /health is 200 again", self.stall.seconds())
+        self.stall = None
+        if self.metrics is not None:
+            self.metrics.set_stalled(False)
+
     def _process(self, core_outputs: EngineCoreOutputs) -> None:
+        if self.stall is not None:
+            self._recover()
+        if core_outputs.step_time and core_outputs.stats.num_batched_tokens:
+            self.observe_step(core_outputs.step_time, core_outputs.stats.num_batched_tokens)
         self._num_waiting_in_core = core_outputs.stats.num_waiting
         processed = self.output_processor.process_outputs(core_outputs)
         for core_id, stop in processed.stopped:

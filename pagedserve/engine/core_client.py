@@ -42,6 +42,31 @@ class EngineCoreDied(RuntimeError):
     """The engine core (its thread, its process, or one of its ranks) is gone."""
 
 
+_HELD_STATES = {"T": "stopped (SIGSTOP)", "t": "stopped by a tracer", "D": "in uninterruptible sleep (D)"}
+
+
+def held_state(pid: int) -> str | None:
+    """Why a live process cannot run, from /proc (Linux): stopped, or in uninterruptible sleep;
+    None if it can run (or is gone, or /proc is not there)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            state = f.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return None
+    return _HELD_STATES.get(state)
+
+
+def held_processes(named: list[tuple[str, int | None, int]]) -> list[dict]:
+    """Of (who, tensor-parallel rank or None, pid), those that cannot run, as the step
+    watchdog reports them: {"who", "rank", "pid", "state"}."""
+    out = []
+    for who, rank, pid in named:
+        state = held_state(pid)
+        if state is not None:
+            out.append({"who": who, "rank": rank, "pid": pid, "state": state})
+    return out
+
+
 # -- in a thread -----------------------------------------------------------------------
 class ThreadCoreClient:
     """The engine core steps in a thread of this process. Only that thread touches it."""
@@ -67,6 +92,12 @@ class ThreadCoreClient:
 
     def describe(self) -> str:
         return "the engine thread"
+
+    def stall_suspects(self) -> list[dict]:
+        """Processes of this engine that cannot run (its tensor-parallel ranks, if any; the
+        engine thread itself is in this process, which is running)."""
+        pids = list(getattr(self.engine_core.executor, "pids", []) or [])
+        return held_processes([(f"tensor-parallel rank {i}", i, pid) for i, pid in enumerate(pids)])
 
     def start(self, post: Callable[[object], None]) -> None:
         self._post = post
@@ -221,6 +252,11 @@ class ProcessCoreClient:
 
     def describe(self) -> str:
         return f"the engine core process (pid {self.process.pid})"
+
+    def stall_suspects(self) -> list[dict]:
+        """The engine core process and its tensor-parallel ranks, those that cannot run."""
+        return held_processes([("the engine core process", None, self.process.pid)]
+                              + [(f"tensor-parallel rank {i}", i, pid) for i, pid in enumerate(self.worker_pids)])
 
     def start(self, post: Callable[[object], None]) -> None:
         self._post = post

@@ -133,6 +133,7 @@ class PlanRequest:
     overhead: int | None = None
     activation_memory: int | None = None
     sampler_memory: int | None = None
+    swap_space: int = 4 << 30  # host memory per rank for swapped blocks, as `serve --swap-space`; 0 = none
 
 
 @dataclass

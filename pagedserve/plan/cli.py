@@ -112,6 +112,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="measured activation peak per GPU; overrides the estimate")
     budget.add_argument("--sampler-memory", type=_byte_size("--sampler-memory"),
                         help="sampler/logits buffer per GPU; overrides max_num_seqs x vocab x 4 x 3")
+    budget.add_argument("--swap-space", type=_byte_size("--swap-space"), default=4 << 30,
+                        help="host memory per rank for swapped-out blocks, as serve takes it (default 4GiB; 0 = none): "
+                             "the plan says how much of it is resident")
     parser.add_argument("--layouts", default=None, metavar="L1,L2",
                         help="compare parallel layouts side by side, e.g. TP8,TP8+EP8,TP4xPP2,DP8+EP8 "
                              "(each replaces -tp/-pp/-dp/--enable-expert-parallel)")
@@ -163,6 +166,7 @@ def build_request(args: argparse.Namespace) -> PlanRequest:
         max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
         mean_seq_len=args.mean_seq_len, margin=args.margin, overhead=args.overhead,
         activation_memory=args.activation_memory, sampler_memory=args.sampler_memory,
+        swap_space=args.swap_space,
     )
 
 

@@ -260,3 +260,28 @@ def kv_cache_log_lines(pool: KVPoolSize, max_model_len: int, device: str = "GPU"
         f"{max_concurrency(pool.num_blocks, pool.block_size, max_model_len):.2f}x (worst case)",
         f"{device} KV cache dtype: {kv_dtype or 'model dtype'}, {pool.bytes_per_token:,} bytes per token",
     ]
+
+
+# Blocks the start-up bandwidth probe (auto preemption) writes into the host pool.
+HOST_PROBE_BLOCKS = 64
+
+
+def swap_space_line(num_host_blocks: int, bytes_per_block: int, device: str, tp: int = 1,
+                    probed: bool = True) -> str:
+    """What --swap-space really costs, for the start-up log and `plan`: on CUDA the host
+    pool is pinned, so all of it is resident from start-up; on CPU it is mapped lazily and
+    becomes resident as blocks are written, and the pool reuses recently freed blocks first,
+    so it stays at the most blocks swapped out at once. The pool is laid out like the device
+    pool ([layers, K/V, slots, ...]), so those blocks span one range in each layer's K and V,
+    each rounded up to whole pages (numpy maps large arrays with transparent huge pages)."""
+    per_rank = " per rank" if tp > 1 else ""
+    total = num_host_blocks * bytes_per_block
+    head = (f"swap space: {num_host_blocks:,} host blocks x {bytes_per_block / 2**10:,.0f} KiB = "
+            f"{total / 2**30:.2f} GiB{per_rank}")
+    if device.lower() == "cuda":
+        return f"{head}, pinned: all of it resident from start-up"
+    probe = (f", plus up to {min(HOST_PROBE_BLOCKS, num_host_blocks)} blocks the start-up copy probe of "
+             f"auto preemption writes" if probed else "")
+    return (f"{head} reserved (address space); resident: only the most blocks swapped out at once x "
+            f"{bytes_per_block / 2**10:,.0f} KiB (freed host blocks are reused first), each layer's K and V "
+            f"rounded up to the kernel's pages (2 MiB with transparent huge pages){probe}")

@@ -4,7 +4,7 @@ from __future__ import annotations
 import shlex
 
 from .budget import Plan, kv_heads_note
-from .kv_budget import kv_cache_log_lines
+from .kv_budget import kv_cache_log_lines, swap_space_line
 
 
 def format_bytes(num_bytes: float) -> str:
@@ -71,6 +71,12 @@ def serve_commands(plan: Plan) -> dict[str, str]:
     return {"pagedserve": " ".join(ours), "vllm": " ".join(vllm)}
 
 
+def num_host_blocks_of(plan: Plan) -> int:
+    """Host swap blocks per rank, as the engine cuts --swap-space (core.engine_core.num_host_blocks_for)."""
+    bytes_per_block = plan.pool.bytes_per_block
+    return plan.request.swap_space // bytes_per_block if bytes_per_block else 0
+
+
 def plan_to_dict(plan: Plan) -> dict:
     req, shape = plan.request, plan.request.model.shape
     total = req.device.memory_bytes
@@ -105,6 +111,11 @@ def plan_to_dict(plan: Plan) -> dict:
             "num_blocks": plan.pool.num_blocks,
             "bytes_per_block": plan.pool.bytes_per_block,
             "num_tokens": plan.pool.num_tokens,
+            "swap_space_bytes": req.swap_space,
+            "num_host_blocks": num_host_blocks_of(plan),
+            # pinned on CUDA (all resident); on CPU resident only up to the most blocks swapped at once
+            "swap_space_resident_at_start": (num_host_blocks_of(plan) * plan.pool.bytes_per_block
+                                             if req.device_kind == "gpu" else 0),
         },
         "derived": {
             "max_concurrency_at_max_model_len": plan.max_concurrency_at_max_model_len,
@@ -162,6 +173,10 @@ def render_text(plan: Plan) -> str:
         f"{plan.pool.num_tokens:,} tokens",
     ]
     lines += [f"  {line}" for line in kv_cache_log_lines(plan.pool, plan.max_model_len, device, kv_dtype=plan.kv_dtype)]
+    num_host_blocks = num_host_blocks_of(plan)
+    if num_host_blocks:
+        lines.append("  " + swap_space_line(num_host_blocks, plan.pool.bytes_per_block,
+                                            "cuda" if req.device_kind == "gpu" else "cpu", req.tensor_parallel_size))
     if len(plan.stages) > 1:
         lines += ["", "Pipeline stages (per GPU; every stage holds the same blocks, the tightest sets them):"]
         for st in plan.stages:

@@ -85,6 +85,14 @@ class _Prompt:
     token_ids: list[int]
 
 
+def _num_prompts(prompt) -> int:
+    """How many prompts a completions `prompt` holds (a string or a token-id list is one),
+    counted without tokenizing; malformed forms count 1 and are refused by completion_prompts."""
+    if isinstance(prompt, str) or not isinstance(prompt, list) or not prompt:
+        return 1
+    return 1 if all(isinstance(x, int) for x in prompt) else len(prompt)
+
+
 def _json_or_text(text: str):
     try:
         return json.loads(text)
@@ -118,8 +126,10 @@ class OpenAIServer:
     """Request handling, independent of the routes: easier to read and to test."""
 
     def __init__(self, async_engine: AsyncLLM, enable_prompt_tokens_details: bool = False,
-                 enable_auto_tool_choice: bool = False, tool_call_parser: str | None = None) -> None:
+                 enable_auto_tool_choice: bool = False, tool_call_parser: str | None = None,
+                 max_seqs_per_request: int | None = None) -> None:
         self.async_engine = async_engine
+        self.max_seqs_per_request = max_seqs_per_request  # None: no limit
         self.engine = async_engine.engine
         self.enable_prompt_tokens_details = enable_prompt_tokens_details
         if enable_auto_tool_choice and tool_call_parser is None:
@@ -251,6 +261,20 @@ class OpenAIServer:
             )
         except ValueError as e:
             raise bad_request(e) from None
+
+    def check_num_seqs(self, num_prompts: int, n: int) -> None:
+        """A request of more sequences (prompts x n) than one request may hold is a 400, before
+        anything is tokenized; so is one larger than the whole waiting queue (it could never be
+        admitted: a 503 would have the client retry forever)."""
+        num_seqs = num_prompts * n
+        bounds = [(self.max_seqs_per_request, "--max-seqs-per-request"),
+                  (self.async_engine.max_queue_len, "--max-queue-len")]
+        for bound, flag in bounds:
+            if bound is not None and num_seqs > bound:
+                param = "prompt" if num_prompts > 1 else "n"
+                raise APIError(400, f"{param}: this request asks for {num_seqs} sequences ({num_prompts} prompt"
+                                    f"{'s' if num_prompts != 1 else ''} x n={n}); the server takes at most {bound} "
+                                    f"per request ({flag}); split it into smaller requests", param)
 
     def validate(self, prompts: list[_Prompt], params: SamplingParams) -> None:
         for p in prompts:
@@ -442,6 +466,7 @@ class OpenAIServer:
         max_tokens = 1 if body.max_tokens == 0 else body.max_tokens
         params = self.sampling_params(body, max_tokens, body.logprobs, self.structured_constraint(body),
                                       prompt_logprobs)
+        self.check_num_seqs(_num_prompts(body.prompt), params.n)
         prompts = self.completion_prompts(body.prompt)
         self.validate(prompts, params)
         return prompts, params
@@ -622,6 +647,7 @@ class OpenAIServer:
         if mode in ("named", "required"):
             tool_constraint = tool_choice_constraint(tools, {"function": {"name": name}} if name else mode, parallel)
         params = self.sampling_params(body, max_tokens, logprobs, self.structured_constraint(body, tool_constraint))
+        self.check_num_seqs(1, params.n)
         prompt = self.chat_prompt(body.messages, body.add_generation_prompt, body.continue_final_message,
                                   body.chat_template_kwargs, tools)
         self.validate([prompt], params)
@@ -757,11 +783,13 @@ class _EngineStream(StreamingResponse):
 def build_app(async_engine: AsyncLLM, api_key: str | None = None, manage_engine: bool = True,
               max_request_bytes: int | None = None, enable_prompt_tokens_details: bool = False,
               enable_auto_tool_choice: bool = False, tool_call_parser: str | None = None,
-              dashboard: bool = True) -> FastAPI:
+              dashboard: bool = True, max_seqs_per_request: int | None = None) -> FastAPI:
     """The FastAPI app. With manage_engine the engine thread starts and stops with the app.
     `max_request_bytes`: None = default_max_request_bytes(max_model_len); 0 = no limit.
+    `max_seqs_per_request`: None = no limit (build_server passes its default).
     `dashboard`: serve /dashboard (server/dashboard.py)."""
-    server = OpenAIServer(async_engine, enable_prompt_tokens_details, enable_auto_tool_choice, tool_call_parser)
+    server = OpenAIServer(async_engine, enable_prompt_tokens_details, enable_auto_tool_choice, tool_call_parser,
+                          max_seqs_per_request)
     metrics = async_engine.metrics
     if max_request_bytes is None:
         max_request_bytes = default_max_request_bytes(async_engine.engine.config.max_model_len)
@@ -828,6 +856,11 @@ def build_app(async_engine: AsyncLLM, api_key: str | None = None, manage_engine:
             detail = async_engine.dead_error
             message = f"engine is not running: {type(detail).__name__}: {detail}" if detail else "engine is not running"
             return JSONResponse(error_body(503, message, "ServiceUnavailableError", None), status_code=503)
+        stall = async_engine.check_stall()
+        if stall is not None:  # alive but not stepping (engine/async_llm.py: the step watchdog)
+            body = error_body(503, stall.message(), "ServiceUnavailableError", None)
+            body["error"].update(stall.to_dict())
+            return JSONResponse(body, status_code=503)
         return Response(status_code=200)
 
     @app.get("/version")

@@ -12,6 +12,7 @@ from pagedserve.structured.tool_parsers import TOOL_PARSERS
 logger = logging.getLogger("pagedserve.server")
 
 _SERVER_DEFAULTS = {"host": "127.0.0.1", "port": 8000, "api_key": None, "max_queue_len": None,
+                    "max_seqs_per_request": None, "step_watchdog_timeout": None,
                     "max_request_bytes": None, "enable_prompt_tokens_details": False,
                     "enable_auto_tool_choice": False, "tool_call_parser": None, "dashboard": True}
 
@@ -29,7 +30,16 @@ def register(sub) -> None:
     server.add_argument("--api-key", default=None,
                         help="require 'Authorization: Bearer KEY' on /v1/* (or env PAGEDSERVE_API_KEY)")
     server.add_argument("--max-queue-len", type=int, default=None,
-                        help="reject new requests with 503 + Retry-After while this many wait (default: no limit)")
+                        help="answer 503 + Retry-After to a request whose sequences would take the waiting "
+                             "sequences past this (default: max(1024, 8 x max_num_seqs); 0 = no limit)")
+    server.add_argument("--max-seqs-per-request", type=int, default=None,
+                        help="answer 400 to a request of more sequences (prompts x n) than this "
+                             "(default 256; 0 = no limit)")
+    server.add_argument("--step-watchdog-timeout", type=float, default=None,
+                        help="seconds without a completed engine step, while requests are in flight, before "
+                             "/health answers 503 naming the stuck process (default: 10 x the longest step to "
+                             "expect, measured: the slowest step seen or a full prefill chunk extrapolated from the "
+                             "largest step; at least 10, and 60 until a step was measured; 0 = off)")
     server.add_argument("--max-request-bytes", type=int, default=None,
                         help="answer 413 to a request body larger than this (default: 32 bytes per token of "
                              "max_model_len, at least 1 MiB; 0 = no limit)")
@@ -78,7 +88,14 @@ def server_settings(args) -> dict:
     if not isinstance(settings["dashboard"], bool):
         raise ValueError(f"dashboard: must be true or false, got {settings['dashboard']!r}")
     if queue is not None and (not isinstance(queue, int) or queue < 0):
-        raise ValueError(f"max_queue_len: must be an integer >= 0, got {queue!r}")
+        raise ValueError(f"max_queue_len: must be an integer >= 0 (0 = no limit), got {queue!r}")
+    watchdog = settings["step_watchdog_timeout"]
+    if watchdog is not None and (isinstance(watchdog, bool) or not isinstance(watchdog, (int, float))
+                                 or watchdog < 0):
+        raise ValueError(f"step_watchdog_timeout: must be a number of seconds >= 0 (0 = off), got {watchdog!r}")
+    per_request = settings["max_seqs_per_request"]
+    if per_request is not None and (not isinstance(per_request, int) or per_request < 0):
+        raise ValueError(f"max_seqs_per_request: must be an integer >= 0 (0 = no limit), got {per_request!r}")
     parser = settings["tool_call_parser"]
     if parser is not None and parser not in TOOL_PARSERS:
         raise ValueError(f"tool_call_parser: unknown parser {parser!r}; choose from {sorted(TOOL_PARSERS)}")
@@ -103,6 +120,8 @@ def run(args) -> int:
     config = engine_config_from_args(args)
     app, async_engine = build_server(config, api_key=settings["api_key"],
                                      max_queue_len=settings["max_queue_len"], log_interval=args.log_interval,
+                                     max_seqs_per_request=settings["max_seqs_per_request"],
+                                     step_watchdog_timeout=settings["step_watchdog_timeout"],
                                      max_request_bytes=settings["max_request_bytes"],
                                      enable_prompt_tokens_details=bool(settings["enable_prompt_tokens_details"]),
                                      enable_auto_tool_choice=bool(settings["enable_auto_tool_choice"]),

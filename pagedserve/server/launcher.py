@@ -28,15 +28,40 @@ def resolve_engine_core_mode(mode: str, device: str) -> str:
 
 CPU_DEFAULT_ENGINE_CORE_MODE = "thread"
 
+# Admission bounds, in sequences (a request of p prompts with n samples is p x n of them).
+# One request may hold at most two default batches (max_num_seqs 128): enough for any batch a
+# client means to run together, not thousands queued ahead of everyone else.
+DEFAULT_MAX_SEQS_PER_REQUEST = 256
+# The waiting queue: eight batches' worth, at least 1,024. A sequence queued past it would wait
+# for eight whole generations before it starts; a 503 lets the client or the load balancer go
+# elsewhere instead.
+QUEUE_BATCHES = 8
+MIN_DEFAULT_MAX_QUEUE_LEN = 1024
+
+
+def resolve_admission(config: EngineConfig, max_queue_len: int | None,
+                      max_seqs_per_request: int | None) -> tuple[int | None, int | None]:
+    """(waiting-queue bound, sequences-per-request bound), None = no limit. Given as None: the
+    defaults above; given as 0: no limit."""
+    if max_seqs_per_request is None:
+        max_seqs_per_request = DEFAULT_MAX_SEQS_PER_REQUEST
+    if max_queue_len is None:
+        max_queue_len = max(MIN_DEFAULT_MAX_QUEUE_LEN, QUEUE_BATCHES * config.max_num_seqs, max_seqs_per_request)
+    return max_queue_len or None, max_seqs_per_request or None
+
 
 def build_server(config: EngineConfig, api_key: str | None = None, max_queue_len: int | None = None,
                  log_interval: float = 10.0, max_request_bytes: int | None = None,
                  enable_prompt_tokens_details: bool = False, enable_auto_tool_choice: bool = False,
                  tool_call_parser: str | None = None, engine_core_mode: str = "thread",
-                 dashboard: bool = True):
+                 dashboard: bool = True, max_seqs_per_request: int | None = None,
+                 step_watchdog_timeout: float | None = None):
     """(app, async_engine). engine_core_mode: "thread" (the core steps in a thread of this
     process, from an Engine), "process" (an engine-core process, started and ready before
-    this returns), or "auto". The core's side starts with the app."""
+    this returns), or "auto". The core's side starts with the app. `max_queue_len` and
+    `max_seqs_per_request`: None = the defaults (resolve_admission), 0 = no limit.
+    `step_watchdog_timeout`: see AsyncLLM (None = derived from measured steps, 0 = off)."""
+    max_queue_len, max_seqs_per_request = resolve_admission(config, max_queue_len, max_seqs_per_request)
     from pagedserve.engine.llm_engine import Engine, EngineFrontend
 
     mode = resolve_engine_core_mode(engine_core_mode, config.device)
@@ -62,8 +87,10 @@ def build_server(config: EngineConfig, api_key: str | None = None, max_queue_len
                              engine.config.device)
     if getattr(engine, "grammar_compiler", None) is not None:
         metrics.watch_grammar_cache(engine.grammar_compiler)
-    async_engine = AsyncLLM(engine, metrics, max_queue_len=max_queue_len, client=client)
+    async_engine = AsyncLLM(engine, metrics, max_queue_len=max_queue_len, client=client,
+                            step_watchdog_timeout=step_watchdog_timeout)
     return build_app(async_engine, api_key=api_key, max_request_bytes=max_request_bytes,
+                     max_seqs_per_request=max_seqs_per_request,
                      enable_prompt_tokens_details=enable_prompt_tokens_details,
                      enable_auto_tool_choice=enable_auto_tool_choice, tool_call_parser=tool_call_parser,
                      dashboard=dashboard), async_engine
