@@ -43,6 +43,11 @@ class EngineDead(Exception):
     """The engine is not running (shut down, or a step failed)."""
 
 
+class ServerShuttingDown(EngineDead):
+    """The server is draining (server/drain.py): the request was refused, or ended at the
+    cut-off; another replica can take it."""
+
+
 class AsyncLLM:
     def __init__(self, engine, metrics=None, max_queue_len: int | None = None, idle_wait: float = 0.25,
                  client=None) -> None:
@@ -60,6 +65,7 @@ class AsyncLLM:
         self._handler: asyncio.Task | None = None
         self._started = False
         self.dead_error: BaseException | None = None
+        self.refusal: str | None = None  # set by stop_accepting(): why submit() refuses
         self._num_waiting_in_core = 0
         # The dashboard's seam (server/dashboard.py): callables the loop hands every step's
         # outputs to. Pool snapshots are taken by the client's engine thread (pool_snapshots).
@@ -108,6 +114,23 @@ class AsyncLLM:
     def is_running(self) -> bool:
         return self._started and self.dead_error is None and self.client.is_alive()
 
+    def death_reason(self) -> str | None:
+        """Why the engine is not running, as far as is known now: also in the moment between a
+        core's death and the loop handling the news of it (the first /health answer names it)."""
+        if self.dead_error is not None:
+            return f"{type(self.dead_error).__name__}: {self.dead_error}"
+        reason = getattr(self.client, "death_reason", lambda: None)()
+        return None if reason is None else f"{EngineCoreDied.__name__}: {reason}"
+
+    def stop_accepting(self, message: str) -> None:
+        """The drain's cut-off: every request in flight ends with ServerShuttingDown(message)
+        (its blocks return before the next step), and submit() refuses from now on."""
+        self.refusal = message
+        error = ServerShuttingDown(message)
+        for request_id, queue in list(self._queues.items()):
+            self.abort(request_id)
+            queue.put_nowait((request_id, error))
+
     def pause(self) -> None:
         self.client.pause()
 
@@ -124,6 +147,8 @@ class AsyncLLM:
                priority: int = 0, kind: OutputKind = OutputKind.DELTA) -> asyncio.Queue:
         """Queue requests (id, prompt text, token ids; already validated) that share params and
         one output queue: all of them, or none (EngineOverloaded, EngineDead)."""
+        if self.refusal is not None:
+            raise ServerShuttingDown(self.refusal)
         if not self.is_running:
             raise EngineDead(f"the engine is not running{self._dead_detail()}")
         if self.max_queue_len is not None and self.num_waiting + len(entries) > self.max_queue_len:
