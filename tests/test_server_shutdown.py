@@ -179,3 +179,16 @@ def test_shutdown_timeout_ends_the_unfinished_requests_with_an_error(tmp_path, m
     wrong = [r for r in results if not _cut_properly(*r)]
     assert not wrong, _summary(wrong)
     assert "did not finish" in log, log[-3000:]
+
+
+def test_shutdown_and_read_timeout_settings_from_flags_and_yaml(tmp_path):
+    from pagedserve.cli import build_parser
+    from pagedserve.server.cli import server_settings
+
+    cfg = tmp_path / "serve.yaml"
+    cfg.write_text("shutdown-timeout: 3\nheader_read_timeout: 4\n")
+    settings = server_settings(build_parser().parse_args(["serve", "--config", str(cfg), "--body-read-timeout", "0"]))
+    assert (settings["shutdown_timeout"], settings["header_read_timeout"], settings["body_read_timeout"]) == (3, 4, 0)
+    for flag in ("--shutdown-timeout", "--header-read-timeout", "--body-read-timeout"):
+        with pytest.raises(ValueError, match=flag[2:].replace("-", "_")):
+            server_settings(build_parser().parse_args(["serve", flag, "-1"]))
