@@ -86,7 +86,7 @@ def test_the_first_health_answer_after_the_engine_core_process_dies_names_why(ti
 
     # The receiver looks for a dead core only between messages; a long look leaves a wide
     # window in which the process is gone and the loop does not know it yet.
-    monkeypatch.setattr(core_client, "RECV_POLL_SECONDS", 30.0)
+    monkeypatch.setattr(core_client, "RECV_POLL_SECONDS", 10.0)
     config = EngineConfig(model=str(tiny_llama), num_kv_blocks=64, max_model_len=128, max_num_seqs=4)
     app, async_engine = build_server(config, log_interval=0, engine_core_mode="process", dashboard=False)
     with ServerThread(app) as server:
