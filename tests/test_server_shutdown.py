@@ -146,7 +146,8 @@ def test_shutdown_signal_refuses_new_requests_and_lets_those_in_flight_finish(tm
         assert r.status_code == 503, r.text
         assert r.headers.get("retry-after") is not None
         error = r.json()["error"]
-        assert error["type"] == "ServiceUnavailableError" and error["code"] == 503 and "shutting down" in error["message"]
+        assert error["type"] == "ServiceUnavailableError" and error["code"] == 503
+        assert "shutting down" in error["message"]
         for t in threads:
             t.join(DEADLINE)
         assert not any(t.is_alive() for t in threads), "a request in flight hung"

@@ -194,7 +194,8 @@ class MultiprocExecutor(RankCalls):
         cause, *after = dead
         message = f"tensor-parallel {cause.describe()} died: {describe_exit(cause.process.exitcode)}"
         if after:
-            message += " (then " + "; ".join(f"{r.describe()}: {describe_exit(r.process.exitcode)}" for r in after) + ")"
+            followers = "; ".join(f"{r.describe()}: {describe_exit(r.process.exitcode)}" for r in after)
+            message += f" (then {followers})"
         return message
 
     def _raise_dead(self, first_seen: list[_Rank] = ()) -> None:
