@@ -243,8 +243,7 @@ def test_sigterm_stops_every_process(tmp_path, model):
     finally:
         if server.proc.poll() is None:
             server.kill()
-    # uvicorn shuts down gracefully, then re-raises the signal it caught: death by SIGTERM is
-    # its clean exit (an engine failure exits 1 instead).
-    assert code in (0, -signal.SIGTERM), server.log()[-3000:]
+    # A drained server exits 0 (an engine failure exits 1 instead).
+    assert code == 0, server.log()[-3000:]
     assert "Traceback" not in server.log(), server.log()[-3000:]
     assert not left, f"processes left behind: {left}"
