@@ -190,7 +190,8 @@ def test_sigkill_a_rank_fails_requests_turns_health_503_and_exits_naming_it(tmp_
             server.kill()
     assert_failed_loudly(results, health, code)
     log = server.log()
-    assert f"rank 1 (pid {rank_pids[1]}) died: killed by SIGKILL" in log, log[-3000:]
+    # The killed rank is the cause, named first (its peer, which dies of it, comes after).
+    assert f"tensor-parallel rank 1 (pid {rank_pids[1]}) died: killed by SIGKILL" in log, log[-3000:]
 
 
 def assert_failed_loudly(results: list[str], health: set[int], code: int | None) -> None:
@@ -242,8 +243,7 @@ def test_sigterm_stops_every_process(tmp_path, model):
     finally:
         if server.proc.poll() is None:
             server.kill()
-    # uvicorn shuts down gracefully, then re-raises the signal it caught: death by SIGTERM is
-    # its clean exit (an engine failure exits 1 instead).
-    assert code in (0, -signal.SIGTERM), server.log()[-3000:]
+    # A drained server exits 0 (an engine failure exits 1 instead).
+    assert code == 0, server.log()[-3000:]
     assert "Traceback" not in server.log(), server.log()[-3000:]
     assert not left, f"processes left behind: {left}"

@@ -309,7 +309,8 @@ def test_cli_flags_and_yaml(tmp_path, tiny_llama):
                         "max_seqs_per_request": None, "step_watchdog_timeout": None,
                         "max_request_bytes": None, "enable_prompt_tokens_details": False,
                         "enable_auto_tool_choice": False, "tool_call_parser": None,
-                        "dashboard": True}
+                        "dashboard": True, "shutdown_timeout": None, "header_read_timeout": None,
+                        "body_read_timeout": None}
     config = engine_config_from_args(args)
     assert config.max_num_seqs == 5 and config.served_model_name == "tiny"
     args = build_parser().parse_args(["serve"])

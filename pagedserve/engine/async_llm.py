@@ -93,6 +93,9 @@ class Stall:
         return {"reason": "engine_stalled", "rank": self.rank, "pid": self.pid,
                 "stalled_seconds": round(self.seconds(now), 3), "bound_seconds": self.bound,
                 "suspects": self.suspects}
+class ServerShuttingDown(EngineDead):
+    """The server is draining (server/drain.py): the request was refused, or ended at the
+    cut-off; another replica can take it."""
 
 
 class AsyncLLM:
@@ -115,6 +118,7 @@ class AsyncLLM:
         self._handler: asyncio.Task | None = None
         self._started = False
         self.dead_error: BaseException | None = None
+        self.refusal: str | None = None  # set by stop_accepting(): why submit() refuses
         self._num_waiting_in_core = 0
         self.step_watchdog_timeout = step_watchdog_timeout
         self.stall: Stall | None = None
@@ -175,6 +179,23 @@ class AsyncLLM:
     def is_running(self) -> bool:
         return self._started and self.dead_error is None and self.client.is_alive()
 
+    def death_reason(self) -> str | None:
+        """Why the engine is not running, as far as is known now: also in the moment between a
+        core's death and the loop handling the news of it (the first /health answer names it)."""
+        if self.dead_error is not None:
+            return f"{type(self.dead_error).__name__}: {self.dead_error}"
+        reason = getattr(self.client, "death_reason", lambda: None)()
+        return None if reason is None else f"{EngineCoreDied.__name__}: {reason}"
+
+    def stop_accepting(self, message: str) -> None:
+        """The drain's cut-off: every request in flight ends with ServerShuttingDown(message)
+        (its blocks return before the next step), and submit() refuses from now on."""
+        self.refusal = message
+        error = ServerShuttingDown(message)
+        for request_id, queue in list(self._queues.items()):
+            self.abort(request_id)
+            queue.put_nowait((request_id, error))
+
     def pause(self) -> None:
         self.client.pause()
 
@@ -191,6 +212,8 @@ class AsyncLLM:
                priority: int = 0, kind: OutputKind = OutputKind.DELTA) -> asyncio.Queue:
         """Queue requests (id, prompt text, token ids; already validated) that share params and
         one output queue: all of them, or none (EngineOverloaded, EngineDead)."""
+        if self.refusal is not None:
+            raise ServerShuttingDown(self.refusal)
         if not self.is_running:
             raise EngineDead(f"the engine is not running{self._dead_detail()}")
         # The queue counts sequences, as the core does: a prompt with n samples is n of them.

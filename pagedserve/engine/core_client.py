@@ -81,6 +81,7 @@ class ThreadCoreClient:
         self._post: Callable[[object], None] | None = None
         self._stop = False
         self._paused = False  # tests: hold the thread so queue states can be set up exactly
+        self._death: BaseException | None = None
         self.pool_snapshots = None  # core.snapshot.SnapshotGate | None: the dashboard's pool view
 
     def initial_snapshot(self) -> EngineCoreOutputs:
@@ -107,6 +108,12 @@ class ThreadCoreClient:
 
     def is_alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
+
+    def death_reason(self) -> str | None:
+        """Why the engine thread ended, once it did of a failure (None while it runs or after a shutdown)."""
+        if self._death is not None:
+            return f"the engine thread failed: {type(self._death).__name__}: {self._death}"
+        return None
 
     def add_requests(self, requests: list[Request]) -> None:
         with self._cond:
@@ -157,6 +164,7 @@ class ThreadCoreClient:
                 outputs = core.observe(core.step() if core.has_unfinished_requests() else core.snapshot())
             except BaseException as e:  # noqa: BLE001 - fatal, whatever it is: the core's state is unknown
                 logger.exception("engine step failed; the engine is dead")
+                self._death = e
                 self._post(e)
                 return
             if self.pool_snapshots is not None:
@@ -210,6 +218,7 @@ class ProcessCoreClient:
         self._post: Callable[[object], None] | None = None
         self._receiver: threading.Thread | None = None
         self._closing = False
+        self._death: EngineCoreDied | None = None
         self.worker_pids: list[int] = []
         spawn = tmp.get_context("spawn")
         self.process = spawn.Process(target=run_engine_core, name="pagedserve-engine-core",
@@ -266,6 +275,19 @@ class ProcessCoreClient:
     def is_alive(self) -> bool:
         return self.process.is_alive() and self._receiver is not None and self._receiver.is_alive()
 
+    def death_reason(self) -> str | None:
+        """Why the core is gone: its own last word, or how its process ended, also before the
+        receiver thread noticed (None while it runs, or after a shutdown)."""
+        if self._death is not None:
+            return str(self._death)
+        if self._closing or self._receiver is None or self.process.is_alive():
+            return None
+        return f"{self.describe()} died: {_describe_exit(self.process.exitcode)}"
+
+    def _died(self, error: EngineCoreDied) -> None:
+        self._death = error
+        self._post(error)
+
     def _send(self, msg) -> None:
         """Non-blocking: a PUSH socket whose peer is gone would block forever (and with it the
         event loop, or the shutdown)."""
@@ -302,11 +324,11 @@ class ProcessCoreClient:
                     self._num_received = msg.num_received
                     self._post(msg.outputs)
                 elif isinstance(msg, DeadMsg):
-                    self._post(EngineCoreDied(msg.error))
+                    self._died(EngineCoreDied(msg.error))
                     return
             elif not self.process.is_alive() and not self._closing:
                 self.process.join(1)
-                self._post(EngineCoreDied(f"the engine core process (pid {self.process.pid}) died: "
+                self._died(EngineCoreDied(f"the engine core process (pid {self.process.pid}) died: "
                                           f"{_describe_exit(self.process.exitcode)}"))
                 return
 

@@ -27,7 +27,7 @@ import pagedserve
 from pagedserve.metrics import CONTENT_TYPE
 from pagedserve.outputs import RequestOutput
 from pagedserve.sampling import SamplingParams
-from pagedserve.engine.async_llm import AsyncLLM, EngineDead, EngineOverloaded
+from pagedserve.engine.async_llm import AsyncLLM, EngineDead, EngineOverloaded, ServerShuttingDown
 from pagedserve.engine.output_processor import OutputKind
 from pagedserve.server.gate import Gate
 from pagedserve.server.protocol import (ChatCompletionRequest, ChatMessage, CompletionRequest, DetokenizeRequest,
@@ -355,7 +355,7 @@ class OpenAIServer:
         try:
             queue = self.async_engine.submit([(rid, p.text, p.token_ids) for rid, p in zip(ids, prompts)], params,
                                              priority, kind)
-        except EngineOverloaded as e:
+        except (EngineOverloaded, ServerShuttingDown) as e:
             raise APIError(503, str(e), headers={"Retry-After": str(RETRY_AFTER_SECONDS)}) from None
         except EngineDead as e:
             raise APIError(503, str(e)) from None
@@ -372,6 +372,8 @@ class OpenAIServer:
                     unfinished.discard(rid)
                     if isinstance(item, ValueError):
                         raise bad_request(item)
+                    if isinstance(item, ServerShuttingDown):
+                        raise APIError(503, str(item), headers={"Retry-After": str(RETRY_AFTER_SECONDS)})
                     if isinstance(item, EngineDead):
                         raise APIError(503, str(item))
                     raise APIError(500, f"request failed: {type(item).__name__}: {item}")
@@ -783,11 +785,16 @@ class _EngineStream(StreamingResponse):
 def build_app(async_engine: AsyncLLM, api_key: str | None = None, manage_engine: bool = True,
               max_request_bytes: int | None = None, enable_prompt_tokens_details: bool = False,
               enable_auto_tool_choice: bool = False, tool_call_parser: str | None = None,
-              dashboard: bool = True, max_seqs_per_request: int | None = None) -> FastAPI:
+              dashboard: bool = True, max_seqs_per_request: int | None = None,
+              shutdown_timeout: float | None = None) -> FastAPI:
     """The FastAPI app. With manage_engine the engine thread starts and stops with the app.
     `max_request_bytes`: None = default_max_request_bytes(max_model_len); 0 = no limit.
     `max_seqs_per_request`: None = no limit (build_server passes its default).
-    `dashboard`: serve /dashboard (server/dashboard.py)."""
+    `dashboard`: serve /dashboard (server/dashboard.py). `shutdown_timeout`: how long a
+    shutdown signal lets the requests in flight finish (server/drain.py; None = its default)."""
+    from pagedserve.server.drain import DEFAULT_SHUTDOWN_TIMEOUT, Drain, DrainGate
+
+    drain = Drain(async_engine, DEFAULT_SHUTDOWN_TIMEOUT if shutdown_timeout is None else shutdown_timeout)
     server = OpenAIServer(async_engine, enable_prompt_tokens_details, enable_auto_tool_choice, tool_call_parser,
                           max_seqs_per_request)
     metrics = async_engine.metrics
@@ -809,7 +816,9 @@ def build_app(async_engine: AsyncLLM, api_key: str | None = None, manage_engine:
     app = FastAPI(title="pagedserve", version=pagedserve.__version__, lifespan=lifespan)
     app.state.server = server
     app.state.async_engine = async_engine
+    app.state.drain = drain
     app.add_middleware(Gate, api_key=api_key, max_request_bytes=max_request_bytes or None)
+    app.add_middleware(DrainGate, drain=drain)  # outside the gate: it counts a request from its arrival
     if server.request_trace is not None:
         app.add_middleware(ArrivalStamp)  # added last = outermost: the stamp precedes the gate
 
@@ -852,9 +861,12 @@ def build_app(async_engine: AsyncLLM, api_key: str | None = None, manage_engine:
 
     @app.api_route("/health", methods=["GET", "HEAD"])
     async def health():
+        if drain.draining:
+            return JSONResponse(error_body(503, drain.message(), "ServiceUnavailableError", None), status_code=503,
+                                headers={"Retry-After": str(RETRY_AFTER_SECONDS)})
         if not async_engine.is_running:
-            detail = async_engine.dead_error
-            message = f"engine is not running: {type(detail).__name__}: {detail}" if detail else "engine is not running"
+            reason = async_engine.death_reason()
+            message = f"engine is not running: {reason}" if reason else "engine is not running"
             return JSONResponse(error_body(503, message, "ServiceUnavailableError", None), status_code=503)
         stall = async_engine.check_stall()
         if stall is not None:  # alive but not stepping (engine/async_llm.py: the step watchdog)

@@ -14,7 +14,8 @@ logger = logging.getLogger("pagedserve.server")
 _SERVER_DEFAULTS = {"host": "127.0.0.1", "port": 8000, "api_key": None, "max_queue_len": None,
                     "max_seqs_per_request": None, "step_watchdog_timeout": None,
                     "max_request_bytes": None, "enable_prompt_tokens_details": False,
-                    "enable_auto_tool_choice": False, "tool_call_parser": None, "dashboard": True}
+                    "enable_auto_tool_choice": False, "tool_call_parser": None, "dashboard": True,
+                    "shutdown_timeout": None, "header_read_timeout": None, "body_read_timeout": None}
 
 
 def register(sub) -> None:
@@ -54,6 +55,16 @@ def register(sub) -> None:
     server.add_argument("--dashboard", action=argparse.BooleanOptionalAction, default=None,
                         help="serve the live KV-pool dashboard at /dashboard (default on; public like /metrics, "
                              "also with --api-key: it shows request ids and counts, never text)")
+    server.add_argument("--shutdown-timeout", type=float, default=None,
+                        help="on SIGTERM/SIGINT: seconds the requests in flight get to finish while new ones get "
+                             "503 (vLLM's flag; 0 = end them at once, with an error); then the rest end with an "
+                             "error and the server exits 0 (default 20)")
+    server.add_argument("--header-read-timeout", type=float, default=None,
+                        help="seconds a client has to send a request's headers; then 408 and the connection is "
+                             "closed (default 10; 0 = no limit)")
+    server.add_argument("--body-read-timeout", type=float, default=None,
+                        help="seconds a request body may go without a byte arriving; then 408 and the connection "
+                             "is closed (default 30; 0 = no limit)")
     server.add_argument("--log-interval", type=float, default=10.0,
                         help="seconds between stats log lines (0 = off)")
     server.add_argument("--uvicorn-log-level", default="info")
@@ -96,6 +107,10 @@ def server_settings(args) -> dict:
     per_request = settings["max_seqs_per_request"]
     if per_request is not None and (not isinstance(per_request, int) or per_request < 0):
         raise ValueError(f"max_seqs_per_request: must be an integer >= 0 (0 = no limit), got {per_request!r}")
+    for name in ("shutdown_timeout", "header_read_timeout", "body_read_timeout"):
+        value = settings[name]
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0):
+            raise ValueError(f"{name}: must be a number of seconds >= 0, got {value!r}")
     parser = settings["tool_call_parser"]
     if parser is not None and parser not in TOOL_PARSERS:
         raise ValueError(f"tool_call_parser: unknown parser {parser!r}; choose from {sorted(TOOL_PARSERS)}")
@@ -127,8 +142,10 @@ def run(args) -> int:
                                      enable_auto_tool_choice=bool(settings["enable_auto_tool_choice"]),
                                      tool_call_parser=settings["tool_call_parser"],
                                      engine_core_mode=getattr(args, "engine_core_mode", "auto"),
-                                     dashboard=settings["dashboard"])
-    server = make_server(app, settings["host"], settings["port"], args.uvicorn_log_level)
+                                     dashboard=settings["dashboard"], shutdown_timeout=settings["shutdown_timeout"])
+    server = make_server(app, settings["host"], settings["port"], args.uvicorn_log_level,
+                         header_read_timeout=settings["header_read_timeout"],
+                         body_read_timeout=settings["body_read_timeout"])
 
     def exit_soon(error: BaseException) -> None:
         logger.error("the engine is dead (%s: %s); the server exits in %.0f s", type(error).__name__, error,

@@ -55,7 +55,8 @@ def build_server(config: EngineConfig, api_key: str | None = None, max_queue_len
                  enable_prompt_tokens_details: bool = False, enable_auto_tool_choice: bool = False,
                  tool_call_parser: str | None = None, engine_core_mode: str = "thread",
                  dashboard: bool = True, max_seqs_per_request: int | None = None,
-                 step_watchdog_timeout: float | None = None):
+                 step_watchdog_timeout: float | None = None,
+                 shutdown_timeout: float | None = None):
     """(app, async_engine). engine_core_mode: "thread" (the core steps in a thread of this
     process, from an Engine), "process" (an engine-core process, started and ready before
     this returns), or "auto". The core's side starts with the app. `max_queue_len` and
@@ -93,20 +94,28 @@ def build_server(config: EngineConfig, api_key: str | None = None, max_queue_len
                      max_seqs_per_request=max_seqs_per_request,
                      enable_prompt_tokens_details=enable_prompt_tokens_details,
                      enable_auto_tool_choice=enable_auto_tool_choice, tool_call_parser=tool_call_parser,
-                     dashboard=dashboard), async_engine
+                     dashboard=dashboard, shutdown_timeout=shutdown_timeout), async_engine
 
 
 class ServerThread:
     """uvicorn serving `app` on host:port (port 0 = a free one) in a daemon thread."""
 
-    def __init__(self, app, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning") -> None:
+    def __init__(self, app, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning",
+                 header_read_timeout: float | None = None, body_read_timeout: float | None = None) -> None:
+        """Read timeouts as `pagedserve serve`'s flags (server/read_timeouts.py; None = default, 0 = off)."""
+        from pagedserve.server.read_timeouts import (DEFAULT_BODY_READ_TIMEOUT, DEFAULT_HEADER_READ_TIMEOUT,
+                                                     protocol_with_read_timeouts)
+
         self.app = app
         self.host = host
         self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self._sock.bind((host, port))
         self.port = self._sock.getsockname()[1]
-        config = uvicorn.Config(app, log_level=log_level, lifespan="on", timeout_graceful_shutdown=5)
+        protocol = protocol_with_read_timeouts(
+            DEFAULT_HEADER_READ_TIMEOUT if header_read_timeout is None else header_read_timeout,
+            DEFAULT_BODY_READ_TIMEOUT if body_read_timeout is None else body_read_timeout)
+        config = uvicorn.Config(app, log_level=log_level, lifespan="on", timeout_graceful_shutdown=5, http=protocol)
         self.server = uvicorn.Server(config)
         self._thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self._sock]},
                                         name="pagedserve-uvicorn", daemon=True)

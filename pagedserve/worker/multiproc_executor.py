@@ -105,6 +105,10 @@ class _Rank:
     def describe(self) -> str:
         return f"rank {self.rank} (pid {self.process.pid})"
 
+    def killed(self) -> bool:
+        """Ended by a signal (SIGKILL, the OOM killer, a crash): not the rank's own reaction."""
+        return (self.process.exitcode or 0) < 0
+
 
 class MultiprocExecutor(RankCalls):
     def __init__(self, config: EngineConfig, dtype: str, eos_token_ids: frozenset[int]) -> None:
@@ -117,6 +121,7 @@ class MultiprocExecutor(RankCalls):
         self.num_broadcasts = 0
         self.rank_kv_bytes: list[int] = []
         self._failure: WorkerDied | None = None
+        self._deaths: list[_Rank] = []  # in the order they were seen: the first is the cause
         self._reap_lock = threading.Lock()
         self._closing = False
         spec = WorkerSpec(config, dtype, sorted(eos_token_ids), threads_per_rank(self.tp))
@@ -182,9 +187,9 @@ class MultiprocExecutor(RankCalls):
                         self._fail(WorkerDied(f"tensor-parallel {rank.describe()} replied out of turn"))
                     replies[rank.rank] = reply
                     del pending[obj]
-            for obj in ready:
-                if obj in sentinels and not self._closing:
-                    self._raise_dead()
+            fired = [sentinels[obj] for obj in ready if obj in sentinels]
+            if fired and not self._closing:
+                self._raise_dead(fired)
         return [replies[r.rank] for r in ranks]
 
     def _call(self, method: str, *args) -> list:
@@ -198,21 +203,41 @@ class MultiprocExecutor(RankCalls):
             logger.error("%s", error)
         raise self._failure
 
-    def _dead_ranks(self) -> list[_Rank]:
+    def _dead_ranks(self, first_seen: list[_Rank] = ()) -> list[_Rank]:
+        """The dead ranks, first-seen first: a peer of a dead rank often dies of it (gloo:
+        "connection reset by peer") within the same moment, and listing by rank number would
+        name that echo as the cause. `first_seen`: ranks whose sentinels have just fired."""
         # One reaper at a time: the monitor thread and the step both come here, and two threads
         # in waitpid on one pid race: the loser gets ECHILD, which multiprocessing reads as
         # "still alive", and the dead rank goes unnamed.
         with self._reap_lock:
+            self._note_deaths(first_seen)
+            self._note_deaths([r for r in self.ranks if r.process.sentinel in wait([r.process.sentinel
+                                                                                      for r in self.ranks], 0)])
             for r in self.ranks:
                 r.process.join(0.5)  # let a dying process finish dying, so its exit code is known
-            return [r for r in self.ranks if not r.process.is_alive()]
+            self._note_deaths([r for r in self.ranks if not r.process.is_alive()])
+            return list(self._deaths)
+
+    def _note_deaths(self, ranks: list[_Rank]) -> None:
+        """Add newly seen deaths; of those seen at once, one killed by a signal comes first."""
+        new = [r for r in ranks if r not in self._deaths]
+        for r in new:
+            r.process.join(0.5)  # its exit code, to tell a kill from an exit
+        self._deaths += sorted(new, key=lambda r: (not r.killed(), r.rank))
 
     @staticmethod
     def _death_message(dead: list[_Rank]) -> str:
-        return "tensor-parallel " + "; ".join(f"{r.describe()} died: {describe_exit(r.process.exitcode)}" for r in dead)
+        """The first death is the cause; the rest come after it, as what followed."""
+        cause, *after = dead
+        message = f"tensor-parallel {cause.describe()} died: {describe_exit(cause.process.exitcode)}"
+        if after:
+            followers = "; ".join(f"{r.describe()}: {describe_exit(r.process.exitcode)}" for r in after)
+            message += f" (then {followers})"
+        return message
 
-    def _raise_dead(self) -> None:
-        dead = self._dead_ranks()
+    def _raise_dead(self, first_seen: list[_Rank] = ()) -> None:
+        dead = self._dead_ranks(first_seen)
         if any(r.process.exitcode == UNGUARDED_MAIN_EXIT for r in dead):
             raise UnguardedMainError(unguarded_main_message(self.tp))  # a script to fix, not a death to log
         if not dead:
@@ -223,19 +248,19 @@ class MultiprocExecutor(RankCalls):
         """A rank's error is often the echo of a peer's death (gloo: "connection reset by peer"),
         and its reply can arrive before the dead peer's sentinel is seen: wait a moment for the
         sentinels and name the dead rank when there is one, the echo after it."""
-        if wait([r.process.sentinel for r in self.ranks], grace):
-            dead = self._dead_ranks()
+        fired = wait([r.process.sentinel for r in self.ranks], grace)
+        if fired:
+            dead = self._dead_ranks([r for r in self.ranks if r.process.sentinel in fired])
             if dead:
                 self._fail(WorkerDied(f"{self._death_message(dead)} (then {error})"))
         self._fail(WorkerDied(f"tensor-parallel {error}"))
 
     def _watch(self) -> None:
-        sentinels = [r.process.sentinel for r in self.ranks]
-        wait(sentinels)
+        fired = wait([r.process.sentinel for r in self.ranks])
         if self._closing:
             return
         try:
-            self._raise_dead()
+            self._raise_dead([r for r in self.ranks if r.process.sentinel in fired])
         except WorkerDied:
             pass
 
