@@ -52,6 +52,18 @@ def _add_deployment_args(p: argparse.ArgumentParser, engine_flags: bool = True) 
                    help="per GPU, one direction (default 50: one 400 Gb/s NIC per GPU)")
     g.add_argument("--cost-model", default=None, metavar="COST.json",
                    help="cost constants from `simulate calibrate` (default: the GPU preset's stated defaults)")
+    g.add_argument("--weight-dtype", "--quantization", dest="weight_dtype", default=None,
+                   choices=("fp8", "bfloat16", "float16", "float32"),
+                   help="GPU: the weights' dtype (fp8 = vLLM's --quantization fp8: one byte per weight, GEMMs at the "
+                        "fp8 tensor-core peak where the GPU has one); default: the checkpoint's / --dtype")
+    g.add_argument("--host-cpu-speed", default=None, metavar="X",
+                   help="GPU: the host CPU's single-thread speed relative to the machine the shipped host probe ran "
+                        "on (pagedserve/sim/host_overhead.json); scales the per-step and serving CPU terms (default 1)")
+    g.add_argument("--host-profile", choices=("pagedserve", "vllm"), default="pagedserve",
+                   help="GPU: whose engine loop costs each step on the host: pagedserve = this project's loop as the "
+                        "host probe measured it (default), vllm = vLLM v0.6's published 2 ms + 20 us per request")
+    g.add_argument("--no-serving-overhead", dest="serving_overhead", action="store_false",
+                   help="GPU: leave the serving layer's per-request CPU time (tokenize, detokenize, SSE) out")
 
 
 def register(subparsers) -> None:
@@ -162,7 +174,11 @@ def run(args) -> int:
         raise ValueError("gpu: give a GPU preset (--gpu H100-SXM), or --device cpu with --cost-model")
     gpu = None if args.device == "cpu" else args.gpu
     shape = deployment_layout(args, tp=config.tensor_parallel_size)
-    dep = build_deployment(config, args.model, gpu=gpu, cost_params=args.cost_model, **shape)
+    from pagedserve.sim.host_overhead import host_speed
+
+    dep = build_deployment(config, args.model, gpu=gpu, cost_params=args.cost_model, weight_dtype=args.weight_dtype,
+                           host_cpu_speed=host_speed(args.host_cpu_speed), serving_overhead=args.serving_overhead,
+                           host_profile=args.host_profile, **shape)
     workload = build_workload(args, dep.vocab_size, dep.config.max_model_len)
     rate = "inf" if math.isinf(args.request_rate) else f"{args.request_rate:g}"
     cfg = dep.config
@@ -175,6 +191,9 @@ def run(args) -> int:
     print(f"workload: {args.workload_trace or args.dataset} x {len(workload)}, request rate {rate}, "
           f"burstiness {args.burstiness:g}, max concurrency {args.max_concurrency}", flush=True)
     print(f"serving overhead: {ServingOverhead.from_dict(dep.cost_model.params.serving).describe()}", flush=True)
+    cp = dep.cost_model.params
+    print(f"host CPU per step: {cp.step_overhead_s * 1e6:.0f} us + {cp.per_request_overhead_s * 1e6:.1f} us/request + "
+          f"{cp.per_token_overhead_s * 1e6:.2f} us/token", flush=True)
     if cfg.step_trace_path:
         print(f"step trace (virtual time): {cfg.step_trace_path}", flush=True)
     if args.dashboard:
