@@ -296,9 +296,14 @@ def run_calibrate(args) -> int:
         run = read_trace(path)
         run[-1].num_unfinished = 0
         records += run
+    def swap_probe():  # a CPU engine's swap is the block copy: time it here when the trace has none
+        from pagedserve.sim.swap_probe import probe_swap_cost
+
+        return probe_swap_cost(mcost.kv_bytes_per_token, info.shape.num_layers, args.block_size, dtype)
+
     params, report = fit(records, mcost, base, block_size=args.block_size,
                          fit_pad_share=args.attention_layout is None and not args.gpu,
-                         max_model_len=args.max_model_len)
+                         max_model_len=args.max_model_len, swap_probe=None if args.gpu else swap_probe)
 
     requests, missing, matched = [], [], 0
     for k, path in enumerate(args.trace):

@@ -706,6 +706,7 @@ def _design(records: Sequence[StepTrace], model: ModelCost, block_size: int, pad
 
 def fit(records: Iterable[StepTrace], model: ModelCost, base: CostParams, *, block_size: int = 16,
         fit_pad_share: bool = False, host_bandwidth_fallback: tuple[float, str] | None = None,
+        swap_probe=None,
         max_model_len: int | None = None, iterations: int = 20, reweight: int = 4, trim: float = 3.0,
         max_factor_tokens: int = 8, min_factor_steps: int = 20) -> tuple[CostParams, dict]:
     """Fit the step cost's constants to a step trace; returns (params, report).
@@ -733,7 +734,9 @@ def fit(records: Iterable[StepTrace], model: ModelCost, base: CostParams, *, blo
     steps get a measured/modelled `token_count_factors` entry (a CPU's GEMM speed is not
     monotone in rows). Swap cost is fitted when the trace swapped; otherwise the host
     bandwidth falls back to `host_bandwidth_fallback` (bytes/s, how it is known), else
-    `base.host_bandwidth`, else a memcpy measured here, and the report warns. Peaks stay as
+    `base.host_bandwidth`, else `swap_probe()` (a callable returning bytes/s, seconds per swapping
+    step and how it knows: swap_probe.probe_swap_cost, the engine's own block copy timed here),
+    else a memcpy measured here, and the report warns. Peaks stay as
     given; the efficiencies absorb the scale.
     """
     import numpy as np
@@ -867,6 +870,7 @@ def fit(records: Iterable[StepTrace], model: ModelCost, base: CostParams, *, blo
 
     coverage = trace_coverage(records)
     host_note = None
+    swap_step_s = 0.0
     if coverage["swap_blocks"] and k[_COL_SWAP] > 0:
         host_bw, host_eff = float(1.0 / k[_COL_SWAP]), 1.0
         host_source = f"fitted on {coverage['swap_steps']} steps that swapped {coverage['swap_blocks']} blocks"
@@ -876,6 +880,13 @@ def fit(records: Iterable[StepTrace], model: ModelCost, base: CostParams, *, blo
             host_eff = 1.0
         elif base.host_bandwidth > 0:
             host_bw, host_eff, how = base.host_bandwidth, base.host_link_efficiency, "the stated default"
+        elif swap_probe is not None:
+            host_bw, swap_step_s, how = swap_probe()
+            host_eff = 1.0
+            if wall_per_cpu:  # the swap copy runs on the same contended CPU as the rest
+                host_bw /= wall_per_cpu
+                swap_step_s *= wall_per_cpu
+                how += f", slowed by the trace's wall/CPU factor {wall_per_cpu:.2f}"
         else:
             host_bw, host_eff, how = measure_memcpy_bandwidth(), 1.0, "a memcpy measured on this machine"
             if wall_per_cpu:  # the swap copy runs on the same contended CPU as the rest
@@ -884,14 +895,15 @@ def fit(records: Iterable[StepTrace], model: ModelCost, base: CostParams, *, blo
         why = "no swaps in the trace" if not coverage["swap_blocks"] else "the swap steps did not separate a swap cost"
         host_source = f"not fitted ({why}): {host_bw * host_eff / 1e9:.2f} GB/s from {how}"
         host_note = (f"{why}: host copy bandwidth not fitted; swaps will cost {host_bw * host_eff / 1e9:.2f} GB/s "
-                     f"from {how} (run the calibration load on a small pool with --preemption-mode swap to fit it)")
+                     + (f"+ {swap_step_s * 1e3:.2f} ms per swapping step " if swap_step_s else "")
+                     + f"from {how} (run the calibration load on a small pool with --preemption-mode swap to fit it)")
 
     ratios = y[keep] / np.maximum(pred[keep], 1e-12)
     params = replace(
         base,
         step_overhead_s=float(k[_COL_STEP]), per_request_overhead_s=float(k[_COL_REQ]),
         per_prefill_overhead_s=float(k[_COL_CHUNK]), per_output_overhead_s=per_output,
-        per_token_overhead_s=0.0, swap_step_overhead_s=0.0,  # folded into the fitted terms
+        per_token_overhead_s=0.0, swap_step_overhead_s=swap_step_s,  # the rest is in the fitted terms
         gemm_mfu=eff(k[_COL_LF], gemm_peak), gemm_mbu=eff(k[_COL_LB], base.mem_bandwidth),
         attn_mfu=eff(k[_COL_AF], base.peak_flops), attn_mbu=eff(k[_COL_AB], base.mem_bandwidth),
         attention_pad_share=float(pad_share), host_bandwidth=host_bw, host_link_efficiency=host_eff,
