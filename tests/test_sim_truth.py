@@ -167,12 +167,16 @@ def test_a_burst_queues_at_a_serial_serving_layer(tmp_path):
     assert all(r.finish is not None for r in queued.records)  # none lost, none stuck
 
 
-def test_serial_delivery_spaces_a_streams_tokens(tmp_path):
-    one = [WorkloadRequest(None, None, 20, 6, arrival_time=0.0)]
-    slow = ServingOverhead(deliver_s=0.05, serial=True)
-    rec = simulate(_cpu_dep(tmp_path, slow), one).records[0]
-    gaps = [b - a for a, b in zip(rec.token_times, rec.token_times[1:])]
-    assert all(g >= 0.05 - 1e-9 for g in gaps)  # the loop delivers one step's tokens at a time
+def test_serial_delivery_work_spaces_a_streams_tokens_and_its_latency_does_not(tmp_path):
+    many = [WorkloadRequest(None, None, 20, 6, arrival_time=0.0) for _ in range(4)]
+    busy = simulate(_cpu_dep(tmp_path, ServingOverhead(deliver_per_output_s=0.05, serial=True)), many)
+    for rec in busy.records:  # 4 streams x 0.05 s of the loop's work per step: 0.2 s between tokens
+        gaps = [b - a for a, b in zip(rec.token_times, rec.token_times[1:])]
+        assert all(g >= 0.2 - 1e-9 for g in gaps)
+    late = simulate(_cpu_dep(tmp_path, ServingOverhead(deliver_s=0.05, serial=True)), many)
+    plain = simulate(_cpu_dep(tmp_path, ServingOverhead()), many)
+    for a, b in zip(plain.records, late.records):  # a hand-over latency shifts every token, queues nothing
+        assert b.token_times == pytest.approx([t + 0.05 for t in a.token_times])
 
 
 # -- calibration: the swap probe ------------------------------------------------------------

@@ -202,10 +202,11 @@ class ServingOverhead:
     deliver_per_output_s: float = 0.0
     source: str = "none"
     # One event loop does it all (pagedserve's server, vLLM's API process): with `serial` each
-    # admission and each delivery waits for the one before it, so a burst of arrivals, or many
-    # streams at once, queue for it. Right for pure service times (the host probe's, which the GPU
-    # presets use); a fit from a live trace (fit_serving) already holds the queueing it saw, so it
-    # keeps False: every one served at once.
+    # admission and each step's per-request delivery work waits for the work before it, so a burst
+    # of arrivals, or many streams at once, queue for it (deliver_s stays a latency: the hand-over
+    # from the engine, occupying nothing). Right for pure service times (the host probe's, which
+    # the GPU presets use); a fit from a live trace (fit_serving) already holds the queueing it
+    # saw, so it keeps False: every one served at once.
     serial: bool = False
 
     def admit(self, prompt_len: int) -> float:

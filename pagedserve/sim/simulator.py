@@ -441,10 +441,14 @@ def simulate(deployment: Deployment, workload: Sequence[WorkloadRequest], *, max
         # The client sees the step's tokens after the serving layer delivered them.
         now = outs.timestamp
         if outs.outputs and not serving.is_zero:
-            start = max(now, api_free_at) if serving.serial else now
-            now = start + serving.deliver(len(outs.outputs))
             if serving.serial:
-                api_free_at = now
+                # The loop's work for this step (a detokenizer step and a frame per stream) waits
+                # for the loop and occupies it; deliver_s is latency on top (the hand-over from the
+                # engine to the loop), occupying nothing.
+                api_free_at = max(now, api_free_at) + serving.deliver_per_output_s * len(outs.outputs)
+                now = api_free_at + serving.deliver_s
+            else:
+                now += serving.deliver(len(outs.outputs))
         for out in outs.outputs:
             rec = live[out.request_id]
             # One stream delivers in order: a token never overtakes the one before it.
