@@ -209,3 +209,12 @@ def test_swap_probe_times_the_engines_block_copy():
 
     bw, per_step, how = probe_swap_cost(2 * 2 * 16 * 4, 2, 16, "float32", block_counts=(1, 8), repeats=2)
     assert bw > 0 and per_step >= 0 and "block copy" in how
+
+
+def test_the_shipped_host_terms_say_where_they_were_measured():
+    host = default_host_overhead()
+    assert host.source.startswith("host_probe on ")
+    assert host.step_s > 0 and host.admit_s > 0 and host.deliver_per_output_s > 0
+    assert "engine loop: vLLM v0.6.0" in default_host_overhead(profile="vllm").source
+    with pytest.raises(ValueError, match="host_profile"):
+        default_host_overhead(profile="sglang")
