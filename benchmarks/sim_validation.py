@@ -125,7 +125,41 @@ def live(args) -> dict:
     cmd = [sys.executable, str(ROOT / "benchmarks" / "sim_vs_real.py"), "--repeats", str(args.repeats), "--out", str(out)]
     print(f"\n$ {' '.join(cmd)}", flush=True)
     subprocess.run(cmd, check=True)
-    return json.loads(out.read_text())
+    result = json.loads(out.read_text())
+    result["swap_check"] = swap_check(out.parent / "sim_vs_real")
+    return result
+
+
+def swap_check(work: Path) -> dict | None:
+    """The swap cost calibrate fits from the engine's own swapping steps (the small-pool
+    calibration run) against what the block-copy probe predicts on this machine for the same
+    model, each in seconds for a 16-block swap."""
+    from pagedserve.plan.models import load_model
+    from pagedserve.sim.cost_model import ModelCost, load_params
+    from pagedserve.sim.swap_probe import probe_swap_cost
+
+    cost = work / "cost_pooled.json"
+    if not cost.is_file():
+        return None
+    data = json.loads(cost.read_text())
+    fitted = load_params(cost)
+    fit_note = data.get("fit", {}).get("host_bandwidth", "")
+    model_dir = Path("/tmp/pagedserve-bench/llama-20m")
+    m = ModelCost.from_shape(load_model(str(model_dir)).shape, "float32", None, 1)
+    bw, per_step, how = probe_swap_cost(m.kv_bytes_per_token, m.num_layers, 16, "float32")
+    nbytes = 16 * 16 * m.kv_bytes_per_token
+    t_fit = fitted.swap_step_overhead_s + nbytes / (fitted.host_bandwidth * fitted.host_link_efficiency)
+    t_probe = per_step + nbytes / bw
+    wall = (data.get("fit") or {}).get("wall_per_cpu") or 1.0
+    from pagedserve.sim.cost_model import measure_memcpy_bandwidth
+
+    t_memcpy = nbytes / measure_memcpy_bandwidth() * wall  # the fallback calibrate used before the probe
+    print(f"\nswap timing, 16 blocks of the 20m model: fitted on the engine's swapping steps {t_fit * 1e3:.2f} ms "
+          f"({fit_note}); block-copy probe {t_probe * 1e3:.2f} ms, x{wall:.2f} wall/CPU = {t_probe * wall * 1e3:.2f} ms "
+          f"({how}): probe / engine {t_probe * wall / t_fit:.2f}; the old memcpy fallback {t_memcpy * 1e3:.2f} ms: "
+          f"memcpy / engine {t_memcpy / t_fit:.2f}")
+    return {"fitted_s": t_fit, "probe_s": t_probe, "probe_wall_s": t_probe * wall, "memcpy_wall_s": t_memcpy,
+            "fit_note": fit_note, "probe": how}
 
 
 def main() -> int:
