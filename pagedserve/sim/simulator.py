@@ -481,6 +481,9 @@ def simulate(deployment: Deployment, workload: Sequence[WorkloadRequest], *, max
             on_step(outs)
         if max_steps is not None and steps >= max_steps:
             break
+    # The run ends when its last token reached its client: after the last step by the serving
+    # layer's delivery (the drained pool's last report carries that time).
+    clock.now = max([clock.now] + [r.finish for r in records if r is not None and r.finish is not None])
     if pool_snapshots is not None and on_step is not None:
         final = core.snapshot()
         final.pool_snapshot = take_snapshot(scheduler)
