@@ -276,7 +276,8 @@ def run_calibrate(args) -> int:
     info = load_model(args.model)
     if args.gpu:
         from pagedserve.plan.gpus import get_gpu
-        base = CostParams.for_gpu(get_gpu(args.gpu))
+        # the serving layer is fitted from the request trace, or reported missing: not the probe's
+        base = CostParams.for_gpu(get_gpu(args.gpu), serving_overhead=False)
         base.attention_layout = args.attention_layout or "paged"
         base.combine = args.combine or "max"
         dtype = info.checkpoint_dtype if args.dtype == "auto" else args.dtype
