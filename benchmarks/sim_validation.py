@@ -44,7 +44,7 @@ GROUPS = {
     "output_throughput": "throughput", "request_throughput": "throughput",
     "median_tpot_ms": "TPOT", "mean_tpot_ms": "TPOT",
     "mean_ttft_ms": "mean TTFT", "p99_ttft_ms": "P99 TTFT", "p99_itl_ms": "P99 ITL",
-    "mean_e2el_ms": "batch latency", "median_e2el_ms": "batch latency",
+    "mean_e2el_ms": "batch latency", "median_e2el_ms": "batch latency", "duration": "batch latency",
 }
 TARGETS = {"batch latency": 0.10, "throughput": 0.10, "TPOT": 0.10, "mean TTFT": 0.20, "P99 TTFT": 0.20,
            "P99 ITL": 0.20}
@@ -62,6 +62,9 @@ def _model(name: str, models: dict, tmp: Path) -> str:
 
 
 def _workload(w: dict, vocab: int) -> tuple[list[WorkloadRequest], int | None]:
+    if w["kind"] == "batch":  # one batch at t=0 (an offline latency benchmark)
+        return [WorkloadRequest([100] * w["input_len"], None, w["input_len"], w["output_len"], 0.0)
+                for _ in range(w["batch_size"])], None
     if w["kind"] == "replay":
         return [WorkloadRequest([100] * p, None, p, max(o, 1), 0.0)
                 for p, o in zip(w["input_lens"], w["output_lens"])], w.get("max_concurrency")
@@ -78,7 +81,8 @@ def run_case(case: dict, models: dict, tmp: Path, serving_overhead: bool) -> dic
                        max_model_len=case.get("max_model_len"),
                        enable_chunked_prefill=case.get("chunked_prefill", True))
     dep = build_deployment(cfg, _model(case["model"], models, tmp), gpu=case["gpu"], tp=case.get("tp", 1),
-                           weight_dtype=case.get("weight_dtype"), serving_overhead=serving_overhead,
+                           weight_dtype=case.get("weight_dtype"),
+                           serving_overhead=serving_overhead and case.get("serving_overhead", True),
                            host_profile=HOST_PROFILE)
     workload, concurrency = _workload(case["workload"], dep.vocab_size)
     return simulate(dep, workload, max_concurrency=concurrency).metrics
