@@ -211,6 +211,18 @@ def test_swap_probe_times_the_engines_block_copy():
     assert bw > 0 and per_step >= 0 and "block copy" in how
 
 
+def test_a_probe_run_on_the_host_replaces_the_shipped_terms(tmp_path):
+    import json
+
+    own = HostOverhead(step_s=1e-3, per_request_s=2e-5, admit_s=4e-3, deliver_per_output_s=1e-4, source="host_probe on X")
+    path = tmp_path / "host.json"
+    path.write_text(json.dumps({"fit": own.to_dict(), "report": {}}))
+    dep = build_deployment(EngineConfig(max_num_seqs=8, max_model_len=2048), "llama-3.1-8b", gpu="H100-SXM",
+                           host_overhead=path)
+    assert dep.cost_model.params.step_overhead_s == 1e-3
+    assert ServingOverhead.from_dict(dep.cost_model.params.serving).admit_s == 4e-3
+
+
 def test_the_shipped_host_terms_say_where_they_were_measured():
     host = default_host_overhead()
     assert host.source.startswith("host_probe on ")

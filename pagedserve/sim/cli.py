@@ -59,6 +59,9 @@ def _add_deployment_args(p: argparse.ArgumentParser, engine_flags: bool = True) 
     g.add_argument("--host-cpu-speed", default=None, metavar="X",
                    help="GPU: the host CPU's single-thread speed relative to the machine the shipped host probe ran "
                         "on (pagedserve/sim/host_overhead.json); scales the per-step and serving CPU terms (default 1)")
+    g.add_argument("--host-overhead", default=None, metavar="HOST.json",
+                   help="GPU: the host CPU terms from `python -m pagedserve.sim.host_probe --out HOST.json` run on the "
+                        "deployment's host (default: the shipped probe, pagedserve/sim/host_overhead.json)")
     g.add_argument("--host-profile", choices=("pagedserve", "vllm"), default="pagedserve",
                    help="GPU: whose engine loop costs each step on the host: pagedserve = this project's loop as the "
                         "host probe measured it (default), vllm = vLLM v0.6's published 2 ms + 20 us per request")
@@ -178,7 +181,7 @@ def run(args) -> int:
 
     dep = build_deployment(config, args.model, gpu=gpu, cost_params=args.cost_model, weight_dtype=args.weight_dtype,
                            host_cpu_speed=host_speed(args.host_cpu_speed), serving_overhead=args.serving_overhead,
-                           host_profile=args.host_profile, **shape)
+                           host_profile=args.host_profile, host_overhead=args.host_overhead, **shape)
     workload = build_workload(args, dep.vocab_size, dep.config.max_model_len)
     rate = "inf" if math.isinf(args.request_rate) else f"{args.request_rate:g}"
     cfg = dep.config

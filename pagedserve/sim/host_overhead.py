@@ -110,13 +110,19 @@ def load_host_overhead(path: str | Path = DEFAULTS_PATH) -> HostOverhead:
 _DEFAULT: HostOverhead | None = None
 
 
-def default_host_overhead(speed: float | None = None, profile: str = "pagedserve") -> HostOverhead:
-    """The shipped probe's terms (host_overhead.json) for `profile`, at `speed` (default 1: the
-    probe machine's single-thread speed)."""
+def default_host_overhead(speed: float | None = None, profile: str = "pagedserve",
+                          path: str | Path | None = None) -> HostOverhead:
+    """The shipped probe's terms (host_overhead.json), or those of a probe run on the host itself
+    (`path`: `python -m pagedserve.sim.host_probe --out FILE` there), for `profile`, at `speed`
+    (default 1: the probe machine's single-thread speed)."""
     global _DEFAULT
-    if _DEFAULT is None:
-        _DEFAULT = load_host_overhead()
-    host = _DEFAULT.for_profile(profile)
+    if path is not None:
+        base = load_host_overhead(path)
+    else:
+        if _DEFAULT is None:
+            _DEFAULT = load_host_overhead()
+        base = _DEFAULT
+    host = base.for_profile(profile)
     return host if speed is None else host.scaled(speed)
 
 

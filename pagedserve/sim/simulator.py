@@ -98,7 +98,7 @@ def build_deployment(config: EngineConfig, model: str, *, gpu: str | None = None
                      cost_params: CostParams | str | Path | None = None, layout: ParallelLayout | None = None,
                      topology: Topology | None = None, weight_dtype: str | None = None,
                      host_cpu_speed: float | None = None, serving_overhead: bool = True,
-                     host_profile: str = "pagedserve") -> Deployment:
+                     host_profile: str = "pagedserve", host_overhead: str | Path | None = None) -> Deployment:
     """Resolve knobs and size the pool exactly as `serve` (on CPU) or `plan` (on a GPU) would.
 
     GPU: pool = plan.budget.compute_plan (total x gpu_memory_utilization - weights/TP -
@@ -116,7 +116,8 @@ def build_deployment(config: EngineConfig, model: str, *, gpu: str | None = None
     where the preset has one. Without a --cost-model, a GPU deployment charges the host CPU's
     work (sim/host_overhead.py: per step and, unless `serving_overhead` is False, per request)
     at `host_cpu_speed` x the probe machine's single-thread speed (default 1); `host_profile`
-    says whose engine loop ("vllm": vLLM's published per-step cost; "pagedserve": the probe's).
+    says whose engine loop ("vllm": vLLM's published per-step cost; "pagedserve": the probe's);
+    `host_overhead` a probe file measured on the host itself instead of the shipped one.
     """
     from pagedserve.plan.models import load_model
 
@@ -158,7 +159,8 @@ def build_deployment(config: EngineConfig, model: str, *, gpu: str | None = None
         if cost_params is None:
             from pagedserve.sim.host_overhead import default_host_overhead
 
-            params = CostParams.for_gpu(spec, default_host_overhead(host_cpu_speed, host_profile), serving_overhead)
+            params = CostParams.for_gpu(spec, default_host_overhead(host_cpu_speed, host_profile, host_overhead),
+                                        serving_overhead)
         else:
             params = cost_params
         bytes_per_block = plan.pool.bytes_per_block

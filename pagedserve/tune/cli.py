@@ -79,7 +79,8 @@ def run(args) -> int:
     from pagedserve.sim.host_overhead import host_speed
 
     host = {"weight_dtype": args.weight_dtype, "host_cpu_speed": host_speed(args.host_cpu_speed),
-            "serving_overhead": args.serving_overhead, "host_profile": args.host_profile}
+            "serving_overhead": args.serving_overhead, "host_profile": args.host_profile,
+            "host_overhead": args.host_overhead}
 
     def layout_of(name: str | None) -> dict:
         return {**deployment_layout(args, name, tp=base.tensor_parallel_size), **host}
