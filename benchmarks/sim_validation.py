@@ -97,7 +97,8 @@ def _row(errors: list[tuple[str, str, float, float]], group: str) -> str:
     worst = max(sel, key=lambda e: abs(e[3] / e[2] - 1))
     med = statistics.median(abs(r) for r in rel)
     target = TARGETS[group]
-    return (f"| {group} | {len(sel)} | {med:.1%} | {statistics.median(ratios):.2f} ({ratios[0]:.2f}-{ratios[-1]:.2f}) | "
+    spread = f"{statistics.median(ratios):.2f} ({ratios[0]:.2f}-{ratios[-1]:.2f})"
+    return (f"| {group} | {len(sel)} | {med:.1%} | {spread} | "
             f"{worst[0]} {worst[1]} {worst[3] / worst[2] - 1:+.0%} | {'yes' if med <= target else 'no'} "
             f"(<= {target:.0%}) |")
 
@@ -126,7 +127,8 @@ def published(args) -> dict:
 def live(args) -> dict:
     """benchmarks/sim_vs_real.py, run as it is (it prints its own table)."""
     out = ROOT / "results" / "sim_validation_live.json"
-    cmd = [sys.executable, str(ROOT / "benchmarks" / "sim_vs_real.py"), "--repeats", str(args.repeats), "--out", str(out)]
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "sim_vs_real.py"), "--repeats", str(args.repeats),
+           "--out", str(out)]
     print(f"\n$ {' '.join(cmd)}", flush=True)
     subprocess.run(cmd, check=True)
     result = json.loads(out.read_text())
@@ -159,7 +161,8 @@ def swap_check(work: Path) -> dict | None:
 
     t_memcpy = nbytes / measure_memcpy_bandwidth() * wall  # the fallback calibrate used before the probe
     print(f"\nswap timing, 16 blocks of the 20m model: fitted on the engine's swapping steps {t_fit * 1e3:.2f} ms "
-          f"({fit_note}); block-copy probe {t_probe * 1e3:.2f} ms, x{wall:.2f} wall/CPU = {t_probe * wall * 1e3:.2f} ms "
+          f"({fit_note}); block-copy probe {t_probe * 1e3:.2f} ms, x{wall:.2f} wall/CPU = "
+          f"{t_probe * wall * 1e3:.2f} ms "
           f"({how}): probe / engine {t_probe * wall / t_fit:.2f}; the old memcpy fallback {t_memcpy * 1e3:.2f} ms: "
           f"memcpy / engine {t_memcpy / t_fit:.2f}")
     return {"fitted_s": t_fit, "probe_s": t_probe, "probe_wall_s": t_probe * wall, "memcpy_wall_s": t_memcpy,

@@ -132,7 +132,8 @@ def test_host_overhead_terms_by_hand():
                      deliver_s=0.0, deliver_per_output_s=5e-5)
     p = unit_params()
     h.scaled(4.0).apply(p)
-    assert (p.step_overhead_s, p.per_request_overhead_s, p.per_token_overhead_s) == pytest.approx((2.5e-4, 2.5e-6, 2.5e-7))
+    terms = (p.step_overhead_s, p.per_request_overhead_s, p.per_token_overhead_s)
+    assert terms == pytest.approx((2.5e-4, 2.5e-6, 2.5e-7))
     s = ServingOverhead.from_dict(p.serving)
     assert s.admit(1000) == pytest.approx((2e-3 + 1e-3) / 4)
     m = ModelCost.from_shape(SHAPE, "bfloat16", None, 1)
@@ -214,7 +215,8 @@ def test_swap_probe_times_the_engines_block_copy():
 def test_a_probe_run_on_the_host_replaces_the_shipped_terms(tmp_path):
     import json
 
-    own = HostOverhead(step_s=1e-3, per_request_s=2e-5, admit_s=4e-3, deliver_per_output_s=1e-4, source="host_probe on X")
+    own = HostOverhead(step_s=1e-3, per_request_s=2e-5, admit_s=4e-3, deliver_per_output_s=1e-4,
+                       source="host_probe on X")
     path = tmp_path / "host.json"
     path.write_text(json.dumps({"fit": own.to_dict(), "report": {}}))
     dep = build_deployment(EngineConfig(max_num_seqs=8, max_model_len=2048), "llama-3.1-8b", gpu="H100-SXM",

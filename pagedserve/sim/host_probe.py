@@ -94,11 +94,9 @@ def engine_steps(batches=(1, 4, 16, 64), chunks=(64, 256, 512), steps: int = 40)
                     core.add_request(Request(f"p{k}", [17] * chunk, SamplingParams(max_tokens=1, ignore_eos=True),
                                              frozenset(), time.monotonic(), 0, 1024))
                 t0 = time.perf_counter()
-                outs = core.step()
+                core.step()
                 times.append(time.perf_counter() - t0)
-                n_tok = outs.stats.num_batched_tokens
             rows.append((batch + (1 if chunk else 0), batch + chunk, statistics.median(times[5:])))
-            del n_tok
             core.shutdown()
     return rows
 
@@ -171,7 +169,8 @@ def server_requests(prompt_lens=(16, 64, 200, 400, 800), per_len: int = 6, timeo
     tmp = Path(tempfile.mkdtemp(prefix="ps-host-probe-"))
     trace = tmp / "steps.jsonl"
     cmd = [sys.executable, "-m", "pagedserve.cli", "serve", "--model", str(DEFAULT_MODEL_DIR), "--host", "127.0.0.1",
-           "--port", str(port), "--uvicorn-log-level", "warning", "--log-interval", "0", "--step-trace-path", str(trace),
+           "--port", str(port), "--uvicorn-log-level", "warning", "--log-interval", "0",
+           "--step-trace-path", str(trace),
            "--max-model-len", "1024"]
     env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
     log = open(tmp / "server.log", "w")

@@ -22,7 +22,8 @@ def probe_swap_cost(bytes_per_token: int, num_layers: int, block_size: int = 16,
     import numpy as np
     import torch
 
-    torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}.get(dtype, torch.float32)
+    dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+    torch_dtype = dtypes.get(dtype, torch.float32)
     elem = torch.empty((), dtype=torch_dtype).element_size()
     per_layer_kv = max(1, bytes_per_token // max(num_layers * 2 * elem, 1))  # values per token, layer, K or V
     num_blocks = max(block_counts) * 2
