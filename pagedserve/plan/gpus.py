@@ -1,10 +1,13 @@
-"""Accelerator presets: memory, HBM bandwidth, dense bf16 compute, GPU-GPU and host links.
+"""Accelerator presets: memory, HBM bandwidth, dense bf16 and fp8 compute, GPU-GPU and host links.
 
-`memory_bytes` is the total the driver reports (nvidia-smi's MiB figure, or CUDA's
-`mem_get_info` total where a vLLM log shows it) - the number `gpu_memory_utilization`
-multiplies - which is a little below the marketing capacity. Bandwidths are the vendor's
-datasheet figures: HBM in GB/s, NVLink as the aggregate bidirectional figure NVIDIA
-publishes, host link as one direction of PCIe x16. TFLOP/s are dense (no sparsity).
+`memory_bytes` is the total the driver reports where a log or nvidia-smi shows it (the number
+`gpu_memory_utilization` multiplies, a little below the marketing capacity); where no such
+figure was at hand it is the datasheet capacity, and the comment says so. Bandwidths are the
+vendor's datasheet figures: HBM in GB/s, the GPU-GPU link as the aggregate bidirectional figure
+the vendor publishes, the host link as one direction (PCIe x16, or NVLink-C2C on GH200).
+TFLOP/s are dense (no sparsity); `fp8_tflops` is the fp8 tensor-core peak, 0 where the chip has
+none (A100: vLLM runs fp8 checkpoints there as weight-only, computing in bf16). Every preset
+names the datasheet it comes from (`source`).
 """
 from __future__ import annotations
 
@@ -22,22 +25,42 @@ class GpuSpec:
     bf16_tflops: float  # dense
     gpu_link_gbps: float  # GPU-GPU (NVLink aggregate, or PCIe when there is none)
     host_link_gbps: float  # GPU-host, one direction
+    fp8_tflops: float = 0.0  # dense fp8 tensor-core peak; 0 = no fp8 tensor cores
+    source: str = ""  # the datasheet the figures come from
 
     def to_dict(self) -> dict:
         return asdict(self)
 
 
+_NV = "https://www.nvidia.com/en-us/data-center/"
 GPU_PRESETS: dict[str, GpuSpec] = {
     spec.name.lower(): spec
     for spec in [
-        GpuSpec("A100-40GB", 40960 * MiB, 1555, 312, 600, 32),
+        GpuSpec("A100-40GB", 40960 * MiB, 1555, 312, 600, 32, 0, _NV + "a100/"),
         # CUDA reports 79.15 GiB total on A100-80GB in vLLM's start-up logs.
-        GpuSpec("A100-80GB", int(79.15 * GiB), 2039, 312, 600, 32),
+        GpuSpec("A100-80GB", int(79.15 * GiB), 2039, 312, 600, 32, 0, _NV + "a100/"),
         # 79.22 GiB: vLLM's "total_gpu_memory" on H100 (vllm-project/vllm PR #10511).
-        GpuSpec("H100-SXM", int(79.22 * GiB), 3350, 989, 900, 64),
-        GpuSpec("H200", 143771 * MiB, 4800, 989, 900, 64),
-        GpuSpec("L40S", 46068 * MiB, 864, 362, 32, 32),  # no NVLink: peers talk over PCIe 4.0
-        GpuSpec("RTX-4090", 24564 * MiB, 1008, 165, 32, 32),  # nvidia-smi: 24564MiB
+        GpuSpec("H100-SXM", int(79.22 * GiB), 3350, 989, 900, 64, 1979, _NV + "h100/"),
+        GpuSpec("H200", 143771 * MiB, 4800, 989, 900, 64, 1979, _NV + "h200/"),
+        # no NVLink: peers talk over PCIe 4.0
+        GpuSpec("L40S", 46068 * MiB, 864, 362, 32, 32, 733, _NV + "l40s/"),
+        GpuSpec("RTX-4090", 24564 * MiB, 1008, 165, 32, 32, 330,  # nvidia-smi: 24564MiB; fp8 w/ fp16 accumulate
+                "https://images.nvidia.com/aem-dam/Solutions/geforce/ada/nvidia-ada-gpu-architecture.pdf"),
+        # L4: 24 GB GDDR6 at 300 GB/s, bf16 121 / fp8 242.5 dense TFLOP/s, PCIe 4.0 x16, no NVLink.
+        # 23034 MiB: nvidia-smi's total on an L4.
+        GpuSpec("L4", 23034 * MiB, 300, 121, 32, 32, 242.5, _NV + "l4/"),
+        # B200 (HGX/DGX B200): 180 GB HBM3e at 8 TB/s per GPU (DGX B200: 1,440 GB and 64 TB/s for
+        # eight), bf16 2.25 / fp8 4.5 dense PFLOP/s, NVLink 5 1.8 TB/s, PCIe 5.0 x16.
+        # Capacity: the datasheet's 180 GB (no driver figure at hand).
+        GpuSpec("B200", 180 * 10**9, 8000, 2250, 1800, 64, 4500, _NV + "dgx-b200/"),
+        # GH200 (96 GB HBM3 version): 4 TB/s, H100's tensor cores (bf16 989 / fp8 1979 dense),
+        # NVLink 900 GB/s to peers, and NVLink-C2C to the Grace CPU: 900 GB/s bidirectional, so
+        # the host link (swap) is 450 GB/s one way. Capacity: the datasheet's 96 GB.
+        GpuSpec("GH200", 96 * 10**9, 4000, 989, 900, 450, 1979, _NV + "grace-hopper-superchip/"),
+        # MI300X: 192 GB HBM3 at 5.3 TB/s, bf16 1,307.4 / fp8 2,614.9 dense TFLOP/s, Infinity Fabric
+        # 896 GB/s aggregate to its 7 peers, PCIe 5.0 x16. Capacity: the datasheet's 192 GB.
+        GpuSpec("MI300X", 192 * 10**9, 5300, 1307.4, 896, 64, 2614.9,
+                "https://www.amd.com/en/products/accelerators/instinct/mi300/mi300x.html"),
     ]
 }
 
@@ -47,6 +70,10 @@ _ALIASES = {
     "h200-141gb": "h200", "h200-sxm": "h200",
     "4090": "rtx-4090", "rtx4090": "rtx-4090", "rtx 4090": "rtx-4090",
     "l40s-48gb": "l40s",
+    "l4-24gb": "l4", "nvidia-l4": "l4",
+    "b200-180gb": "b200", "b200-sxm": "b200", "hgx-b200": "b200",
+    "gh200-96gb": "gh200", "grace-hopper": "gh200",
+    "mi300": "mi300x", "mi300x-192gb": "mi300x", "amd-mi300x": "mi300x",
 }
 
 

@@ -53,6 +53,21 @@ def _add_deployment_args(p: argparse.ArgumentParser, engine_flags: bool = True) 
                    help="per GPU, one direction (default 50: one 400 Gb/s NIC per GPU)")
     g.add_argument("--cost-model", default=None, metavar="COST.json",
                    help="cost constants from `simulate calibrate` (default: the GPU preset's stated defaults)")
+    g.add_argument("--weight-dtype", "--quantization", dest="weight_dtype", default=None,
+                   choices=("fp8", "bfloat16", "float16", "float32"),
+                   help="GPU: the weights' dtype (fp8 = vLLM's --quantization fp8: one byte per weight, GEMMs at the "
+                        "fp8 tensor-core peak where the GPU has one); default: the checkpoint's / --dtype")
+    g.add_argument("--host-cpu-speed", default=None, metavar="X",
+                   help="GPU: the host CPU's single-thread speed relative to the machine the shipped host probe ran "
+                        "on (pagedserve/sim/host_overhead.json); scales the per-step and serving CPU terms (default 1)")
+    g.add_argument("--host-overhead", default=None, metavar="HOST.json",
+                   help="GPU: the host CPU terms from `python -m pagedserve.sim.host_probe --out HOST.json` run on the "
+                        "deployment's host (default: the shipped probe, pagedserve/sim/host_overhead.json)")
+    g.add_argument("--host-profile", choices=("pagedserve", "vllm"), default="pagedserve",
+                   help="GPU: whose engine loop costs each step on the host: pagedserve = this project's loop as the "
+                        "host probe measured it (default), vllm = vLLM v0.6's published 2 ms + 20 us per request")
+    g.add_argument("--no-serving-overhead", dest="serving_overhead", action="store_false",
+                   help="GPU: leave the serving layer's per-request CPU time (tokenize, detokenize, SSE) out")
 
 
 def register(subparsers) -> None:
@@ -163,7 +178,11 @@ def run(args) -> int:
         raise ValueError("gpu: give a GPU preset (--gpu H100-SXM), or --device cpu with --cost-model")
     gpu = None if args.device == "cpu" else args.gpu
     shape = deployment_layout(args, tp=config.tensor_parallel_size)
-    dep = build_deployment(config, args.model, gpu=gpu, cost_params=args.cost_model, **shape)
+    from pagedserve.sim.host_overhead import host_speed
+
+    dep = build_deployment(config, args.model, gpu=gpu, cost_params=args.cost_model, weight_dtype=args.weight_dtype,
+                           host_cpu_speed=host_speed(args.host_cpu_speed), serving_overhead=args.serving_overhead,
+                           host_profile=args.host_profile, host_overhead=args.host_overhead, **shape)
     workload = build_workload(args, dep.vocab_size, dep.config.max_model_len)
     rate = "inf" if math.isinf(args.request_rate) else f"{args.request_rate:g}"
     cfg = dep.config
@@ -176,6 +195,9 @@ def run(args) -> int:
     print(f"workload: {args.workload_trace or args.dataset} x {len(workload)}, request rate {rate}, "
           f"burstiness {args.burstiness:g}, max concurrency {args.max_concurrency}", flush=True)
     print(f"serving overhead: {ServingOverhead.from_dict(dep.cost_model.params.serving).describe()}", flush=True)
+    cp = dep.cost_model.params
+    print(f"host CPU per step: {cp.step_overhead_s * 1e6:.0f} us + {cp.per_request_overhead_s * 1e6:.1f} us/request + "
+          f"{cp.per_token_overhead_s * 1e6:.2f} us/token", flush=True)
     if cfg.step_trace_path:
         print(f"step trace (virtual time): {cfg.step_trace_path}", flush=True)
     if args.dashboard:
@@ -258,7 +280,8 @@ def run_calibrate(args) -> int:
     info = load_model(args.model)
     if args.gpu:
         from pagedserve.plan.gpus import get_gpu
-        base = CostParams.for_gpu(get_gpu(args.gpu))
+        # the serving layer is fitted from the request trace, or reported missing: not the probe's
+        base = CostParams.for_gpu(get_gpu(args.gpu), serving_overhead=False)
         base.attention_layout = args.attention_layout or "paged"
         base.combine = args.combine or "max"
         dtype = info.checkpoint_dtype if args.dtype == "auto" else args.dtype
@@ -278,9 +301,14 @@ def run_calibrate(args) -> int:
         run = read_trace(path)
         run[-1].num_unfinished = 0
         records += run
+    def swap_probe():  # a CPU engine's swap is the block copy: time it here when the trace has none
+        from pagedserve.sim.swap_probe import probe_swap_cost
+
+        return probe_swap_cost(mcost.kv_bytes_per_token, info.shape.num_layers, args.block_size, dtype)
+
     params, report = fit(records, mcost, base, block_size=args.block_size,
                          fit_pad_share=args.attention_layout is None and not args.gpu,
-                         max_model_len=args.max_model_len)
+                         max_model_len=args.max_model_len, swap_probe=None if args.gpu else swap_probe)
 
     requests, missing, matched = [], [], 0
     for k, path in enumerate(args.trace):

@@ -105,8 +105,11 @@ def default_kv_dequant_s_per_value(peak_flops: float, attn_mfu: float) -> float:
 class CostParams:
     """Every constant of the model. JSON round-trips through to_dict / from_dict."""
 
-    peak_flops: float              # FLOP/s of one device (dense)
+    peak_flops: float              # FLOP/s of one device (dense bf16)
     mem_bandwidth: float           # bytes/s of one device
+    # FLOP/s of the device's fp8 tensor cores (dense); 0 = none. GEMMs of fp8 weights run at it
+    # (vLLM's fp8 W8A8 path on Hopper/Ada/Blackwell/MI300); without it they compute in bf16.
+    fp8_peak_flops: float = 0.0
     gemm_mfu: float = GPU_EFFICIENCY["gemm_mfu"]
     gemm_mbu: float = GPU_EFFICIENCY["gemm_mbu"]
     attn_mfu: float = GPU_EFFICIENCY["attn_mfu"]
@@ -119,6 +122,11 @@ class CostParams:
     step_overhead_s: float = STEP_OVERHEAD_S
     per_request_overhead_s: float = PER_REQUEST_OVERHEAD_S
     per_prefill_overhead_s: float = 0.0  # per prompt chunk: backends that launch attention per chunk
+    # per scheduled token: the host's input preparation (positions, slot mappings) grows with it
+    per_token_overhead_s: float = 0.0
+    # per step that swaps: launching the block copies (index_select / cudaMemcpyAsync per block
+    # batch) costs a fixed time beside the bytes over the host link
+    swap_step_overhead_s: float = 0.0
     # per token sampled: in a server the HTTP loop detokenizes and streams each one, and on a
     # CPU with one interpreter that work holds the engine back (fitted from the wall clock)
     per_output_overhead_s: float = 0.0
@@ -158,13 +166,22 @@ class CostParams:
         return cls(**{k: v for k, v in d.items() if k in known})
 
     @classmethod
-    def for_gpu(cls, gpu) -> "CostParams":
-        """Defaults for a `pagedserve.plan.gpus.GpuSpec` (datasheet peaks x stated efficiencies).
+    def for_gpu(cls, gpu, host: "HostOverhead | None" = None, serving_overhead: bool = True) -> "CostParams":
+        """Defaults for a `pagedserve.plan.gpus.GpuSpec` (datasheet peaks x stated efficiencies),
+        with the host CPU's share of every step and of every request (`HostOverhead`: measured on
+        pagedserve's own front-end and engine, scaled to the host). `serving_overhead=False`
+        leaves the serving layer out (the step's CPU terms stay): only when asked for.
 
         The NVLink figure in the presets is aggregate bidirectional: one direction is half."""
-        return cls(peak_flops=gpu.bf16_tflops * 1e12, mem_bandwidth=gpu.hbm_bandwidth_gbps * 1e9,
-                   link_bandwidth=gpu.gpu_link_gbps * 1e9 / 2, host_bandwidth=gpu.host_link_gbps * 1e9,
-                   source=f"defaults for {gpu.name}")
+        from pagedserve.sim.host_overhead import default_host_overhead
+
+        host = host or default_host_overhead()
+        params = cls(peak_flops=gpu.bf16_tflops * 1e12, mem_bandwidth=gpu.hbm_bandwidth_gbps * 1e9,
+                     fp8_peak_flops=getattr(gpu, "fp8_tflops", 0.0) * 1e12,
+                     link_bandwidth=gpu.gpu_link_gbps * 1e9 / 2, host_bandwidth=gpu.host_link_gbps * 1e9,
+                     source=f"defaults for {gpu.name}")
+        host.apply(params, serving=serving_overhead)
+        return params
 
 
 @dataclass
@@ -184,6 +201,13 @@ class ServingOverhead:
     deliver_s: float = 0.0
     deliver_per_output_s: float = 0.0
     source: str = "none"
+    # One event loop does it all (pagedserve's server, vLLM's API process): with `serial` each
+    # admission and each step's per-request delivery work waits for the work before it, so a burst
+    # of arrivals, or many streams at once, queue for it (deliver_s stays a latency: the hand-over
+    # from the engine, occupying nothing). Right for pure service times (the host probe's, which
+    # the GPU presets use); a fit from a live trace (fit_serving) already holds the queueing it
+    # saw, so it keeps False: every one served at once.
+    serial: bool = False
 
     def admit(self, prompt_len: int) -> float:
         return self.admit_s + self.admit_per_prompt_token_s * prompt_len
@@ -197,10 +221,11 @@ class ServingOverhead:
 
     def describe(self) -> str:
         if self.is_zero:
-            return "none modelled (the cost model has no serving term: calibrate with a request trace)"
+            return ("none modelled (asked for with --no-serving-overhead, or a cost model calibrated without a "
+                    "request trace)")
         return (f"admission {self.admit_s * 1e3:.1f} ms + {self.admit_per_prompt_token_s * 1e6:.1f} us/prompt token, "
-                f"delivery {self.deliver_s * 1e3:.1f} ms + {self.deliver_per_output_s * 1e3:.2f} ms per request "
-                f"in the step ({self.source})")
+                f"delivery {self.deliver_s * 1e3:.1f} ms + {self.deliver_per_output_s * 1e3:.3f} ms per request "
+                f"in the step{', one event loop (queued)' if self.serial else ''} ({self.source})")
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -226,6 +251,7 @@ class ModelCost:
     act_bytes: float
     tp: int
     kv_values_per_token: int = 0    # K/V values per token a read must dequantize (0: a plain cache)
+    weight_bytes_per_param: float = 2.0  # 1: fp8/int8 weights (fp8 tensor cores where the device has them)
 
     @classmethod
     def from_shape(cls, shape: ModelShape, weight_dtype: str = "bfloat16", kv_dtype: str | None = None,
@@ -255,6 +281,7 @@ class ModelCost:
             kv_bytes_per_token=kv_bytes_per_token(shape, kv, tp, kv_scale_bytes(kv_dtype) if kv_dtype else 0),
             act_bytes=act, tp=tp,
             kv_values_per_token=kv_bytes_per_token(shape, 1, tp) if quantized else 0,
+            weight_bytes_per_param=w,
         )
 
 
@@ -276,6 +303,12 @@ class StepFeatures:
     attn_pad_flops: float = 0.0
     attn_pad_bytes: float = 0.0
     num_outputs: int = 0
+    # the decodes' share of the attention terms above (the rest is the prompt chunks'): a mixed
+    # step runs them as separate work, each at its own bound (see CostModel.breakdown)
+    attn_decode_flops: float = 0.0
+    attn_decode_bytes: float = 0.0
+    attn_decode_pad_flops: float = 0.0
+    attn_decode_pad_bytes: float = 0.0
 
 
 def step_features(model: ModelCost, new_tokens: Sequence[int], context_lens: Sequence[int],
@@ -309,10 +342,11 @@ def step_features(model: ModelCost, new_tokens: Sequence[int], context_lens: Seq
         if c > n:
             pad_pairs += n * c - causal
     pairs += decode_ctx
+    decode_pad = 0
     if num_decodes:  # padded: every decode attends over the longest decode context
-        pad = num_decodes * max_decode_ctx - decode_ctx
-        pad_pairs += pad
-        pad_read += pad
+        decode_pad = num_decodes * max_decode_ctx - decode_ctx
+        pad_pairs += decode_pad
+        pad_read += decode_pad
     num_reqs = len(new_tokens)
     linear_flops = 2.0 * num_tokens * model.linear_params_per_rank + 2.0 * num_reqs * model.lm_head_params_per_rank
     linear_bytes = model.weight_bytes_per_rank if num_reqs else 0.0
@@ -323,10 +357,12 @@ def step_features(model: ModelCost, new_tokens: Sequence[int], context_lens: Seq
     else:
         allreduce_bytes, num_allreduces = 0.0, 0
     swap_bytes = float(num_swap_blocks * block_size * model.kv_bytes_per_token)
+    kvb = model.kv_bytes_per_token
     return StepFeatures(num_tokens, num_reqs, num_prefills, linear_flops, linear_bytes, per_pair * pairs,
-                        float(kv_read * model.kv_bytes_per_token), allreduce_bytes, num_allreduces, swap_bytes,
-                        per_pair * pad_pairs, float(pad_read * model.kv_bytes_per_token),
-                        num_reqs if num_outputs is None else num_outputs)
+                        float(kv_read * kvb), allreduce_bytes, num_allreduces, swap_bytes,
+                        per_pair * pad_pairs, float(pad_read * kvb),
+                        num_reqs if num_outputs is None else num_outputs,
+                        per_pair * decode_ctx, float(decode_ctx * kvb), per_pair * decode_pad, float(decode_pad * kvb))
 
 
 @dataclass
@@ -352,7 +388,10 @@ class CostModel:
         self.block_size = block_size
         p = params
         # Inverse rates, precomputed: the simulator calls step_time once per step.
-        self._inv_gemm_f = 1.0 / (p.peak_flops * p.gemm_mfu) if p.gemm_mfu > 0 else 0.0
+        gemm_peak = p.peak_flops
+        if model.weight_bytes_per_param == 1 and p.fp8_peak_flops > 0:
+            gemm_peak = p.fp8_peak_flops  # fp8 weights and activations on fp8 tensor cores
+        self._inv_gemm_f = 1.0 / (gemm_peak * p.gemm_mfu) if p.gemm_mfu > 0 else 0.0
         self._inv_gemm_b = 1.0 / (p.mem_bandwidth * p.gemm_mbu) if p.gemm_mbu > 0 else 0.0
         self._inv_attn_f = 1.0 / (p.peak_flops * p.attn_mfu) if p.attn_mfu > 0 else 0.0
         self._inv_attn_b = 1.0 / (p.mem_bandwidth * p.attn_mbu) if p.attn_mbu > 0 else 0.0
@@ -377,14 +416,23 @@ class CostModel:
         if self._sum:
             linear, attention = lin_f + lin_b, att_f + att_b
         else:
-            linear, attention = max(lin_f, lin_b), max(att_f, att_b)
+            # The step's GEMMs are one kernel each over all its rows: one roofline. Its attention
+            # is two kinds of work: the prompt chunks' (compute-bound, FlashAttention-style) and
+            # the decodes' (memory-bound: each reads its whole KV for one query). They are
+            # separate launches or separate thread blocks, each at its own bound; their times add,
+            # so a chunk in a decode batch is never hidden behind the decodes' KV read (or the
+            # decodes behind the chunk's FLOPs), as one max() over the step's totals would do.
+            dec_f = (f.attn_decode_flops + self._pad * f.attn_decode_pad_flops) * self._inv_attn_f
+            dec_b = (f.attn_decode_bytes + self._pad * f.attn_decode_pad_bytes) * self._inv_attn_b
+            linear = max(lin_f, lin_b)
+            attention = max(dec_f, dec_b) + max(att_f - dec_f, att_b - dec_b)
         allreduce = 0.0
         if f.num_allreduces:
             allreduce = (2 * (tp - 1) / tp * f.allreduce_bytes * self._inv_link
                          + f.num_allreduces * p.allreduce_latency_s)
         overhead = (p.step_overhead_s + p.per_request_overhead_s * f.num_reqs
-                    + p.per_prefill_overhead_s * f.num_prefills)
-        swap = f.swap_bytes * self._inv_host
+                    + p.per_prefill_overhead_s * f.num_prefills + p.per_token_overhead_s * f.num_tokens)
+        swap = f.swap_bytes * self._inv_host + (p.swap_step_overhead_s if f.swap_bytes else 0.0)
         factor = self._factors.get(f.num_tokens) if self._factors else None
         if factor is not None:
             linear, attention, overhead = linear * factor, attention * factor, overhead * factor
@@ -637,6 +685,10 @@ def format_error_report(rep: dict) -> str:
 # Columns of the design matrix: the per-step constant, per request, per prompt chunk, GEMM
 # FLOPs, GEMM bytes, attention FLOPs, attention bytes (both with the padding share), swap bytes.
 _COL_STEP, _COL_REQ, _COL_CHUNK, _COL_LF, _COL_LB, _COL_AF, _COL_AB, _COL_SWAP = range(8)
+# Two more columns carry the decodes' share of the attention FLOPs and bytes (not unknowns: the
+# "max" form prices the decodes' and the chunks' attention each at its own bound, as breakdown does).
+_COL_DAF, _COL_DAB = 8, 9
+_NUM_COEF = 8
 _PAD_SHARES = (0.0, 0.25, 0.5, 0.75, 1.0)
 
 
@@ -648,12 +700,14 @@ def _design(records: Sequence[StepTrace], model: ModelCost, block_size: int, pad
         f = step_features(model, r.new_tokens, r.context_lens, r.num_swap_blocks, block_size)
         rows.append((1.0, f.num_reqs, f.num_prefills, f.linear_flops, f.linear_bytes if form == "max" else 0.0,
                      f.attn_flops + pad_share * f.attn_pad_flops, f.attn_bytes + pad_share * f.attn_pad_bytes,
-                     f.swap_bytes))
+                     f.swap_bytes, f.attn_decode_flops + pad_share * f.attn_decode_pad_flops,
+                     f.attn_decode_bytes + pad_share * f.attn_decode_pad_bytes))
     return np.asarray(rows, dtype=float)
 
 
 def fit(records: Iterable[StepTrace], model: ModelCost, base: CostParams, *, block_size: int = 16,
         fit_pad_share: bool = False, host_bandwidth_fallback: tuple[float, str] | None = None,
+        swap_probe=None,
         max_model_len: int | None = None, iterations: int = 20, reweight: int = 4, trim: float = 3.0,
         max_factor_tokens: int = 8, min_factor_steps: int = 20) -> tuple[CostParams, dict]:
     """Fit the step cost's constants to a step trace; returns (params, report).
@@ -681,7 +735,9 @@ def fit(records: Iterable[StepTrace], model: ModelCost, base: CostParams, *, blo
     steps get a measured/modelled `token_count_factors` entry (a CPU's GEMM speed is not
     monotone in rows). Swap cost is fitted when the trace swapped; otherwise the host
     bandwidth falls back to `host_bandwidth_fallback` (bytes/s, how it is known), else
-    `base.host_bandwidth`, else a memcpy measured here, and the report warns. Peaks stay as
+    `base.host_bandwidth`, else `swap_probe()` (a callable returning bytes/s, seconds per swapping
+    step and how it knows: swap_probe.probe_swap_cost, the engine's own block copy timed here),
+    else a memcpy measured here, and the report warns. Peaks stay as
     given; the efficiencies absorb the scale.
     """
     import numpy as np
@@ -704,35 +760,41 @@ def fit(records: Iterable[StepTrace], model: ModelCost, base: CostParams, *, blo
 
     def combine_pred(X, coef):
         if form == "sum":
-            return X @ coef
+            return X[:, :_NUM_COEF] @ coef
+        dec_f, dec_b = coef[_COL_AF] * X[:, _COL_DAF], coef[_COL_AB] * X[:, _COL_DAB]
         return (coef[_COL_STEP] * X[:, _COL_STEP] + coef[_COL_REQ] * X[:, _COL_REQ]
                 + coef[_COL_CHUNK] * X[:, _COL_CHUNK] + coef[_COL_SWAP] * X[:, _COL_SWAP]
                 + np.maximum(coef[_COL_LF] * X[:, _COL_LF], coef[_COL_LB] * X[:, _COL_LB])
-                + np.maximum(coef[_COL_AF] * X[:, _COL_AF], coef[_COL_AB] * X[:, _COL_AB]))
+                + np.maximum(dec_f, dec_b)
+                + np.maximum(coef[_COL_AF] * X[:, _COL_AF] - dec_f, coef[_COL_AB] * X[:, _COL_AB] - dec_b))
 
     def solve_weighted(X, mask, w):
         if form == "sum":
-            return _nnls(X[mask] * w[mask, None], y[mask] * w[mask])
+            return _nnls(X[mask, :_NUM_COEF] * w[mask, None], y[mask] * w[mask])
         best = None
         n = len(y)
         on, off = np.ones(n, dtype=bool), np.zeros(n, dtype=bool)
         starts = {"sum": (on, on), "flops": (on, off), "bytes": (off, on)}
+        pf, pb = X[:, _COL_AF] - X[:, _COL_DAF], X[:, _COL_AB] - X[:, _COL_DAB]  # the chunks' part
         for lin_start in starts:
             for att_start in starts:
                 lf, lb = starts[lin_start]
-                af, ab = starts[att_start]
+                af, ab = starts[att_start]   # the decodes' attention: flops branch, bytes branch
+                cf, cb = starts[att_start]   # the chunks' attention
                 coef = None
                 for _ in range(iterations):
-                    cols = X.copy()
+                    cols = X[:, :_NUM_COEF].copy()
                     cols[:, _COL_LF] *= lf
                     cols[:, _COL_LB] *= lb
-                    cols[:, _COL_AF] *= af
-                    cols[:, _COL_AB] *= ab
+                    cols[:, _COL_AF] = X[:, _COL_DAF] * af + pf * cf
+                    cols[:, _COL_AB] = X[:, _COL_DAB] * ab + pb * cb
                     c = _nnls(cols[mask] * w[mask, None], y[mask] * w[mask])
                     new_l = X[:, _COL_LF] * c[_COL_LF] >= X[:, _COL_LB] * c[_COL_LB]
-                    new_a = X[:, _COL_AF] * c[_COL_AF] >= X[:, _COL_AB] * c[_COL_AB]
-                    done = coef is not None and (new_l == lf).all() and (new_a == af).all()
-                    coef, lf, lb, af, ab = c, new_l, ~new_l, new_a, ~new_a
+                    new_a = X[:, _COL_DAF] * c[_COL_AF] >= X[:, _COL_DAB] * c[_COL_AB]
+                    new_c = pf * c[_COL_AF] >= pb * c[_COL_AB]
+                    done = (coef is not None and (new_l == lf).all() and (new_a == af).all()
+                            and (new_c == cf).all())
+                    coef, lf, lb, af, ab, cf, cb = c, new_l, ~new_l, new_a, ~new_a, new_c, ~new_c
                     if done:
                         break
                 err = float(np.sum(((combine_pred(X, coef)[mask] - y[mask]) * w[mask]) ** 2))
@@ -753,6 +815,7 @@ def fit(records: Iterable[StepTrace], model: ModelCost, base: CostParams, *, blo
         X = _design(records, model, block_size, pad_share, form)
         scale = X.max(axis=0)
         scale[scale == 0] = 1.0
+        scale[_COL_DAF], scale[_COL_DAB] = scale[_COL_AF], scale[_COL_AB]  # parts of those columns
         Xs = X / scale
         keep = np.ones(len(y), dtype=bool)
         coef, pred = solve(Xs, keep)
@@ -760,7 +823,7 @@ def fit(records: Iterable[StepTrace], model: ModelCost, base: CostParams, *, blo
         mad = np.median(np.abs(rel - np.median(rel))) or 1e-9
         keep = np.abs(rel - np.median(rel)) <= trim * mad * 1.4826 + 0.05
         coef, pred = solve(Xs, keep)
-        return coef / scale, pred, keep
+        return coef / scale[:_NUM_COEF], pred, keep
 
     shares = _PAD_SHARES if fit_pad_share else (base.pad_share,)
     fits = {s: solve_trimmed(s) for s in shares}
@@ -802,8 +865,13 @@ def fit(records: Iterable[StepTrace], model: ModelCost, base: CostParams, *, blo
     def eff(inv_rate, peak):
         return float(1.0 / (inv_rate * peak)) if inv_rate > 0 else 0.0
 
+    # the peak CostModel will divide the GEMM FLOPs by (fp8 weights on fp8 tensor cores)
+    gemm_peak = (base.fp8_peak_flops if model.weight_bytes_per_param == 1 and base.fp8_peak_flops > 0
+                 else base.peak_flops)
+
     coverage = trace_coverage(records)
     host_note = None
+    swap_step_s = 0.0
     if coverage["swap_blocks"] and k[_COL_SWAP] > 0:
         host_bw, host_eff = float(1.0 / k[_COL_SWAP]), 1.0
         host_source = f"fitted on {coverage['swap_steps']} steps that swapped {coverage['swap_blocks']} blocks"
@@ -813,6 +881,13 @@ def fit(records: Iterable[StepTrace], model: ModelCost, base: CostParams, *, blo
             host_eff = 1.0
         elif base.host_bandwidth > 0:
             host_bw, host_eff, how = base.host_bandwidth, base.host_link_efficiency, "the stated default"
+        elif swap_probe is not None:
+            host_bw, swap_step_s, how = swap_probe()
+            host_eff = 1.0
+            if wall_per_cpu:  # the swap copy runs on the same contended CPU as the rest
+                host_bw /= wall_per_cpu
+                swap_step_s *= wall_per_cpu
+                how += f", slowed by the trace's wall/CPU factor {wall_per_cpu:.2f}"
         else:
             host_bw, host_eff, how = measure_memcpy_bandwidth(), 1.0, "a memcpy measured on this machine"
             if wall_per_cpu:  # the swap copy runs on the same contended CPU as the rest
@@ -821,14 +896,16 @@ def fit(records: Iterable[StepTrace], model: ModelCost, base: CostParams, *, blo
         why = "no swaps in the trace" if not coverage["swap_blocks"] else "the swap steps did not separate a swap cost"
         host_source = f"not fitted ({why}): {host_bw * host_eff / 1e9:.2f} GB/s from {how}"
         host_note = (f"{why}: host copy bandwidth not fitted; swaps will cost {host_bw * host_eff / 1e9:.2f} GB/s "
-                     f"from {how} (run the calibration load on a small pool with --preemption-mode swap to fit it)")
+                     + (f"+ {swap_step_s * 1e3:.2f} ms per swapping step " if swap_step_s else "")
+                     + f"from {how} (run the calibration load on a small pool with --preemption-mode swap to fit it)")
 
     ratios = y[keep] / np.maximum(pred[keep], 1e-12)
     params = replace(
         base,
         step_overhead_s=float(k[_COL_STEP]), per_request_overhead_s=float(k[_COL_REQ]),
         per_prefill_overhead_s=float(k[_COL_CHUNK]), per_output_overhead_s=per_output,
-        gemm_mfu=eff(k[_COL_LF], base.peak_flops), gemm_mbu=eff(k[_COL_LB], base.mem_bandwidth),
+        per_token_overhead_s=0.0, swap_step_overhead_s=swap_step_s,  # the rest is in the fitted terms
+        gemm_mfu=eff(k[_COL_LF], gemm_peak), gemm_mbu=eff(k[_COL_LB], base.mem_bandwidth),
         attn_mfu=eff(k[_COL_AF], base.peak_flops), attn_mbu=eff(k[_COL_AB], base.mem_bandwidth),
         attention_pad_share=float(pad_share), host_bandwidth=host_bw, host_link_efficiency=host_eff,
         token_count_factors=factors, coverage=coverage,

@@ -25,6 +25,7 @@ Torch-free: `python -c "import pagedserve.sim.simulator, sys; assert 'torch' not
 from __future__ import annotations
 
 import csv
+import heapq
 import json
 import math
 import random
@@ -95,7 +96,9 @@ def build_core(deployment: Deployment, executor, clock) -> EngineCore:
 
 def build_deployment(config: EngineConfig, model: str, *, gpu: str | None = None, tp: int | None = None,
                      cost_params: CostParams | str | Path | None = None, layout: ParallelLayout | None = None,
-                     topology: Topology | None = None) -> Deployment:
+                     topology: Topology | None = None, weight_dtype: str | None = None,
+                     host_cpu_speed: float | None = None, serving_overhead: bool = True,
+                     host_profile: str = "pagedserve", host_overhead: str | Path | None = None) -> Deployment:
     """Resolve knobs and size the pool exactly as `serve` (on CPU) or `plan` (on a GPU) would.
 
     GPU: pool = plan.budget.compute_plan (total x gpu_memory_utilization - weights/TP -
@@ -107,6 +110,14 @@ def build_deployment(config: EngineConfig, model: str, *, gpu: str | None = None
     `layout` (TP x PP, EP inside the TP group; replaces `tp`) and `topology` (GPUs per
     node, inter-node bandwidth) shape a GPU deployment: the plan sizes the pool per stage,
     and sim/parallel_cost.py prices the step.
+
+    `weight_dtype` ("fp8": vLLM's --quantization fp8, or an fp8 checkpoint) overrides the
+    checkpoint's dtype on a GPU: weights read at one byte, GEMMs at the fp8 tensor-core peak
+    where the preset has one. Without a --cost-model, a GPU deployment charges the host CPU's
+    work (sim/host_overhead.py: per step and, unless `serving_overhead` is False, per request)
+    at `host_cpu_speed` x the probe machine's single-thread speed (default 1); `host_profile`
+    says whose engine loop ("vllm": vLLM's published per-step cost; "pagedserve": the probe's);
+    `host_overhead` a probe file measured on the host itself instead of the shipped one.
     """
     from pagedserve.plan.models import load_model
 
@@ -133,7 +144,8 @@ def build_deployment(config: EngineConfig, model: str, *, gpu: str | None = None
         if config.max_num_batched_tokens is None and config.enable_chunked_prefill:
             config.max_num_batched_tokens = default_max_num_batched_tokens(spec.memory_bytes)
         config.resolve(shape.max_position_embeddings or 8192)
-        weight_dtype = info.checkpoint_dtype if config.dtype == "auto" else config.dtype
+        if weight_dtype is None:
+            weight_dtype = info.checkpoint_dtype if config.dtype == "auto" else config.dtype
         plan = compute_plan(PlanRequest(
             model=info, device=spec, device_kind="gpu", dtype=weight_dtype, tensor_parallel_size=tp,
             pipeline_parallel_size=layout.pp, data_parallel_size=layout.dp,
@@ -144,7 +156,13 @@ def build_deployment(config: EngineConfig, model: str, *, gpu: str | None = None
         num_blocks = config.num_kv_blocks if config.num_kv_blocks is not None else plan.pool.num_blocks
         note = (f"{num_blocks:,} blocks from `pagedserve plan` ({plan.kv_pool_budget_bytes / 2**30:.2f} GiB "
                 f"per GPU at {plan.pool.bytes_per_token:,} bytes/token, KV {plan.kv_dtype})")
-        params = cost_params or CostParams.for_gpu(spec)
+        if cost_params is None:
+            from pagedserve.sim.host_overhead import default_host_overhead
+
+            params = CostParams.for_gpu(spec, default_host_overhead(host_cpu_speed, host_profile, host_overhead),
+                                        serving_overhead)
+        else:
+            params = cost_params
         bytes_per_block = plan.pool.bytes_per_block
         cost_model = ParallelCostModel(shape, weight_dtype, plan.kv_dtype, layout, params, topology or Topology(),
                                        config.block_size)
@@ -344,6 +362,10 @@ def simulate(deployment: Deployment, workload: Sequence[WorkloadRequest], *, max
     next_idx = 0
     in_flight = 0
     slot_free_at = 0.0  # closed loop: when the latest slot opened
+    # The serving layer is one event loop (one API process): an admission or a step's delivery
+    # waits for the one before it. So a burst of arrivals queues at the HTTP loop and the
+    # tokenizer, and a step feeding many streams delays the next admissions (serving.serial).
+    api_free_at = 0.0
     steps = 0
     preemptions = recomputed = swapped_out = swapped_in = 0
     busy = 0.0
@@ -353,22 +375,26 @@ def simulate(deployment: Deployment, workload: Sequence[WorkloadRequest], *, max
     def sent_at(w: WorkloadRequest) -> float:
         return max(w.arrival_time, slot_free_at) if max_concurrency is not None else w.arrival_time
 
+    # Requests the serving layer has taken (the client sent them) on their way to the engine,
+    # which they reach at `entry`: a heap of (entry, workload index).
+    pending: list[tuple[float, int]] = []
+
     def next_entry() -> float:
-        """When the next request reaches the engine: sent, plus the serving layer's admission."""
-        w = workload[order[next_idx]]
-        return sent_at(w) + serving.admit(w.prompt_len)
+        """When the next thing can reach the engine: an admission under way, else the next send."""
+        if pending:
+            return pending[0][0]
+        return sent_at(workload[order[next_idx]])
 
     def admit() -> None:
-        nonlocal next_idx, in_flight
+        nonlocal next_idx, in_flight, api_free_at
         while next_idx < len(order):
+            if max_concurrency is not None and in_flight >= max_concurrency:
+                break
             i = order[next_idx]
             w = workload[i]
-            if max_concurrency is not None and in_flight >= max_concurrency:
-                return
             sent = sent_at(w)
-            entry = sent + serving.admit(w.prompt_len)
-            if entry > clock.now:
-                return
+            if sent > clock.now:
+                break
             next_idx += 1
             rec = RequestRecord(str(i), sent, w.prompt_len, w.output_len)
             records[i] = rec
@@ -378,32 +404,53 @@ def simulate(deployment: Deployment, workload: Sequence[WorkloadRequest], *, max
                 rec.failed = True  # the engine rejects it with a 400 before it is queued
                 rec.error = str(e)
                 continue
+            # Its admission starts when it was sent or, one event loop doing everything, when
+            # the serving layer finished what came before it.
+            begin = max(sent, api_free_at) if serving.serial else sent
+            entry = begin + serving.admit(w.prompt_len)
+            if serving.serial:
+                api_free_at = entry
+            heapq.heappush(pending, (entry, i))
+            in_flight += 1
+        while pending and pending[0][0] <= clock.now:
+            entry, i = heapq.heappop(pending)
+            w, rec = workload[i], records[i]
             params = SamplingParams(max_tokens=w.output_len, ignore_eos=True)
             core.add_request(Request(rec.request_id, _prompt_ids(w, i, vocab, id_rng), params, frozenset(), entry,
                                      0, max_len))
             live[rec.request_id] = rec
-            in_flight += 1
 
     scheduler = core.scheduler
     while True:
         admit()
         if not core.has_unfinished_requests():
-            if next_idx >= len(order):
+            if next_idx >= len(order) and not pending:
                 break
+            if not pending and max_concurrency is not None and in_flight >= max_concurrency:
+                raise RuntimeError(f"simulation stuck at t={clock.now:.3f}s: {in_flight} in flight, none in the engine")
             clock.now = max(clock.now, next_entry())
             continue
         outs = core.step()
         st = outs.stats
         if not st.num_batched_tokens and not st.num_blocks_swapped_out and not st.num_blocks_swapped_in:
             # Nothing could run: only an arrival can change that (the engine would idle).
-            if next_idx < len(order) and (max_concurrency is None or in_flight < max_concurrency):
+            if pending or (next_idx < len(order) and (max_concurrency is None or in_flight < max_concurrency)):
                 clock.now = max(clock.now, next_entry())
                 continue
             raise RuntimeError(f"simulation stuck at t={clock.now:.3f}s: {st.num_waiting} waiting, "
                                f"{st.num_running} running, nothing schedulable")
         busy += outs.execute_time
         # The client sees the step's tokens after the serving layer delivered them.
-        now = outs.timestamp + serving.deliver(len(outs.outputs)) if outs.outputs else outs.timestamp
+        now = outs.timestamp
+        if outs.outputs and not serving.is_zero:
+            if serving.serial:
+                # The loop's work for this step (a detokenizer step and a frame per stream) waits
+                # for the loop and occupies it; deliver_s is latency on top (the hand-over from the
+                # engine to the loop), occupying nothing.
+                api_free_at = max(now, api_free_at) + serving.deliver_per_output_s * len(outs.outputs)
+                now = api_free_at + serving.deliver_s
+            else:
+                now += serving.deliver(len(outs.outputs))
         for out in outs.outputs:
             rec = live[out.request_id]
             # One stream delivers in order: a token never overtakes the one before it.
@@ -436,6 +483,9 @@ def simulate(deployment: Deployment, workload: Sequence[WorkloadRequest], *, max
             on_step(outs)
         if max_steps is not None and steps >= max_steps:
             break
+    # The run ends when its last token reached its client: after the last step by the serving
+    # layer's delivery (the drained pool's last report carries that time).
+    clock.now = max([clock.now] + [r.finish for r in records if r is not None and r.finish is not None])
     if pool_snapshots is not None and on_step is not None:
         final = core.snapshot()
         final.pool_snapshot = take_snapshot(scheduler)

@@ -76,8 +76,14 @@ def run(args) -> int:
     if layouts and args.real:
         raise ValueError("layouts: --real runs the one-rank CPU engine; compare layouts on the simulator only")
 
+    from pagedserve.sim.host_overhead import host_speed
+
+    host = {"weight_dtype": args.weight_dtype, "host_cpu_speed": host_speed(args.host_cpu_speed),
+            "serving_overhead": args.serving_overhead, "host_profile": args.host_profile,
+            "host_overhead": args.host_overhead}
+
     def layout_of(name: str | None) -> dict:
-        return deployment_layout(args, name, tp=base.tensor_parallel_size)
+        return {**deployment_layout(args, name, tp=base.tensor_parallel_size), **host}
 
     base_dep = build_deployment(copy.deepcopy(base), args.model, gpu=gpu, cost_params=args.cost_model,
                                 **layout_of(layouts[0] if layouts else None))

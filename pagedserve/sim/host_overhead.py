@@ -1,0 +1,142 @@
+"""The host CPU's side of serving, for any device: what the simulator charges besides the kernels.
+
+Two parts, both as functions of the step's and the request's sizes:
+
+* **per step, in the engine loop** (schedule, block allocation, the step's inputs, update and
+  output processing): ``step_s + per_request_s x requests + per_token_s x scheduled tokens``,
+  added to every step (CostParams.step_overhead_s / per_request_overhead_s / per_token_overhead_s);
+* **per request, in the serving layer** (cost_model.ServingOverhead): admission
+  ``admit_s + admit_per_prompt_token_s x prompt tokens`` (HTTP parse, tokenization, hand-off) before
+  a request reaches the engine, and delivery ``deliver_s + deliver_per_output_s x requests the step
+  fed`` (detokenization and one SSE frame per request) after each step.
+
+The numbers are measured, not guessed: `pagedserve.sim.host_probe` times pagedserve's own
+engine core (the scheduler the simulator runs, with an executor that computes nothing), its
+incremental detokenizer, its SSE frame and its tokenizer on this machine, and fits the terms by
+least squares (`python -m pagedserve.sim.host_probe --out pagedserve/sim/host_overhead.json`).
+The shipped `host_overhead.json` holds one such run, with the CPU it ran on. A host is described
+by its single-thread speed relative to that machine (`HOST_CPU_PRESETS`, or --host-cpu-speed):
+every term is divided by it. Work on the device itself (sampling kernels, launches) is in the
+GPU efficiencies, not here.
+
+What vLLM publishes as a cross-check: its v0.6.0 blog ("vLLM v0.6.0: 2.7x Throughput Improvement
+and 75% Latency Reduction", 2024-09) profiled Llama-3-8B on one H100 and found the API server
+and scheduling took a large share of each step before the API server moved to its own process
+and multi-step scheduling; V1's engine core does schedule -> execute -> update on one thread
+with detokenization in the API process, the same split as here.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, fields, replace
+from pathlib import Path
+
+DEFAULTS_PATH = Path(__file__).with_name("host_overhead.json")
+
+# Host CPUs by single-thread speed relative to the machine the shipped probe ran on. Only the
+# probe machine itself is a measured 1.0; give a measured ratio with --host-cpu-speed (run the
+# probe on the host and compare) rather than trusting a guess.
+HOST_CPU_PRESETS = {"probe": 1.0}
+
+# Whose engine loop a GPU deployment runs (--host-profile):
+#  * "pagedserve" (the default): every term as the probe measured pagedserve's own loop and
+#    front-end;
+#  * "vllm": the serving layer as the probe measured it, but the engine loop per step at the
+#    figure vLLM v0.6.0's blog gives (2024: scheduling, input preparation and output processing
+#    took milliseconds per step on Llama-3-8B / H100 before overlap), 2 ms + 20 us per request,
+#    the simulator's old default. pagedserve's loop measures 10-200x less (its probe executor
+#    builds no device inputs and crosses no process boundary). On the published runs in
+#    benchmarks/data/published_gpu_runs.json (vLLM 0.6 multi-step, and V1 0.19-0.23) the
+#    measured profile is the closer of the two (benchmarks/README.md, sim_validation.py).
+VLLM_STEP_S = 2e-3
+VLLM_PER_REQUEST_S = 20e-6
+HOST_PROFILES = ("vllm", "pagedserve")
+
+
+@dataclass(frozen=True)
+class HostOverhead:
+    step_s: float = 0.0
+    per_request_s: float = 0.0
+    per_token_s: float = 0.0
+    admit_s: float = 0.0
+    admit_per_prompt_token_s: float = 0.0
+    deliver_s: float = 0.0
+    deliver_per_output_s: float = 0.0
+    speed: float = 1.0           # the host's single-thread speed relative to the probe machine
+    source: str = "none"
+
+    def for_profile(self, profile: str) -> "HostOverhead":
+        if profile not in HOST_PROFILES:
+            raise ValueError(f"host_profile: one of {HOST_PROFILES}, got {profile!r}")
+        if profile == "pagedserve":
+            return self
+        return replace(self, step_s=VLLM_STEP_S, per_request_s=VLLM_PER_REQUEST_S, per_token_s=0.0,
+                       source=f"engine loop: vLLM v0.6.0 blog's 2 ms + 20 us/request; serving layer: {self.source}")
+
+    def scaled(self, speed: float) -> "HostOverhead":
+        """The same work on a host `speed` times as fast per core as the probe machine."""
+        if not speed > 0:
+            raise ValueError(f"host_cpu_speed: must be > 0, got {speed}")
+        return replace(self, speed=speed)
+
+    def apply(self, params, serving: bool = True) -> None:
+        """Put the engine-loop terms into `params` (a CostParams) and, with `serving`, the
+        serving layer's (`params.serving`); without it the serving layer is left out."""
+        k = 1.0 / self.speed
+        params.step_overhead_s = self.step_s * k
+        params.per_request_overhead_s = self.per_request_s * k
+        params.per_token_overhead_s = self.per_token_s * k
+        from pagedserve.sim.cost_model import ServingOverhead
+
+        note = f"{self.source}, host speed x{self.speed:g}"
+        params.serving = ServingOverhead(self.admit_s * k, self.admit_per_prompt_token_s * k, self.deliver_s * k,
+                                         self.deliver_per_output_s * k, source=note,
+                                         serial=True).to_dict() if serving else {}
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "HostOverhead":
+        known = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in d.items() if k in known})
+
+
+def load_host_overhead(path: str | Path = DEFAULTS_PATH) -> HostOverhead:
+    data = json.loads(Path(path).read_text())
+    return HostOverhead.from_dict(data.get("fit", data))
+
+
+_DEFAULT: HostOverhead | None = None
+
+
+def default_host_overhead(speed: float | None = None, profile: str = "pagedserve",
+                          path: str | Path | None = None) -> HostOverhead:
+    """The shipped probe's terms (host_overhead.json), or those of a probe run on the host itself
+    (`path`: `python -m pagedserve.sim.host_probe --out FILE` there), for `profile`, at `speed`
+    (default 1: the probe machine's single-thread speed)."""
+    global _DEFAULT
+    if path is not None:
+        base = load_host_overhead(path)
+    else:
+        if _DEFAULT is None:
+            _DEFAULT = load_host_overhead()
+        base = _DEFAULT
+    host = base.for_profile(profile)
+    return host if speed is None else host.scaled(speed)
+
+
+def host_speed(name_or_ratio: str | float | None) -> float | None:
+    """--host-cpu-speed: a number, or a HOST_CPU_PRESETS name."""
+    if name_or_ratio is None:
+        return None
+    if isinstance(name_or_ratio, (int, float)):
+        return float(name_or_ratio)
+    key = str(name_or_ratio).strip().lower()
+    if key in HOST_CPU_PRESETS:
+        return HOST_CPU_PRESETS[key]
+    try:
+        return float(key)
+    except ValueError:
+        raise ValueError(f"host_cpu_speed: a number (single-thread speed relative to the probe machine) "
+                         f"or one of {sorted(HOST_CPU_PRESETS)}, got {name_or_ratio!r}") from None

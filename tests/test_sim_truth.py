@@ -1,0 +1,234 @@
+"""Issue 31: the simulator's host CPU terms, mixed steps, fp8, the new GPU presets, the serving
+layer as one event loop, and the swap probe of calibration. Arithmetic checked by hand."""
+from __future__ import annotations
+
+import pytest
+
+from pagedserve.bench.workloads import WorkloadRequest
+from pagedserve.config import EngineConfig
+from pagedserve.plan.gpus import get_gpu
+from pagedserve.plan.kv_budget import ModelShape
+from pagedserve.sim.cost_model import CostModel, CostParams, ModelCost, ServingOverhead, fit, step_features
+from pagedserve.sim.host_overhead import HostOverhead, default_host_overhead
+from pagedserve.sim.simulator import build_deployment, simulate
+
+SHAPE = ModelShape(num_layers=2, hidden_size=8, num_attention_heads=2, num_kv_heads=1, head_dim=4,
+                   intermediate_size=16, vocab_size=10)
+
+
+def unit_params(**kw) -> CostParams:
+    base = dict(peak_flops=1000.0, mem_bandwidth=100.0, gemm_mfu=1.0, gemm_mbu=1.0, attn_mfu=1.0, attn_mbu=1.0,
+                step_overhead_s=0.0, per_request_overhead_s=0.0)
+    base.update(kw)
+    return CostParams(**base)
+
+
+# -- GPU presets --------------------------------------------------------------------------------
+@pytest.mark.parametrize("name, bf16, fp8, hbm", [("L4", 121, 242.5, 300), ("B200", 2250, 4500, 8000),
+                                                   ("GH200", 989, 1979, 4000), ("MI300X", 1307.4, 2614.9, 5300),
+                                                   ("H100-SXM", 989, 1979, 3350), ("A100-80GB", 312, 0, 2039)])
+def test_presets_carry_datasheet_peaks_and_their_source(name, bf16, fp8, hbm):
+    spec = get_gpu(name)
+    assert (spec.bf16_tflops, spec.fp8_tflops, spec.hbm_bandwidth_gbps) == (bf16, fp8, hbm)
+    assert spec.source.startswith("https://")
+    p = CostParams.for_gpu(spec)
+    assert p.fp8_peak_flops == fp8 * 1e12
+
+
+def test_gh200_swaps_over_nvlink_c2c():
+    # 900 GB/s NVLink-C2C bidirectional: 450 GB/s one way to the Grace host, vs 64 over PCIe 5
+    assert get_gpu("GH200").host_link_gbps == 450
+    assert get_gpu("gh200-96gb").name == "GH200"
+
+
+# -- fp8 ----------------------------------------------------------------------------------------
+def test_fp8_weights_run_their_gemms_at_the_fp8_peak():
+    p = unit_params(fp8_peak_flops=4000.0)
+    bf16 = ModelCost.from_shape(SHAPE, "bfloat16", None, 1)
+    fp8 = ModelCost.from_shape(SHAPE, "fp8", None, 1)
+    assert fp8.weight_bytes_per_rank == bf16.weight_bytes_per_rank / 2
+    new, ctx = [500], [500]  # a big prefill: compute-bound
+    f = step_features(fp8, new, ctx)
+    t = CostModel(fp8, p).breakdown(f)
+    assert t.linear == pytest.approx(f.linear_flops / 4000.0)  # not / 1000 (the bf16 peak)
+    assert CostModel(bf16, p).breakdown(step_features(bf16, new, ctx)).linear == pytest.approx(f.linear_flops / 1000.0)
+    # a device without fp8 tensor cores (A100: weight-only fp8) computes at its bf16 peak
+    assert CostModel(fp8, unit_params()).breakdown(f).linear == pytest.approx(f.linear_flops / 1000.0)
+
+
+def test_simulate_takes_fp8_weights_on_a_gpu_preset():
+    # 70B in fp8 fits one H100 (the bf16 checkpoint would not): the plan sizes the pool at 1 byte/weight
+    dep = build_deployment(EngineConfig(max_num_seqs=8, max_model_len=2048, enable_chunked_prefill=False),
+                           "llama-3.1-70b", gpu="H100-SXM", weight_dtype="fp8")
+    assert dep.num_blocks > 128
+    assert dep.cost_model.model.weight_bytes_per_param == 1
+    assert dep.cost_model.params.fp8_peak_flops == 1979e12
+
+
+# -- mixed steps --------------------------------------------------------------------------------
+def test_mixed_step_adds_the_chunks_and_the_decodes_attention():
+    m = ModelCost.from_shape(SHAPE, "bfloat16", None, 1)
+    per_pair = 4 * 2 * 2 * 4  # 4 x layers x heads x head_dim
+    new, ctx = [100, 1, 1], [100, 400, 600]
+    f = step_features(m, new, ctx)
+    chunk_f, chunk_b = per_pair * (100 * 101 // 2) / 1000.0, 100 * 32 / 100.0  # compute-bound
+    dec_f, dec_b = per_pair * 1000 / 1000.0, 1000 * 32 / 100.0                  # memory-bound
+    t = CostModel(m, unit_params()).breakdown(f)
+    assert t.attention == pytest.approx(max(chunk_f, chunk_b) + max(dec_f, dec_b))
+    # what a single max() over the step's totals gave: the chunk hidden behind the decodes' read
+    assert t.attention > max(chunk_f + dec_f, chunk_b + dec_b)
+    # a decode-only or prefill-only step is one roofline, as before
+    only = CostModel(m, unit_params()).breakdown(step_features(m, [1, 1], [400, 600]))
+    assert only.attention == pytest.approx(max(dec_f, dec_b))
+
+
+def test_max_form_fit_recovers_a_split_roofline():
+    import random
+
+    m = ModelCost.from_shape(SHAPE, "float32", None, 1)
+    rng = random.Random(1)
+    from pagedserve.core.engine_core import StepTrace
+
+    def by_hand(new, ctx):  # GEMM roofline + the chunks' and the decodes' attention each at its bound
+        f = step_features(m, new, ctx)
+        gemm = max(f.linear_flops / (1000 * 0.3), f.linear_bytes / (100 * 0.8))
+        dec = max(f.attn_decode_flops / (1000 * 0.2), f.attn_decode_bytes / (100 * 0.5))
+        chunks = max((f.attn_flops - f.attn_decode_flops) / (1000 * 0.2),
+                     (f.attn_bytes - f.attn_decode_bytes) / (100 * 0.5))
+        return 0.05 + 0.02 * len(new) + gemm + dec + chunks
+
+    records = []
+    for _ in range(300):
+        new = [rng.choice([1, 1, rng.randint(2, 400)]) for _ in range(rng.randint(1, 8))]
+        ctx = [k + rng.randint(0, 900) for k in new]
+        records.append(StepTrace(new_tokens=new, context_lens=ctx, duration=by_hand(new, ctx)))
+    params, report = fit(records, m, unit_params())
+    assert report["mean_abs_rel_error"] < 0.01
+    assert params.attn_mbu == pytest.approx(0.5, rel=0.1)
+
+
+# -- host CPU terms on GPU presets ------------------------------------------------------------
+def test_gpu_presets_model_the_host_by_default_and_only_drop_the_serving_layer_when_asked():
+    cfg = dict(max_num_seqs=8, max_model_len=2048)
+    dep = build_deployment(EngineConfig(**cfg), "llama-3.1-8b", gpu="L4")
+    serving = ServingOverhead.from_dict(dep.cost_model.params.serving)
+    assert not serving.is_zero and serving.serial
+    assert "none modelled" not in serving.describe()
+    host = default_host_overhead()
+    assert dep.cost_model.params.step_overhead_s == pytest.approx(host.step_s)
+    assert dep.cost_model.params.per_token_overhead_s == pytest.approx(host.per_token_s)
+    off = build_deployment(EngineConfig(**cfg), "llama-3.1-8b", gpu="L4", serving_overhead=False)
+    assert ServingOverhead.from_dict(off.cost_model.params.serving).is_zero
+    assert off.cost_model.params.step_overhead_s == pytest.approx(host.step_s)  # the engine loop stays
+    fast = build_deployment(EngineConfig(**cfg), "llama-3.1-8b", gpu="L4", host_cpu_speed=2.0)
+    assert fast.cost_model.params.step_overhead_s == pytest.approx(host.step_s / 2)
+    assert ServingOverhead.from_dict(fast.cost_model.params.serving).admit_s == pytest.approx(host.admit_s / 2)
+    vllm = build_deployment(EngineConfig(**cfg), "llama-3.1-8b", gpu="L4", host_profile="vllm")
+    assert vllm.cost_model.params.step_overhead_s == 2e-3
+
+
+def test_host_overhead_terms_by_hand():
+    h = HostOverhead(step_s=1e-3, per_request_s=1e-5, per_token_s=1e-6, admit_s=2e-3, admit_per_prompt_token_s=1e-6,
+                     deliver_s=0.0, deliver_per_output_s=5e-5)
+    p = unit_params()
+    h.scaled(4.0).apply(p)
+    terms = (p.step_overhead_s, p.per_request_overhead_s, p.per_token_overhead_s)
+    assert terms == pytest.approx((2.5e-4, 2.5e-6, 2.5e-7))
+    s = ServingOverhead.from_dict(p.serving)
+    assert s.admit(1000) == pytest.approx((2e-3 + 1e-3) / 4)
+    m = ModelCost.from_shape(SHAPE, "bfloat16", None, 1)
+    base = CostModel(m, unit_params()).breakdown(step_features(m, [100, 1, 1], [100, 400, 600]))
+    with_host = CostModel(m, p).breakdown(step_features(m, [100, 1, 1], [100, 400, 600]))
+    assert with_host.overhead - base.overhead == pytest.approx(2.5e-4 + 3 * 2.5e-6 + 102 * 2.5e-7)
+    with pytest.raises(ValueError, match="host_cpu_speed"):
+        h.scaled(0)
+
+
+# -- the serving layer as one event loop ---------------------------------------------------------
+def _cpu_dep(tmp_path, serving: ServingOverhead):
+    from test_sim import cpu_params, write_config
+
+    params = cpu_params()
+    params.serving = serving.to_dict()
+    return build_deployment(EngineConfig(num_kv_blocks=256, max_model_len=256, max_num_seqs=16),
+                            str(write_config(tmp_path / "m")), cost_params=params)
+
+
+def test_a_burst_queues_at_a_serial_serving_layer(tmp_path):
+    burst = [WorkloadRequest(None, None, 40, 3, arrival_time=0.0) for _ in range(6)]
+    admit = dict(admit_s=0.1, admit_per_prompt_token_s=0.0)
+    apart = simulate(_cpu_dep(tmp_path, ServingOverhead(**admit)), burst)
+    queued = simulate(_cpu_dep(tmp_path, ServingOverhead(**admit, serial=True)), burst)
+    ttft_apart = sorted(r.ttft for r in apart.records)
+    ttft_queued = sorted(r.ttft for r in queued.records)
+    # served at once, every request is admitted 0.1 s after it was sent; one loop takes them in turn
+    assert all(t >= 0.1 for t in ttft_apart) and ttft_apart[-1] < 0.1 + 1.0
+    for k, t in enumerate(ttft_queued):
+        assert t >= 0.1 * (k + 1) - 1e-9
+    assert all(r.finish is not None for r in queued.records)  # none lost, none stuck
+
+
+def test_serial_delivery_work_spaces_a_streams_tokens_and_its_latency_does_not(tmp_path):
+    many = [WorkloadRequest(None, None, 20, 6, arrival_time=0.0) for _ in range(4)]
+    busy = simulate(_cpu_dep(tmp_path, ServingOverhead(deliver_per_output_s=0.05, serial=True)), many)
+    for rec in busy.records:  # 4 streams x 0.05 s of the loop's work per step: 0.2 s between tokens
+        gaps = [b - a for a, b in zip(rec.token_times, rec.token_times[1:])]
+        assert all(g >= 0.2 - 1e-9 for g in gaps)
+    late = simulate(_cpu_dep(tmp_path, ServingOverhead(deliver_s=0.05, serial=True)), many)
+    plain = simulate(_cpu_dep(tmp_path, ServingOverhead()), many)
+    for a, b in zip(plain.records, late.records):  # a hand-over latency shifts every token, queues nothing
+        assert b.token_times == pytest.approx([t + 0.05 for t in a.token_times])
+
+
+# -- calibration: the swap probe ------------------------------------------------------------
+def test_calibration_without_swaps_takes_the_host_copy_from_the_probe():
+    from test_sim_calibration import cpu_truth, synthetic_steps
+
+    m = ModelCost.from_shape(SHAPE, "float32", None, 1)
+    steps = synthetic_steps(CostModel(m, cpu_truth()), wall_per_cpu=2.0)
+    calls = []
+
+    def probe():
+        calls.append(1)
+        return 4e9, 3e-4, "a probe"
+
+    params, report = fit(steps, m, CostParams(peak_flops=1e6, mem_bandwidth=1e6, combine="sum"), swap_probe=probe)
+    assert calls == [1]
+    assert params.host_bandwidth == pytest.approx(4e9 / report["wall_per_cpu"])
+    assert params.swap_step_overhead_s == pytest.approx(3e-4 * report["wall_per_cpu"])
+    assert "a probe" in report["host_bandwidth"]
+    # and the simulator charges it: a step that swaps 4 blocks pays the fixed part once plus the bytes
+    cm = CostModel(m, params)
+    moved = 4 * 16 * m.kv_bytes_per_token
+    assert cm.breakdown(step_features(m, [1], [10], 4)).swap == pytest.approx(
+        params.swap_step_overhead_s + moved / params.host_bandwidth)
+
+
+def test_swap_probe_times_the_engines_block_copy():
+    pytest.importorskip("torch")
+    from pagedserve.sim.swap_probe import probe_swap_cost
+
+    bw, per_step, how = probe_swap_cost(2 * 2 * 16 * 4, 2, 16, "float32", block_counts=(1, 8), repeats=2)
+    assert bw > 0 and per_step >= 0 and "block copy" in how
+
+
+def test_a_probe_run_on_the_host_replaces_the_shipped_terms(tmp_path):
+    import json
+
+    own = HostOverhead(step_s=1e-3, per_request_s=2e-5, admit_s=4e-3, deliver_per_output_s=1e-4,
+                       source="host_probe on X")
+    path = tmp_path / "host.json"
+    path.write_text(json.dumps({"fit": own.to_dict(), "report": {}}))
+    dep = build_deployment(EngineConfig(max_num_seqs=8, max_model_len=2048), "llama-3.1-8b", gpu="H100-SXM",
+                           host_overhead=path)
+    assert dep.cost_model.params.step_overhead_s == 1e-3
+    assert ServingOverhead.from_dict(dep.cost_model.params.serving).admit_s == 4e-3
+
+
+def test_the_shipped_host_terms_say_where_they_were_measured():
+    host = default_host_overhead()
+    assert host.source.startswith("host_probe on ")
+    assert host.step_s > 0 and host.admit_s > 0 and host.deliver_per_output_s > 0
+    assert "engine loop: vLLM v0.6.0" in default_host_overhead(profile="vllm").source
+    with pytest.raises(ValueError, match="host_profile"):
+        default_host_overhead(profile="sglang")
