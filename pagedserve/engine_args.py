@@ -45,6 +45,9 @@ _FLAGS: list[tuple[str, dict]] = [
     ("--enable-expert-parallel", dict(action="store_true", default=None,
                                       help="MoE: each rank holds whole experts (E / tp of them) instead of a "
                                            "1/tp slice of every expert")),
+    (("--pipeline-parallel-size", "-pp", "--pp"), dict(type=int, default=None,
+                                                        help="stages the layers are split into (one process "
+                                                             "each, times -tp)")),
     ("--distributed-executor-backend", dict(choices=EXECUTOR_BACKENDS, default=None,
                                             help="how ranks run: uni (in the engine process, tp=1), mp (one "
                                                  "process per rank, the default for tp > 1), ray (Ray actors)")),
