@@ -62,10 +62,12 @@ def _dest(flag: str | tuple[str, ...]) -> str:
     return _names(flag)[0][2:].replace("-", "_")
 
 
-def add_engine_args(parser: argparse.ArgumentParser) -> None:
+def add_engine_args(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> None:
+    """`skip`: knobs the command defines itself (simulate's -pp: the simulated stages)."""
     group = parser.add_argument_group("engine")
     for flag, kwargs in _FLAGS:
-        group.add_argument(*_names(flag), dest=_dest(flag), **kwargs)
+        if _dest(flag) not in skip:
+            group.add_argument(*_names(flag), dest=_dest(flag), **kwargs)
     parser.add_argument("--config", default=None, help="YAML file with the same keys as the flags")
 
 
