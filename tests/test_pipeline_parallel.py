@@ -152,6 +152,8 @@ def test_more_stages_than_layers_is_refused_before_any_rank_starts(tmp_path, mon
     (dict(pipeline_parallel_size=0), "pipeline_parallel_size: must be an integer >= 1, got 0"),
     (dict(pipeline_parallel_size=1.5), "pipeline_parallel_size: must be an integer >= 1, got 1.5"),
     (dict(pipeline_parallel_size=2, distributed_executor_backend="uni"), "pipeline_parallel_size=2 needs mp or ray"),
+    (dict(pipeline_parallel_size=2, tensor_parallel_size=2), "pipeline_parallel_size: 2 with tensor_parallel_size=2 "
+                                                             "is not implemented"),
 ])
 def test_bad_pipeline_parallel_size_is_refused_by_name(kwargs, needle):
     from pagedserve.config import EngineConfig
