@@ -5,6 +5,11 @@ recompute) on a dense Llama, a tied-embedding Qwen2, Mixtral, Qwen2-MoE and Deep
 --pipeline-parallel-size 2` gives per stage; the split is vLLM's; a layout the model cannot
 fill is refused before any process starts; a stage that dies fails its requests.
 
+The engines run with micro-batches of at least 8 tokens (PAGEDSERVE_PP_MICRO_BATCH_TOKENS; the
+default 256 would never cut these small steps), so steps are cut into two micro-batches that
+follow each other through the stages, and steps too small to cut run whole: both paths are
+checked against HF.
+
 Every checkpoint has 3 decoder layers, so the split is uneven (vLLM gives the remainder to
 the stage before the last: layers 0-1 and 2) and the two stages' pools differ. Stages only
 move activations (no sums across ranks change), so no near-tie allowance: every token must
@@ -49,6 +54,7 @@ class PPCase:
         self.ref = HFGreedyReference(path)
 
     def run(self, mode: PreemptionMode) -> dict:
+        self.llm.engine.executor.reset_stats()
         sched = self.llm.engine.scheduler
         sched.config.preemption_mode = mode
         before = (sched.total_preemptions, sched.total_partial_prefills, sched.kv.prefix_hits,
@@ -64,15 +70,21 @@ class PPCase:
             assert j is None, f"{self.arch} prompt {i} (len {len(prompt)}): token {j} is not HF's greedy choice"
         after = (sched.total_preemptions, sched.total_partial_prefills, sched.kv.prefix_hits,
                  sched.total_blocks_swapped["in"], sched.total_recomputed_tokens)
-        return dict(zip(["preempted", "partial_prefills", "prefix_hits", "swapped_in", "recomputed"],
-                        (a - b for a, b in zip(after, before))))
+        run = dict(zip(["preempted", "partial_prefills", "prefix_hits", "swapped_in", "recomputed"],
+                       (a - b for a, b in zip(after, before))))
+        stats = self.llm.engine.executor.worker_stats()
+        run["micro_batches"] = stats[0]["pp_micro_batches"]
+        run["steps"] = stats[0]["num_steps"]
+        return run
 
 
 @pytest.fixture(scope="module", params=list(MODELS))
 def pp_case(request, tmp_path_factory):
     arch = request.param
     path = make_checkpoint(tmp_path_factory.mktemp(f"pp-{arch}"), arch, layers=NUM_LAYERS, **MODELS[arch])
-    llm = LLM(str(path), **ENGINE_ARGS)
+    with pytest.MonkeyPatch.context() as m:
+        m.setenv("PAGEDSERVE_PP_MICRO_BATCH_TOKENS", "8")  # the ranks read it when they start
+        llm = LLM(str(path), **ENGINE_ARGS)
     yield PPCase(arch, path, llm)
     llm.shutdown()
 
@@ -81,6 +93,8 @@ def pp_case(request, tmp_path_factory):
 def test_pp2_matches_hf_under_chunking_prefix_caching_and_preemption(pp_case, mode):
     run = pp_case.run(mode)
     assert run["preempted"] > 0 and run["partial_prefills"] > 0 and run["prefix_hits"] > 0, run
+    # some steps were cut in two (two micro-batches each), others ran whole
+    assert 0 < run["micro_batches"] < 2 * run["steps"], run
     if mode is PreemptionMode.SWAP:
         assert run["swapped_in"] > 0, run
     else:
@@ -130,6 +144,25 @@ def test_stage_split_is_vllms(num_layers, pp, want):
     assert [(s.first_layer, s.end_layer) for s in stages] == want
     assert [s.is_first for s in stages] == [True] + [False] * (pp - 1)
     assert [s.is_last for s in stages] == [False] * (pp - 1) + [True]
+
+
+@pytest.mark.parametrize("tokens, pp, min_tokens, want", [
+    ([1] * 8, 2, 4, [(0, 4), (4, 8)]),              # 8 decodes: two runs of 4
+    ([1] * 8, 2, 8, [(0, 8)]),                      # two runs would hold fewer than 8 tokens each
+    ([1] * 8, 2, 256, [(0, 8)]),                    # under the threshold: one batch
+    ([1, 1, 30], 2, 8, [(0, 2), (2, 3)]),           # cut where the tokens balance best
+    ([40], 2, 8, [(0, 1)]),                         # one request cannot be split
+    ([5, 5, 5, 5, 5, 5], 3, 8, [(0, 2), (2, 4), (4, 6)]),
+    ([30, 1, 1, 1], 2, 8, [(0, 1), (1, 4)]),
+    ([10, 10], 2, 0, [(0, 2)]),                     # 0: off
+])
+def test_micro_batch_bounds(tokens, pp, min_tokens, want):
+    from pagedserve.model.pipeline import micro_batch_bounds
+
+    got = micro_batch_bounds(tokens, pp, min_tokens)
+    assert got == want
+    assert got[0][0] == 0 and got[-1][1] == len(tokens) and all(a < b for a, b in got)
+    assert all(got[i][1] == got[i + 1][0] for i in range(len(got) - 1))
 
 
 def test_more_stages_than_layers_is_refused_before_any_rank_starts(tmp_path, monkeypatch):

@@ -26,13 +26,21 @@ ranks receive, so no shape travels. Ranks are numbered rank = pp_rank * tp + tp_
 """
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass, replace
 
 from pagedserve.model.config import ModelConfig
 from pagedserve.plan.parallel import stage_layer_counts
 
-PP_COMM_TIME = {"pp_send": 0.0, "pp_recv": 0.0, "pp_calls": 0, "pp_bytes": 0}
+PP_COMM_TIME = {"pp_send": 0.0, "pp_recv": 0.0, "pp_calls": 0, "pp_bytes": 0, "pp_micro_batches": 0}
+
+# A step is cut into micro-batches (at most pp, each of at least this many tokens) that follow
+# each other through the stages, so stage s works on micro-batch k while stage s+1 works on
+# k-1. That pays only where a stage's time grows with its tokens (prefill chunks: compute
+# bound); a decode step's time is reading the weights, which each micro-batch would read
+# again. 0 turns it off. Read from the environment so the spawned ranks see the same value.
+PP_MICRO_BATCH_MIN_TOKENS = int(os.environ.get("PAGEDSERVE_PP_MICRO_BATCH_TOKENS", "256"))
 
 
 @dataclass(frozen=True)
@@ -118,16 +126,47 @@ def prune_model(model, stage: PipelineStage, tied: bool) -> None:
         model.lm_head = None
 
 
-def send_intermediate(parts: tuple, dst: int) -> None:
+def micro_batch_bounds(num_new_tokens: list[int], pp: int, min_tokens: int = PP_MICRO_BATCH_MIN_TOKENS
+                       ) -> list[tuple[int, int]]:
+    """Runs [a, b) of a step's requests (in row order), m = min(pp, requests, tokens //
+    min_tokens) of them with about equal tokens; [(0, n)] when m <= 1 (no micro-batching)."""
+    n, total = len(num_new_tokens), sum(num_new_tokens)
+    m = min(pp, n, total // min_tokens) if min_tokens > 0 else 1
+    if m <= 1:
+        return [(0, n)]
+    bounds, start, acc = [], 0, 0
+    for i, tokens in enumerate(num_new_tokens):
+        acc += tokens
+        groups_left = m - len(bounds) - 1
+        if groups_left and (acc >= total * (len(bounds) + 1) / m or n - i - 1 == groups_left):
+            bounds.append((start, i + 1))
+            start = i + 1
+    bounds.append((start, n))
+    return bounds
+
+
+def send_intermediate(parts: tuple, dst: int, wait: bool = True):
+    """Send a stage's output on; `wait=False`: return the pending send (wait() on it later) so
+    the next micro-batch computes while this one travels."""
     import torch
     import torch.distributed as dist
 
     t0 = time.perf_counter()
     payload = torch.stack([p for p in parts if p is not None]).contiguous()
-    dist.send(payload, dst)
+    work = dist.isend(payload, dst)
+    if wait:
+        work.wait()
     PP_COMM_TIME["pp_send"] += time.perf_counter() - t0
     PP_COMM_TIME["pp_calls"] += 1
     PP_COMM_TIME["pp_bytes"] += payload.numel() * payload.element_size()
+    return None if wait else (work, payload)  # the payload lives until the send completes
+
+
+def wait_sends(pending: list) -> None:
+    t0 = time.perf_counter()
+    for work, _payload in pending:
+        work.wait()
+    PP_COMM_TIME["pp_send"] += time.perf_counter() - t0
 
 
 def recv_intermediate(num_parts: int, num_tokens: int, hidden_size: int, dtype, device, src: int) -> tuple:

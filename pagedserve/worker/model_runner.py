@@ -44,7 +44,8 @@ from pagedserve.core.scheduler import NewRequestData, ScheduledRequest, Schedule
 from pagedserve.sampling import SamplingParams
 from pagedserve.model.config import TPShard
 from pagedserve.model.loader import TORCH_DTYPES, ModelConfig, load_model
-from pagedserve.model.pipeline import PipelineStage, recv_intermediate, send_intermediate, stage_config
+from pagedserve.model.pipeline import (PP_COMM_TIME, PipelineStage, micro_batch_bounds, recv_intermediate,
+                                       send_intermediate, stage_config, wait_sends)
 from pagedserve.structured.compiler import GrammarCompiler, GrammarMatcher
 from pagedserve.worker.sampler import Sampler
 
@@ -305,8 +306,11 @@ class ModelRunner:
         if out.scheduled:
             inputs = self._prepare_inputs(out, states)
             t1 = time.perf_counter()
-            hidden = self._forward(inputs.input_ids, inputs.positions, self.kv_cache, inputs.meta,
-                                   inputs.prompt_lens)
+            if self.stage.pp > 1:
+                hidden = self._forward_micro_batches(inputs)
+            else:
+                hidden = self._forward(inputs.input_ids, inputs.positions, self.kv_cache, inputs.meta,
+                                       inputs.prompt_lens)
             if hidden is not None:  # the last pipeline stage (every stage, without pp)
                 self._score_prompts(hidden, inputs.states, inputs.scheduled, result)
                 self._sample(hidden, inputs, result)
@@ -315,9 +319,10 @@ class ModelRunner:
         return result
 
     def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache, meta,
-                 prompt_lens: torch.Tensor | None = None) -> torch.Tensor | None:
+                 prompt_lens: torch.Tensor | None = None, pending: list | None = None) -> torch.Tensor | None:
         """This stage's part of the forward: the final hidden states on the last stage, None
-        on the others (which send theirs on to the next stage's rank of the same TP index)."""
+        on the others (which send theirs on to the next stage's rank of the same TP index;
+        `pending`: append the send there instead of waiting for it)."""
         stage, tp = self.stage, self.shard.tp
         intermediate = None
         if not stage.is_first:
@@ -327,8 +332,39 @@ class ModelRunner:
         out = self.model(input_ids, positions, kv_cache, meta, prompt_lens, intermediate)
         if stage.is_last:
             return out
-        send_intermediate(out, dst=(stage.pp_rank + 1) * tp + self.shard.rank)
+        sent = send_intermediate(out, dst=(stage.pp_rank + 1) * tp + self.shard.rank, wait=pending is None)
+        if pending is not None:
+            pending.append(sent)
         return None
+
+    def _forward_micro_batches(self, inputs: StepInputs) -> torch.Tensor | None:
+        """The pipelined forward: the step's requests cut into micro-batches
+        (pipeline.micro_batch_bounds) that follow each other through the stages; each sent
+        on without waiting, so a stage starts its next micro-batch while the last travels.
+        Requests are independent, so the rows are the one-batch forward's rows, in order."""
+        sched = inputs.scheduled
+        bounds = micro_batch_bounds([sr.num_new_tokens for sr in sched], self.stage.pp)
+        if len(bounds) == 1:
+            return self._forward(inputs.input_ids, inputs.positions, self.kv_cache, inputs.meta, inputs.prompt_lens)
+        PP_COMM_TIME["pp_micro_batches"] += len(bounds)
+        offsets = np.concatenate([[0], np.cumsum([sr.num_new_tokens for sr in sched])])
+        outs, pending = [], []
+        for a, b in bounds:
+            lo, hi = int(offsets[a]), int(offsets[b])
+            rows = range(a, b)  # decodes first within the run too: the batch's order is decodes, then prefills
+            decodes = [(np.asarray(inputs.states[i].block_ids, dtype=np.int64), sched[i].start_pos)
+                       for i in rows if sched[i].num_new_tokens == 1]
+            prefills = [(np.asarray(inputs.states[i].block_ids, dtype=np.int64), sched[i].start_pos,
+                         sched[i].num_new_tokens) for i in rows if sched[i].num_new_tokens != 1]
+            meta, _ = self.build_metadata(decodes, prefills, self.block_size, self.model_config.sliding_window,
+                                          self.device, self.quantized_cache)
+            prompt_lens = None if inputs.prompt_lens is None else inputs.prompt_lens[lo:hi]
+            out = self._forward(inputs.input_ids[lo:hi], inputs.positions[lo:hi], self.kv_cache, meta, prompt_lens,
+                                pending=pending)
+            if out is not None:
+                outs.append(out)
+        wait_sends(pending)
+        return torch.cat(outs) if outs else None
 
     def _prepare_inputs(self, out: SchedulerOutput, states: list[CachedRequestState]) -> StepInputs:
         """The step's tensors in the attention backend's layout: decodes (one new token) first,

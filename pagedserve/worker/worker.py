@@ -164,7 +164,7 @@ class Worker:
         self.decode_seconds = self.execute_seconds = 0.0
         self.num_steps = 0
         COMM_TIME.update(all_reduce=0.0, gather=0.0, calls=0)
-        PP_COMM_TIME.update(pp_send=0.0, pp_recv=0.0, pp_calls=0, pp_bytes=0)
+        PP_COMM_TIME.update(pp_send=0.0, pp_recv=0.0, pp_calls=0, pp_bytes=0, pp_micro_batches=0)
 
     def handle(self, payload: bytes) -> bytes | None | ShutdownMsg:
         """One message in; the reply's bytes (None: nothing to reply). Raises on failure."""
