@@ -1,11 +1,13 @@
 """Pipeline parallelism on this CPU, measured side by side in one run: pp=1 (one mp worker)
-vs pp=2 (two mp workers, gloo) on the same tiny MoE checkpoint and requests, offline.
+vs pp=2 (two mp workers, gloo), with and without micro-batching, on the same tiny MoE
+checkpoint and requests, offline. The prompts arrive together, so the first steps are large
+prefill steps (micro-batched) and the rest decode steps (run whole).
 
 Per layout: output tokens/s, mean engine step (wall of LLM.generate / steps), each rank's
 execute time per step, and the pipeline's communication: the sends (stage 0 handing its
 hidden states and residual on: the transfer) and the receive waits (stage 1 waiting for
-stage 0: transfer plus the idle time of a stage with nothing to do, since this engine runs
-one batch through the stages at a time; see the README's Scaling out on micro-batching).
+stage 0: transfer plus the idle time of a stage with nothing to do; see the README's Scaling
+out on micro-batching).
 
     python benchmarks/pipeline_parallel.py [--arch mixtral] [--layers 4] [--hidden 256]
         [--num-prompts 16] [--prompt-len 128] [--new-tokens 32] [--threads 1]
@@ -33,9 +35,10 @@ def checkpoint(arch: str, layers: int, hidden: int) -> Path:
     return path
 
 
-def run(path: Path, pp: int, prompts, new_tokens: int) -> dict:
+def run(path: Path, pp: int, prompts, new_tokens: int, micro_batch_tokens: int = 256) -> dict:
     from pagedserve import LLM, SamplingParams
 
+    os.environ["PAGEDSERVE_PP_MICRO_BATCH_TOKENS"] = str(micro_batch_tokens)  # read by the ranks at spawn
     llm = LLM(str(path), pipeline_parallel_size=pp, distributed_executor_backend="mp", max_model_len=1024,
               kv_cache_memory="256MiB", max_num_seqs=16, enable_prefix_caching=False)
     try:
@@ -50,7 +53,8 @@ def run(path: Path, pp: int, prompts, new_tokens: int) -> dict:
         llm.shutdown()
     steps = stats[0]["num_steps"]
     tokens = sum(len(o.outputs[0].token_ids) for o in outs)
-    return {"pp": pp, "wall_s": wall, "output_tokens": tokens, "tok_per_s": tokens / wall, "steps": steps,
+    return {"pp": pp, "micro_batch_tokens": micro_batch_tokens, "micro_batches": stats[-1]["pp_micro_batches"],
+            "wall_s": wall, "output_tokens": tokens, "tok_per_s": tokens / wall, "steps": steps,
             "step_ms": 1e3 * wall / steps,
             "ranks": [{"rank": s["rank"], "execute_ms_per_step": 1e3 * s["execute_seconds"] / steps,
                        "send_ms_per_step": 1e3 * s["pp_send"] / steps, "recv_ms_per_step": 1e3 * s["pp_recv"] / steps,
@@ -72,13 +76,16 @@ def main() -> None:
     path = checkpoint(args.arch, args.layers, args.hidden)
     rng = random.Random(0)
     prompts = [[rng.randrange(2, 4096) for _ in range(args.prompt_len)] for _ in range(args.num_prompts)]
-    results = [run(path, pp, prompts, args.new_tokens) for pp in (1, 2)]
+    results = [run(path, 1, prompts, args.new_tokens), run(path, 2, prompts, args.new_tokens, 0),
+               run(path, 2, prompts, args.new_tokens)]
     print(f"{args.arch}, {args.layers} layers, hidden {args.hidden}; {args.num_prompts} prompts of {args.prompt_len} "
           f"+ {args.new_tokens} tokens; {args.threads} torch thread(s) per rank; load average "
           f"{os.getloadavg()[0]:.1f}")
     base = results[0]["tok_per_s"]
     for r in results:
-        print(f"  pp={r['pp']}: {r['tok_per_s']:.1f} tok/s ({r['tok_per_s'] / base:.2f}x), {r['steps']} steps, "
+        mb = "" if r["pp"] == 1 else (f", micro-batches of >= {r['micro_batch_tokens']} tokens "
+                                      f"({r['micro_batches']} in all)" if r["micro_batch_tokens"] else ", no micro-batching")
+        print(f"  pp={r['pp']}{mb}: {r['tok_per_s']:.1f} tok/s ({r['tok_per_s'] / base:.2f}x), {r['steps']} steps, "
               f"{r['step_ms']:.2f} ms per step")
         for k in r["ranks"]:
             share = (k["send_ms_per_step"] + k["recv_ms_per_step"]) / max(k["execute_ms_per_step"], 1e-9)

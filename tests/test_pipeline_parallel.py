@@ -228,3 +228,24 @@ def test_sigkill_a_stage_fails_requests_turns_health_503_and_exits_naming_it(tmp
     assert_failed_loudly(results, health, code)
     log = server.log()
     assert f"rank 0 (pid {rank_pids[0]}) died: killed by SIGKILL" in log, log[-3000:]
+
+
+def test_ray_backend_pp2_matches_hf(tmp_path):
+    """The same two stages as Ray actors on a local Ray instance (loopback): the driver is the
+    last stage's actor, and the answers are HF's."""
+    import ray
+
+    path = make_checkpoint(tmp_path / "llama", "llama", layers=NUM_LAYERS)
+    prompts, max_tokens = (part[:6] for part in make_workload())
+    ref = HFGreedyReference(path)
+    ray.init(num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1", log_to_driver=False)
+    try:
+        with LLM(str(path), **{**ENGINE_ARGS, "distributed_executor_backend": "ray"}) as llm:
+            assert len(llm.engine.executor.actors) == 2 and llm.engine.executor.driver == 1
+            outs = llm.generate(prompts, [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+                                          for n in max_tokens], use_tqdm=False)
+    finally:
+        ray.shutdown()
+    for i, (o, prompt, n) in enumerate(zip(outs, prompts, max_tokens)):
+        assert len(o.outputs[0].token_ids) == n
+        assert ref.first_divergence(prompt, o.outputs[0].token_ids) is None, f"prompt {i}"
