@@ -249,3 +249,24 @@ def test_ray_backend_pp2_matches_hf(tmp_path):
     for i, (o, prompt, n) in enumerate(zip(outs, prompts, max_tokens)):
         assert len(o.outputs[0].token_ids) == n
         assert ref.first_divergence(prompt, o.outputs[0].token_ids) is None, f"prompt {i}"
+
+
+def test_cuda_profile_gives_the_blocks_the_tightest_stage_holds():
+    """Stages measure different budgets (stage 0 holds the embedding, the last the head) and
+    hold different layers per block: the engine sizes the pool by the largest stage's bytes
+    per token, so the budget it gets must be the one that gives the fewest blocks of all."""
+    from pagedserve.worker.worker import RankCalls
+
+    class TwoStages(RankCalls):
+        def __init__(self, budgets, layers):
+            self.answers = {"profile_kv_budget": budgets, "num_stage_layers": layers}
+
+        def _call(self, method, *args):
+            return self.answers[method]
+
+    per_layer_block = 1000  # bytes of one block of one layer
+    # stage 0: 2 layers, 10_000 bytes -> 5 blocks; stage 1: 1 layer, 4_000 bytes -> 4 blocks
+    budget = TwoStages([10_000, 4_000], [2, 1]).profile_kv_budget(0.9, 256, 8)
+    assert budget // (2 * per_layer_block) == 4  # sized by stage 0's bytes per block: stage 1's 4 blocks
+    # the plain minimum of the budgets (4_000) would give 2 blocks of stage 0's size
+    assert TwoStages([4_000, 10_000], [1, 2]).profile_kv_budget(0.9, 256, 8) // (2 * per_layer_block) == 4

@@ -421,6 +421,11 @@ class ModelRunner:
                 result.logprobs[state.request_id] = lp
 
     @property
+    def num_stage_layers(self) -> int:
+        """Decoder layers this rank's pool holds (all of them, without pipeline parallelism)."""
+        return self.stage.num_layers
+
+    @property
     def weight_bytes(self) -> int:
         """Bytes of this rank's weights as loaded (before any GEMM packing): `plan`'s per-GPU figure."""
         return self.model.weight_bytes

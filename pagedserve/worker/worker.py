@@ -233,7 +233,13 @@ class RankCalls:
 
     def profile_kv_budget(self, gpu_memory_utilization: float, max_num_batched_tokens: int,
                           max_num_seqs: int) -> int:
-        return min(self._call("profile_kv_budget", gpu_memory_utilization, max_num_batched_tokens, max_num_seqs))
+        """The budget, as one rank of the stage with the most layers (the one the engine sizes
+        the pool by), that gives the fewest blocks any rank can hold: pipeline stages' budgets
+        differ (embedding, head) and so do their bytes per block (their layers)."""
+        budgets = self._call("profile_kv_budget", gpu_memory_utilization, max_num_batched_tokens, max_num_seqs)
+        layers = self._call("num_stage_layers")
+        most = max(layers)
+        return min(budget * most // n for budget, n in zip(budgets, layers))
 
     def initialize_cache(self, num_blocks: int, num_host_blocks: int) -> None:
         self._call("initialize_cache", num_blocks, num_host_blocks)
