@@ -116,7 +116,8 @@ class EngineConfig:
     served_model_name: str | None = None
     step_trace_path: str | None = None
     tensor_parallel_size: int = 1
-    distributed_executor_backend: str | None = None  # None: mp when tensor_parallel_size > 1, else uni
+    pipeline_parallel_size: int = 1  # stages the decoder layers are split into (vLLM's -pp); ranks = tp x pp
+    distributed_executor_backend: str | None = None  # None: mp when tp x pp > 1, else uni
     enable_expert_parallel: bool = False  # MoE: whole experts per TP rank instead of a slice of every expert
     structured_outputs_cache_bytes: int | str = "64MiB"  # compiled grammars kept (estimated), besides 256 entries
     # vLLM's --kv-events-config (JSON text, a mapping, or a core.kv_events.KVEventsConfig);
@@ -187,13 +188,22 @@ class EngineConfig:
         self.kv_events_config = KVEventsConfig.parse(self.kv_events_config)
         _check(isinstance(self.enable_expert_parallel, bool), "enable_expert_parallel",
                f"must be true or false, got {self.enable_expert_parallel!r}")
+        _check(_is_int(self.pipeline_parallel_size) and self.pipeline_parallel_size >= 1, "pipeline_parallel_size",
+               f"must be an integer >= 1, got {self.pipeline_parallel_size!r}")
+        world = self.tensor_parallel_size * self.pipeline_parallel_size
+        # A stage's TP collectives would need a process group of their own (today they use the
+        # whole world's), and four CPU ranks are more than these tests run: refused, by name.
+        _check(not (self.tensor_parallel_size > 1 and self.pipeline_parallel_size > 1), "pipeline_parallel_size",
+               f"{self.pipeline_parallel_size} with tensor_parallel_size={self.tensor_parallel_size} is not "
+               f"implemented (tensor parallelism within a pipeline stage); use one of them")
         if self.distributed_executor_backend is None:
-            self.distributed_executor_backend = "mp" if self.tensor_parallel_size > 1 else "uni"
+            self.distributed_executor_backend = "mp" if world > 1 else "uni"
         _check(self.distributed_executor_backend in EXECUTOR_BACKENDS, "distributed_executor_backend",
                f"must be one of {EXECUTOR_BACKENDS}, got {self.distributed_executor_backend!r}")
-        _check(not (self.distributed_executor_backend == "uni" and self.tensor_parallel_size > 1),
+        _check(not (self.distributed_executor_backend == "uni" and world > 1),
                "distributed_executor_backend", f"uni runs one rank in the engine process; "
-               f"tensor_parallel_size={self.tensor_parallel_size} needs mp or ray")
+               f"tensor_parallel_size={self.tensor_parallel_size} x pipeline_parallel_size="
+               f"{self.pipeline_parallel_size} needs mp or ray")
 
     def resolve(self, model_max_len: int) -> None:
         """Fill the knobs whose defaults depend on the model, then check them together."""

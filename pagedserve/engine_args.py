@@ -45,6 +45,9 @@ _FLAGS: list[tuple[str, dict]] = [
     ("--enable-expert-parallel", dict(action="store_true", default=None,
                                       help="MoE: each rank holds whole experts (E / tp of them) instead of a "
                                            "1/tp slice of every expert")),
+    (("--pipeline-parallel-size", "-pp", "--pp"), dict(type=int, default=None,
+                                                        help="stages the layers are split into (one process "
+                                                             "each, times -tp)")),
     ("--distributed-executor-backend", dict(choices=EXECUTOR_BACKENDS, default=None,
                                             help="how ranks run: uni (in the engine process, tp=1), mp (one "
                                                  "process per rank, the default for tp > 1), ray (Ray actors)")),
@@ -59,10 +62,12 @@ def _dest(flag: str | tuple[str, ...]) -> str:
     return _names(flag)[0][2:].replace("-", "_")
 
 
-def add_engine_args(parser: argparse.ArgumentParser) -> None:
+def add_engine_args(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> None:
+    """`skip`: knobs the command defines itself (simulate's -pp: the simulated stages)."""
     group = parser.add_argument_group("engine")
     for flag, kwargs in _FLAGS:
-        group.add_argument(*_names(flag), dest=_dest(flag), **kwargs)
+        if _dest(flag) not in skip:
+            group.add_argument(*_names(flag), dest=_dest(flag), **kwargs)
     parser.add_argument("--config", default=None, help="YAML file with the same keys as the flags")
 
 

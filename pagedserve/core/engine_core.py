@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 import logging
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Callable, Iterable
 
 from pagedserve.config import EngineConfig, PreemptionMode, resolve_kv_cache_dtype
@@ -27,6 +27,7 @@ from pagedserve.core.request import Request, RequestStatus
 from pagedserve.core.scheduler import PreemptionCosts, Scheduler, SchedulerOutput
 from pagedserve.plan.kv_budget import (KVPoolSize, ModelShape, blocks_per_request, size_kv_pool_for_dtype,
                                        swap_space_line)
+from pagedserve.plan.parallel import stage_layer_counts
 
 logger = logging.getLogger("pagedserve.engine")
 
@@ -94,8 +95,13 @@ def size_pool(config: EngineConfig, shape: ModelShape, dtype: str) -> KVPoolSize
     heads) in the KV dtype (`config.kv_cache_dtype` over the compute `dtype`), scales included.
     An exact num_kv_blocks (tests, reproductions) wins over bytes."""
     kv_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, dtype)
-    pool = size_kv_pool_for_dtype(shape, config.kv_cache_memory or 0, kv_dtype, block_size=config.block_size,
-                                  tp=config.tensor_parallel_size)
+    # Pipeline stages: each pool holds its stage's layers and all hold the same blocks (one
+    # scheduler), so the stage with the fewest blocks in its budget, the one with the most
+    # layers, sets them and its bytes per token are the pool's (plan's binding stage).
+    pool = min((size_kv_pool_for_dtype(replace(shape, num_layers=n), config.kv_cache_memory or 0, kv_dtype,
+                                       block_size=config.block_size, tp=config.tensor_parallel_size)
+                for n in stage_layer_counts(shape.num_layers, config.pipeline_parallel_size)),
+               key=lambda p: p.num_blocks)
     if config.num_kv_blocks is not None:
         pool = KVPoolSize(config.num_kv_blocks, config.block_size, pool.bytes_per_token)
     return pool

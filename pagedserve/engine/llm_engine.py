@@ -25,6 +25,7 @@ from pagedserve.engine.input_processor import InputProcessor
 from pagedserve.engine.kv_events import make_kv_events_hook
 from pagedserve.engine.output_processor import OutputKind, OutputProcessor, make_core_requests
 from pagedserve.model.config import ModelConfig, check_model_parallel
+from pagedserve.model.pipeline import check_pipeline_parallel
 from pagedserve.outputs import RequestOutput
 from pagedserve.plan.kv_budget import ModelShape, kv_cache_log_lines, kv_replication_warning
 from pagedserve.sampling import SamplingParams
@@ -55,6 +56,7 @@ class EngineFrontend:
         config.resolve(self.model_config.max_model_len)
         # before any rank starts: a layout the model cannot be divided by is refused with the numbers
         check_model_parallel(self.model_config, config.tensor_parallel_size, config.enable_expert_parallel)
+        check_pipeline_parallel(self.model_config.num_layers, config.pipeline_parallel_size)
         self.dtype = resolve_dtype(config.dtype, self.model_config.checkpoint_dtype, config.device)
         self.kv_cache_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, self.dtype)
         self.tokenizer = tokenizer if tokenizer is not None else self._load_tokenizer()
@@ -118,8 +120,11 @@ def build_engine_core(config: EngineConfig, model_config: ModelConfig, dtype: st
         kv_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, dtype)
         for line in kv_cache_log_lines(pool, config.max_model_len, device=config.device.upper(), kv_dtype=kv_dtype):
             logger.info(line)
-        logger.info("KV cache pool: %.3f GiB%s, %d bytes per token", pool.num_bytes / 2**30,
-                    f" on each of {tp} ranks" if tp > 1 else "", pool.bytes_per_token)
+        pp = config.pipeline_parallel_size
+        where = (f" on each of {tp} ranks" if tp > 1 else "") + (
+            f" (the largest of {pp} pipeline stages; each holds only its layers)" if pp > 1 else "")
+        logger.info("KV cache pool: %.3f GiB%s, %d bytes per token", pool.num_bytes / 2**30, where,
+                    pool.bytes_per_token)
         prefix_extra_keys = None
         if model_config.rope.depends_on_prompt_len:
             # Dynamic NTK RoPE: a long prompt's K depends on its length, so prefix-cache keys must too.

@@ -104,6 +104,7 @@ class DeepseekDecoderLayer(nn.Module):
 
 
 class DeepseekV3ForCausalLM(nn.Module):
+    num_intermediate_tensors = 1  # a pipeline stage hands on h alone (no separate residual)
     # The runner builds this model's attention metadata with the torch reference backend
     # (the compiled CPU kernel reads GQA pools only); its latent pool is never quantized.
     @staticmethod
@@ -180,16 +181,18 @@ class DeepseekV3ForCausalLM(nn.Module):
 
     def init_buffers(self, device) -> None:
         self.rotary = RotaryEmbedding(self.cfg.rope, self.cfg.mla.qk_rope_head_dim,
-                                      self.embed_tokens.weight.dtype, device)
+                                      next(self.parameters()).dtype, device)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
-                meta: AttentionMetadata, prompt_lens: torch.Tensor | None = None) -> torch.Tensor:
-        """kv_cache: [layers, 1, num_slots, 1, kv_lora_rank + qk_rope_head_dim]."""
-        h = self.embed_tokens(input_ids)
+                meta: AttentionMetadata, prompt_lens: torch.Tensor | None = None,
+                intermediate: tuple | None = None) -> torch.Tensor | tuple:
+        """kv_cache: [layers, 1, num_slots, 1, kv_lora_rank + qk_rope_head_dim]. Pipeline
+        stages: as LlamaForCausalLM.forward, with (h, None) between stages."""
+        h = self.embed_tokens(input_ids) if intermediate is None else intermediate[0]
         cos, sin = self.rotary(positions, prompt_lens)
         for i, layer in enumerate(self.layers):
             h = layer(h, cos, sin, kv_cache[i, 0], meta)
-        return self.norm(h)
+        return (h, None) if self.norm is None else self.norm(h)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """As LlamaForCausalLM's: vocabulary-parallel, the full logits on rank 0 only."""

@@ -95,6 +95,9 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
+    # Tensors a pipeline stage hands the next: the layer output and the residual (model/pipeline.py).
+    num_intermediate_tensors = 2
+
     def __init__(self, cfg: ModelConfig, shard: TPShard | None = None) -> None:
         super().__init__()
         self.cfg = cfg
@@ -143,21 +146,29 @@ class LlamaForCausalLM(nn.Module):
             raise ValueError(f"model: checkpoint is missing tensors: {missing[:5]}{'...' if len(missing) > 5 else ''}")
 
     def init_buffers(self, device) -> None:
-        self.rotary = RotaryEmbedding(self.cfg.rope, self.cfg.head_dim, self.embed_tokens.weight.dtype, device)
+        dtype = next(self.parameters()).dtype  # a middle pipeline stage has no embedding
+        self.rotary = RotaryEmbedding(self.cfg.rope, self.cfg.head_dim, dtype, device)
 
     # -- forward ----------------------------------------------------------------------
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
-                meta: AttentionMetadata, prompt_lens: torch.Tensor | None = None) -> torch.Tensor:
+                meta: AttentionMetadata, prompt_lens: torch.Tensor | None = None,
+                intermediate: tuple | None = None) -> torch.Tensor | tuple:
         """kv_cache: [layers, 2, num_slots, kv_heads, head_dim]. prompt_lens: [T], each token's
         request prompt length, read only when `self.rotary.needs_prompt_lens` (dynamic NTK RoPE).
-        Returns hidden [T, H]."""
-        h = self.embed_tokens(input_ids)
+        Returns hidden [T, H]. A pipeline stage after the first starts from `intermediate`
+        (the previous stage's (h, residual)); one before the last (no final norm) returns
+        its (h, residual) instead of the normed hidden."""
+        if intermediate is None:
+            h, residual = self.embed_tokens(input_ids), None
+        else:
+            h, residual = intermediate
         # computed per step rather than cached per position: cheap next to one layer, and
         # no table of max_position_embeddings rows (128 MB for a 128k-context model)
         cos, sin = self.rotary(positions, prompt_lens)
-        residual = None
         for i, layer in enumerate(self.layers):
             h, residual = layer(h, residual, cos, sin, kv_cache[i, 0], kv_cache[i, 1], meta)
+        if self.norm is None:  # not the last pipeline stage
+            return h, residual
         return self.norm(h) if residual is None else self.norm.add_and_norm(h, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:

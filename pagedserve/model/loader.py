@@ -14,6 +14,7 @@ from safetensors import safe_open
 from pagedserve.model.config import SUPPORTED_ARCHITECTURES, ModelConfig, TPShard, read_model_config
 from pagedserve.model.layers import prepare_linear_layers
 from pagedserve.model.llama import LlamaForCausalLM
+from pagedserve.model.pipeline import PipelineStage, prune_model, stage_config, stage_tensors
 
 __all__ = ["SUPPORTED_ARCHITECTURES", "TORCH_DTYPES", "ModelConfig", "iter_checkpoint_tensors", "load_model",
            "read_model_config"]
@@ -48,16 +49,22 @@ def model_class(config: ModelConfig):
 
 
 def load_model(config: ModelConfig, dtype: str, device: str, shard: TPShard | None = None,
-               **model_kwargs) -> LlamaForCausalLM:
+               stage: PipelineStage | None = None, **model_kwargs) -> LlamaForCausalLM:
     """Build the architecture's model on `device` in `dtype` and load its weights.
     `shard`: the tensor-parallel rank's share (default: the whole model), experts included
-    (model.config.TPShard: sliced by their intermediate dimension, or whole under EP)."""
+    (model.config.TPShard: sliced by their intermediate dimension, or whole under EP).
+    `stage`: the pipeline stage's layers (default: all; model/pipeline.py): the model is
+    built for those layers only and reads only their tensors (and the embedding, norm and
+    head where the stage holds them)."""
     torch_dtype = TORCH_DTYPES[dtype]
+    stage = stage or PipelineStage.of(config.num_layers)
+    config = stage_config(config, stage)
     cls = model_class(config)
     with torch.device("meta"):
         model = cls(config, shard, **model_kwargs)
+    prune_model(model, stage, config.tie_word_embeddings)
     model = model.to_empty(device=device).to(torch_dtype)
-    model.load_checkpoint(iter_checkpoint_tensors(config.path))
+    model.load_checkpoint(stage_tensors(iter_checkpoint_tensors(config.path), stage, config.tie_word_embeddings))
     # what this rank holds, counted before packing changes any weight's storage (plan counts the same)
     model.weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     model.init_buffers(device)

@@ -19,6 +19,13 @@ holding its shard of the weights and a pool of its KV heads only, with the same 
 blocks and the same block tables as every other rank: each rank applies the same
 SchedulerOutput, runs the same forward (the collectives keep them in step), and copies its
 own blocks on swap. Only rank 0 samples; the others return an empty StepResult.
+
+Under pipeline parallelism (model/pipeline.py) a runner holds one stage: its layers, and a
+pool of those layers only (the same blocks and block tables as every other stage: the
+scheduler sees one pool). Every stage applies the same SchedulerOutput; a stage after the
+first receives the previous stage's hidden states and residual instead of embedding the
+tokens, a stage before the last sends its own on instead of sampling. Only the last
+stage's TP rank 0 samples.
 """
 from __future__ import annotations
 
@@ -37,6 +44,8 @@ from pagedserve.core.scheduler import NewRequestData, ScheduledRequest, Schedule
 from pagedserve.sampling import SamplingParams
 from pagedserve.model.config import TPShard
 from pagedserve.model.loader import TORCH_DTYPES, ModelConfig, load_model
+from pagedserve.model.pipeline import (PP_COMM_TIME, PipelineStage, micro_batch_bounds, recv_intermediate,
+                                       send_intermediate, stage_config, wait_sends)
 from pagedserve.structured.compiler import GrammarCompiler, GrammarMatcher
 from pagedserve.worker.sampler import Sampler
 
@@ -133,9 +142,14 @@ class StepInputs:
 class ModelRunner:
     def __init__(self, model_config: ModelConfig, dtype: str, device: str, block_size: int,
                  eos_token_ids: frozenset[int], seed: int, grammar_compiler: GrammarCompiler | None = None,
-                 shard: TPShard | None = None, kv_cache_dtype: str | None = None) -> None:
+                 shard: TPShard | None = None, kv_cache_dtype: str | None = None,
+                 stage: PipelineStage | None = None) -> None:
         self.model_config = model_config
         self.shard = shard or TPShard.of(model_config)
+        self.stage = stage or PipelineStage.of(model_config.num_layers)
+        self.stage_config = stage_config(model_config, self.stage)  # its layers: the pool's shape
+        # the one rank that samples (and so keeps grammar matchers): the last stage's TP rank 0
+        self.samples = self.stage.is_last and self.shard.rank == 0
         self.device = torch.device(device)
         self.dtype = TORCH_DTYPES[dtype]
         self.kv_format = kv_format(kv_cache_dtype)  # None: the pool is in the compute dtype
@@ -146,7 +160,7 @@ class ModelRunner:
         if self.device.type == "cpu":
             keep_freed_memory_in_process()
         torch.manual_seed(seed)
-        self.model = load_model(model_config, dtype, device, self.shard)
+        self.model = load_model(model_config, dtype, device, self.shard, self.stage)
         # MLA models read their latent pool through their own attention path and metadata
         self.build_metadata = getattr(self.model, "build_metadata", build_metadata)
         if self.quantized_cache and self.build_metadata is not build_metadata:  # refused at start-up, by name
@@ -161,7 +175,7 @@ class ModelRunner:
     def initialize_cache(self, num_blocks: int, num_host_blocks: int = 0) -> None:
         """The device pool, and swap space in the same layout in host memory (pinned on
         CUDA so block copies can be asynchronous)."""
-        cfg = self.model_config
+        cfg = self.stage_config
         self.num_blocks = num_blocks
         shape = cfg.kv_cache_shape(num_blocks * self.block_size, self.shard.num_kv_heads)
         self.kv_cache = self._allocate_pool(shape, self.device)
@@ -184,7 +198,7 @@ class ModelRunner:
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(self.device)
         before = torch.cuda.memory_allocated(self.device)
-        cfg = self.model_config
+        cfg = self.stage_config
         # A pool in the KV dtype, so a quantized cache's write and read temporaries count in the peak.
         scratch = self._allocate_pool(cfg.kv_cache_shape(max_num_batched_tokens + self.block_size,
                                                          self.shard.num_kv_heads), self.device)
@@ -193,14 +207,16 @@ class ModelRunner:
         meta, positions = self.build_metadata([], [(blocks, 0, max_num_batched_tokens)], self.block_size,
                                               cfg.sliding_window, self.device, self.quantized_cache)
         ids = torch.zeros(max_num_batched_tokens, dtype=torch.long, device=self.device)
-        hidden = self.model(ids, torch.from_numpy(positions).to(self.device), scratch, meta)
-        rows = hidden[-min(max_num_seqs, max_num_batched_tokens):]
-        logits = self.model.compute_logits(rows)
-        if logits is not None:
-            torch.log_softmax(logits, dim=-1)
+        hidden = self._forward(ids, torch.from_numpy(positions).to(self.device), scratch, meta)
+        if hidden is not None:  # the last pipeline stage: logits too
+            rows = hidden[-min(max_num_seqs, max_num_batched_tokens):]
+            logits = self.model.compute_logits(rows)
+            if logits is not None:
+                torch.log_softmax(logits, dim=-1)
+            del rows
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device) - before - scratch_bytes
-        del scratch, hidden, rows
+        del scratch, hidden
         free, total = torch.cuda.mem_get_info(self.device)
         non_torch = max(total - free - torch.cuda.memory_reserved(self.device), 0)
         weights = torch.cuda.memory_allocated(self.device)
@@ -256,9 +272,9 @@ class ModelRunner:
                                               self.model_config.sliding_window, self.device, self.quantized_cache)
         ids = torch.zeros(num_tokens, dtype=torch.long, device=self.device)
         pos = torch.from_numpy(positions).to(self.device)
-        self.model(ids, pos, self.kv_cache, meta)  # warm-up
+        self._forward(ids, pos, self.kv_cache, meta)  # warm-up
         t0 = time.perf_counter()
-        self.model(ids, pos, self.kv_cache, meta)
+        self._forward(ids, pos, self.kv_cache, meta)
         if self.device.type == "cuda":
             torch.cuda.synchronize()
         return (time.perf_counter() - t0) / num_tokens
@@ -269,7 +285,7 @@ class ModelRunner:
         self.sampler.forget(out.finished_ids)
         for data in out.new_requests:
             self.requests[data.request_id] = CachedRequestState.new(data, self.grammar_compiler,
-                                                                    samples=self.shard.rank == 0)
+                                                                    samples=self.samples)
         states = []
         for sr in out.scheduled:
             state = self.requests[sr.request_id]
@@ -290,12 +306,65 @@ class ModelRunner:
         if out.scheduled:
             inputs = self._prepare_inputs(out, states)
             t1 = time.perf_counter()
-            hidden = self.model(inputs.input_ids, inputs.positions, self.kv_cache, inputs.meta, inputs.prompt_lens)
-            self._score_prompts(hidden, inputs.states, inputs.scheduled, result)
-            self._sample(hidden, inputs, result)
+            if self.stage.pp > 1:
+                hidden = self._forward_micro_batches(inputs)
+            else:
+                hidden = self._forward(inputs.input_ids, inputs.positions, self.kv_cache, inputs.meta,
+                                       inputs.prompt_lens)
+            if hidden is not None:  # the last pipeline stage (every stage, without pp)
+                self._score_prompts(hidden, inputs.states, inputs.scheduled, result)
+                self._sample(hidden, inputs, result)
             result.forward_time = time.perf_counter() - t1
         result.duration = time.perf_counter() - t0
         return result
+
+    def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache, meta,
+                 prompt_lens: torch.Tensor | None = None, pending: list | None = None) -> torch.Tensor | None:
+        """This stage's part of the forward: the final hidden states on the last stage, None
+        on the others (which send theirs on to the next stage's rank of the same TP index;
+        `pending`: append the send there instead of waiting for it)."""
+        stage, tp = self.stage, self.shard.tp
+        intermediate = None
+        if not stage.is_first:
+            intermediate = recv_intermediate(self.model.num_intermediate_tensors, input_ids.shape[0],
+                                             self.model_config.hidden_size, self.dtype, self.device,
+                                             src=(stage.pp_rank - 1) * tp + self.shard.rank)
+        out = self.model(input_ids, positions, kv_cache, meta, prompt_lens, intermediate)
+        if stage.is_last:
+            return out
+        sent = send_intermediate(out, dst=(stage.pp_rank + 1) * tp + self.shard.rank, wait=pending is None)
+        if pending is not None:
+            pending.append(sent)
+        return None
+
+    def _forward_micro_batches(self, inputs: StepInputs) -> torch.Tensor | None:
+        """The pipelined forward: the step's requests cut into micro-batches
+        (pipeline.micro_batch_bounds) that follow each other through the stages; each sent
+        on without waiting, so a stage starts its next micro-batch while the last travels.
+        Requests are independent, so the rows are the one-batch forward's rows, in order."""
+        sched = inputs.scheduled
+        bounds = micro_batch_bounds([sr.num_new_tokens for sr in sched], self.stage.pp)
+        if len(bounds) == 1:
+            return self._forward(inputs.input_ids, inputs.positions, self.kv_cache, inputs.meta, inputs.prompt_lens)
+        PP_COMM_TIME["pp_micro_batches"] += len(bounds)
+        offsets = np.concatenate([[0], np.cumsum([sr.num_new_tokens for sr in sched])])
+        outs, pending = [], []
+        for a, b in bounds:
+            lo, hi = int(offsets[a]), int(offsets[b])
+            rows = range(a, b)  # decodes first within the run too: the batch's order is decodes, then prefills
+            decodes = [(np.asarray(inputs.states[i].block_ids, dtype=np.int64), sched[i].start_pos)
+                       for i in rows if sched[i].num_new_tokens == 1]
+            prefills = [(np.asarray(inputs.states[i].block_ids, dtype=np.int64), sched[i].start_pos,
+                         sched[i].num_new_tokens) for i in rows if sched[i].num_new_tokens != 1]
+            meta, _ = self.build_metadata(decodes, prefills, self.block_size, self.model_config.sliding_window,
+                                          self.device, self.quantized_cache)
+            prompt_lens = None if inputs.prompt_lens is None else inputs.prompt_lens[lo:hi]
+            out = self._forward(inputs.input_ids[lo:hi], inputs.positions[lo:hi], self.kv_cache, meta, prompt_lens,
+                                pending=pending)
+            if out is not None:
+                outs.append(out)
+        wait_sends(pending)
+        return torch.cat(outs) if outs else None
 
     def _prepare_inputs(self, out: SchedulerOutput, states: list[CachedRequestState]) -> StepInputs:
         """The step's tensors in the attention backend's layout: decodes (one new token) first,
@@ -350,6 +419,11 @@ class ModelRunner:
             result.sampled[state.request_id] = tok
             if lp is not None:
                 result.logprobs[state.request_id] = lp
+
+    @property
+    def num_stage_layers(self) -> int:
+        """Decoder layers this rank's pool holds (all of them, without pipeline parallelism)."""
+        return self.stage.num_layers
 
     @property
     def weight_bytes(self) -> int:

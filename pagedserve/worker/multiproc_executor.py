@@ -1,11 +1,13 @@
-"""MultiprocExecutor: one worker process per tensor-parallel rank (torch.multiprocessing,
-spawn), joined in a torch.distributed group (gloo on CPU, NCCL on CUDA).
+"""MultiprocExecutor: one worker process per rank, tensor_parallel_size x
+pipeline_parallel_size of them (torch.multiprocessing, spawn), joined in one
+torch.distributed group (gloo on CPU, NCCL on CUDA).
 
     engine core (scheduler, once)                 rank 0 .. rank N-1 (worker/worker.py)
     execute(out): encode ExecuteMsg(out) once ──▶ the same bytes down each rank's pipe
-                  wait: rank 0's reply pipe,       every rank: apply diff, forward (collectives)
-                  every rank's error pipe and   ◀─ rank 0: Reply(StepResult)
-                  every process's sentinel
+                  wait: the driver's reply pipe,   every rank: apply diff, forward (collectives,
+                  every rank's error pipe and        pipeline sends between stages)
+                  every process's sentinel      ◀─ the driver (rank 0; under pp the last
+                                                   stage's first rank): Reply(StepResult)
 
 The broadcast is the SchedulerOutput itself, which is already a diff (a request's prompt
 and parameters once, then per-step tokens and new block ids), so its bytes track the step,
@@ -40,7 +42,7 @@ from pagedserve.config import EngineConfig
 from pagedserve.core.outputs import StepResult
 from pagedserve.core.scheduler import SchedulerOutput
 from pagedserve.worker.worker import (ENCODER, REPLY_DECODER, CallMsg, ExecuteMsg, RankCalls, Reply, ShutdownMsg,
-                                      WorkerSpec, free_port, run_worker_process)
+                                      WorkerSpec, driver_rank, free_port, run_worker_process)
 
 logger = logging.getLogger("pagedserve.executor")
 
@@ -116,6 +118,9 @@ class MultiprocExecutor(RankCalls):
 
         leave_if_spawned_from_unguarded_main()
         self.tp = config.tensor_parallel_size
+        self.pp = config.pipeline_parallel_size
+        self.world_size = self.tp * self.pp
+        self.driver = driver_rank(self.tp, self.pp)
         self.broadcast_seconds = 0.0
         self.broadcast_bytes = 0
         self.num_broadcasts = 0
@@ -124,14 +129,14 @@ class MultiprocExecutor(RankCalls):
         self._deaths: list[_Rank] = []  # in the order they were seen: the first is the cause
         self._reap_lock = threading.Lock()
         self._closing = False
-        spec = WorkerSpec(config, dtype, sorted(eos_token_ids), threads_per_rank(self.tp))
+        spec = WorkerSpec(config, dtype, sorted(eos_token_ids), threads_per_rank(self.world_size))
         ctx = tmp.get_context("spawn")
         port = free_port()
         self.ranks: list[_Rank] = []
-        for rank in range(self.tp):
+        for rank in range(self.world_size):
             cmd_r, cmd_w = ctx.Pipe(duplex=False)
             reply_r, reply_w = ctx.Pipe(duplex=False)
-            process = ctx.Process(target=run_worker_process, args=(spec, rank, self.tp, port, cmd_r, reply_w),
+            process = ctx.Process(target=run_worker_process, args=(spec, rank, self.world_size, port, cmd_r, reply_w),
                                   name=f"pagedserve-tp{rank}", daemon=True)
             process.start()
             cmd_r.close()
@@ -142,8 +147,9 @@ class MultiprocExecutor(RankCalls):
         except BaseException:
             self.shutdown()
             raise
-        logger.info("tensor parallel: %d ranks (pids %s), %d torch threads each", self.tp,
-                    ", ".join(str(p.value) for p in pids), spec.num_threads)
+        logger.info("tensor parallel: %d ranks (pids %s), %d torch threads each%s", self.world_size,
+                    ", ".join(str(p.value) for p in pids), spec.num_threads,
+                    f"; {self.pp} pipeline stages of {self.tp}" if self.pp > 1 else "")
         self._monitor = threading.Thread(target=self._watch, name="pagedserve-tp-monitor", daemon=True)
         self._monitor.start()
 
@@ -273,7 +279,7 @@ class MultiprocExecutor(RankCalls):
     def execute(self, out: SchedulerOutput) -> StepResult:
         t0 = time.perf_counter()
         self._broadcast(ExecuteMsg(out))
-        result = self._collect(self.ranks[:1])[0].result
+        result = self._collect([self.ranks[self.driver]])[0].result
         result.duration = time.perf_counter() - t0
         return result
 

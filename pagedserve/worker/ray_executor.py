@@ -22,7 +22,7 @@ from pagedserve.core.outputs import StepResult
 from pagedserve.core.scheduler import SchedulerOutput
 from pagedserve.worker.multiproc_executor import WorkerDied
 from pagedserve.worker.worker import (ENCODER, REPLY_DECODER, CallMsg, ExecuteMsg, RankCalls, Worker, WorkerSpec,
-                                      free_port)
+                                      driver_rank, free_port)
 
 logger = logging.getLogger("pagedserve.executor")
 
@@ -32,9 +32,9 @@ PLACEMENT_TIMEOUT = 120.0
 class RayWorker:
     """The Ray actor around one rank's Worker."""
 
-    def __init__(self, spec: WorkerSpec, rank: int, tp: int) -> None:
+    def __init__(self, spec: WorkerSpec, rank: int, world_size: int) -> None:
         logging.basicConfig(level=logging.INFO, format=f"%(levelname)s %(asctime)s rank{rank} %(name)s: %(message)s")
-        self.worker = Worker(spec, rank, tp)
+        self.worker = Worker(spec, rank, world_size)
         self.device = "cpu" if spec.config.device == "cpu" else "cuda:0"  # Ray sets CUDA_VISIBLE_DEVICES
 
     def address(self) -> tuple[str, int]:
@@ -61,19 +61,21 @@ class RayExecutor(RankCalls):
         except ImportError:
             raise ValueError('distributed_executor_backend: ray is not installed; pip install -e ".[ray]"') from None
         self.tp = config.tensor_parallel_size
+        self.world_size = self.tp * config.pipeline_parallel_size  # ranks: pp stages of tp
+        self.driver = driver_rank(self.tp, config.pipeline_parallel_size)
         self.broadcast_seconds = 0.0
         self.broadcast_bytes = self.num_broadcasts = 0
         self.rank_kv_bytes: list[int] = []
         if not ray.is_initialized():
             ray.init(address=os.environ.get("RAY_ADDRESS"), include_dashboard=False, log_to_driver=True)
         on_gpu = config.device == "cuda"
-        cpus = 1 if on_gpu else max(1, int(ray.available_resources().get("CPU", self.tp)) // self.tp)
+        cpus = 1 if on_gpu else max(1, int(ray.available_resources().get("CPU", self.world_size)) // self.world_size)
         bundle = {"CPU": cpus, "GPU": 1} if on_gpu else {"CPU": cpus}
-        self.placement_group = placement_group([dict(bundle) for _ in range(self.tp)], strategy="PACK")
+        self.placement_group = placement_group([dict(bundle) for _ in range(self.world_size)], strategy="PACK")
         ready, _ = ray.wait([self.placement_group.ready()], timeout=PLACEMENT_TIMEOUT)
         if not ready:
             ray.util.remove_placement_group(self.placement_group)
-            raise ValueError(f"tensor_parallel_size: Ray could not place {self.tp} ranks of {bundle} within "
+            raise ValueError(f"tensor_parallel_size: Ray could not place {self.world_size} ranks of {bundle} within "
                              f"{PLACEMENT_TIMEOUT:.0f} s (cluster resources: {ray.cluster_resources()})")
         spec = WorkerSpec(config, dtype, sorted(eos_token_ids), cpus)
         actor = ray.remote(RayWorker)
@@ -81,15 +83,15 @@ class RayExecutor(RankCalls):
             actor.options(num_cpus=cpus, num_gpus=1 if on_gpu else 0, name=None,
                           scheduling_strategy=PlacementGroupSchedulingStrategy(
                               placement_group=self.placement_group, placement_group_bundle_index=rank)
-                          ).remote(spec, rank, self.tp)
-            for rank in range(self.tp)]
+                          ).remote(spec, rank, self.world_size)
+            for rank in range(self.world_size)]
         try:
             master_addr, master_port = ray.get(self.actors[0].address.remote())
             self.pids = self._get([a.start.remote(master_addr, master_port) for a in self.actors])
         except BaseException:
             self.shutdown()
             raise
-        logger.info("tensor parallel over Ray: %d actors (pids %s), group at %s:%d", self.tp, self.pids,
+        logger.info("tensor parallel over Ray: %d actors (pids %s), group at %s:%d", self.world_size, self.pids,
                     master_addr, master_port)
 
     def _get(self, refs: list) -> list:
@@ -122,7 +124,7 @@ class RayExecutor(RankCalls):
     def execute(self, out: SchedulerOutput) -> StepResult:
         t0 = time.perf_counter()
         replies = self._send(ExecuteMsg(out))
-        result = REPLY_DECODER.decode(replies[0]).result
+        result = REPLY_DECODER.decode(replies[self.driver]).result
         result.duration = time.perf_counter() - t0
         return result
 

@@ -1,12 +1,15 @@
-"""One tensor-parallel rank: a ModelRunner holding its shard, driven by messages.
+"""One rank (a tensor-parallel shard of one pipeline stage): a ModelRunner holding its
+shard, driven by messages.
 
 The engine core's executor (worker/multiproc_executor.py: one process per rank;
 worker/ray_executor.py: one Ray actor per rank) encodes each message once and hands the
 same bytes to every rank:
 
     ExecuteMsg(SchedulerOutput)   every rank applies the same diff and runs the same forward
-                                  (the collectives keep them in step); rank 0 alone replies,
-                                  with the StepResult
+                                  (the collectives keep them in step; pipeline stages pass
+                                  activations on); the driver rank alone replies, with the
+                                  StepResult: rank 0, or under pipeline parallelism the
+                                  last stage's first rank (the one that samples)
     CallMsg(method, args)         start-up and measurements (profile, allocate the pool,
                                   stats); every rank replies
     ShutdownMsg                   leave the loop
@@ -93,11 +96,22 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
+def driver_rank(tp: int, pp: int) -> int:
+    """The rank that samples and replies: TP rank 0 of the last pipeline stage (ranks are
+    numbered pp_rank * tp + tp_rank, vLLM's order)."""
+    return (pp - 1) * tp
+
+
 class Worker:
-    def __init__(self, spec: WorkerSpec, rank: int, tp: int) -> None:
+    def __init__(self, spec: WorkerSpec, rank: int, world_size: int) -> None:
         self.spec = spec
         self.rank = rank
-        self.tp = tp
+        self.world_size = world_size
+        self.tp = spec.config.tensor_parallel_size
+        self.pp = spec.config.pipeline_parallel_size
+        assert world_size == self.tp * self.pp, (world_size, self.tp, self.pp)
+        self.tp_rank, self.pp_rank = rank % self.tp, rank // self.tp
+        self.is_driver = rank == driver_rank(self.tp, self.pp)
         self.runner = None
         self.decode_seconds = 0.0
         self.execute_seconds = 0.0
@@ -112,19 +126,21 @@ class Worker:
         if device.startswith("cuda"):
             torch.cuda.set_device(torch.device(device))
         dist.init_process_group(backend, init_method=f"tcp://{master_addr}:{master_port}", rank=self.rank,
-                                world_size=self.tp, timeout=COLLECTIVE_TIMEOUT)
+                                world_size=self.world_size, timeout=COLLECTIVE_TIMEOUT)
 
     def load(self, device: str) -> None:
         from pagedserve.config import resolve_kv_cache_dtype
         from pagedserve.model.config import TPShard, read_model_config
+        from pagedserve.model.pipeline import PipelineStage
         from pagedserve.worker.model_runner import ModelRunner
 
         config = self.spec.config
         model_config = read_model_config(config.model)
-        shard = TPShard.of(model_config, self.tp, self.rank, config.enable_expert_parallel)
+        shard = TPShard.of(model_config, self.tp, self.tp_rank, config.enable_expert_parallel)
+        stage = PipelineStage.of(model_config.num_layers, self.pp, self.pp_rank)
         eos = frozenset(self.spec.eos_token_ids)
         grammar_compiler = None
-        if self.rank == 0:  # only rank 0 samples, so only it needs structured outputs' masks
+        if self.is_driver:  # only the driver samples, so only it needs structured outputs' masks
             from pagedserve.structured.compiler import make_grammar_compiler
             from pagedserve.tokenizer import load_tokenizer
             grammar_compiler = make_grammar_compiler(load_tokenizer(config), model_config.vocab_size, eos,
@@ -132,18 +148,23 @@ class Worker:
         # each rank's pool in the KV dtype: its share of the heads at the quantized bytes per token
         kv_cache_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, self.spec.dtype)
         self.runner = ModelRunner(model_config, self.spec.dtype, device, config.block_size, eos, config.seed,
-                                  grammar_compiler=grammar_compiler, shard=shard, kv_cache_dtype=kv_cache_dtype)
+                                  grammar_compiler=grammar_compiler, shard=shard, kv_cache_dtype=kv_cache_dtype,
+                                  stage=stage)
 
     def stats(self) -> dict:
         from pagedserve.model.parallel import COMM_TIME
-        return {"rank": self.rank, "pid": os.getpid(), "decode_seconds": self.decode_seconds,
-                "execute_seconds": self.execute_seconds, "num_steps": self.num_steps, **COMM_TIME}
+        from pagedserve.model.pipeline import PP_COMM_TIME
+        return {"rank": self.rank, "pid": os.getpid(), "pp_rank": self.pp_rank, "tp_rank": self.tp_rank,
+                "decode_seconds": self.decode_seconds, "execute_seconds": self.execute_seconds,
+                "num_steps": self.num_steps, **COMM_TIME, **PP_COMM_TIME}
 
     def reset_stats(self) -> None:
         from pagedserve.model.parallel import COMM_TIME
+        from pagedserve.model.pipeline import PP_COMM_TIME
         self.decode_seconds = self.execute_seconds = 0.0
         self.num_steps = 0
         COMM_TIME.update(all_reduce=0.0, gather=0.0, calls=0)
+        PP_COMM_TIME.update(pp_send=0.0, pp_recv=0.0, pp_calls=0, pp_bytes=0, pp_micro_batches=0)
 
     def handle(self, payload: bytes) -> bytes | None | ShutdownMsg:
         """One message in; the reply's bytes (None: nothing to reply). Raises on failure."""
@@ -155,7 +176,7 @@ class Worker:
             result = self.runner.execute(msg.out)
             self.execute_seconds += time.perf_counter() - t1
             self.num_steps += 1
-            return ENCODER.encode(Reply(result=result)) if self.rank == 0 else None
+            return ENCODER.encode(Reply(result=result)) if self.is_driver else None
         if isinstance(msg, CallMsg):
             target = getattr(self, msg.method, None)
             if target is None:
@@ -165,7 +186,7 @@ class Worker:
         return msg
 
 
-def run_worker_process(spec: WorkerSpec, rank: int, tp: int, master_port: int, cmd_conn, reply_conn) -> None:
+def run_worker_process(spec: WorkerSpec, rank: int, world_size: int, master_port: int, cmd_conn, reply_conn) -> None:
     """The body of one mp rank: connect the group, load the shard, then serve messages
     until ShutdownMsg, a closed pipe (the engine is gone) or an error (reported, exit 1)."""
     set_parent_death_signal()
@@ -173,7 +194,7 @@ def run_worker_process(spec: WorkerSpec, rank: int, tp: int, master_port: int, c
     logging.basicConfig(level=logging.INFO, format=f"%(levelname)s %(asctime)s rank{rank} %(name)s: %(message)s")
     config = spec.config
     device = config.device if config.device == "cpu" else f"cuda:{rank}"
-    worker = Worker(spec, rank, tp)
+    worker = Worker(spec, rank, world_size)
     try:
         worker.init_distributed("127.0.0.1", master_port, device)
         worker.load(device)
@@ -212,7 +233,13 @@ class RankCalls:
 
     def profile_kv_budget(self, gpu_memory_utilization: float, max_num_batched_tokens: int,
                           max_num_seqs: int) -> int:
-        return min(self._call("profile_kv_budget", gpu_memory_utilization, max_num_batched_tokens, max_num_seqs))
+        """The budget, as one rank of the stage with the most layers (the one the engine sizes
+        the pool by), that gives the fewest blocks any rank can hold: pipeline stages' budgets
+        differ (embedding, head) and so do their bytes per block (their layers)."""
+        budgets = self._call("profile_kv_budget", gpu_memory_utilization, max_num_batched_tokens, max_num_seqs)
+        layers = self._call("num_stage_layers")
+        most = max(layers)
+        return min(budget * most // n for budget, n in zip(budgets, layers))
 
     def initialize_cache(self, num_blocks: int, num_host_blocks: int) -> None:
         self._call("initialize_cache", num_blocks, num_host_blocks)
