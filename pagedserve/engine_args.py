@@ -71,6 +71,15 @@ def add_engine_args(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ())
     parser.add_argument("--config", default=None, help="YAML file with the same keys as the flags")
 
 
+# Keys a `serve` YAML file may hold besides the engine's knobs: the server's own settings, read
+# by server/cli.server_settings (whose defaults table has exactly these keys; a test checks it).
+SERVER_KEYS = frozenset({
+    "host", "port", "api_key", "max_queue_len", "max_request_bytes", "max_seqs_per_request",
+    "step_watchdog_timeout", "enable_prompt_tokens_details", "enable_auto_tool_choice", "tool_call_parser",
+    "dashboard", "shutdown_timeout", "header_read_timeout", "body_read_timeout",
+})
+
+
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     """Flags override the YAML file, which overrides defaults. Raises ValueError naming the knob."""
     values: dict = {}
@@ -84,9 +93,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
             name = key.replace("-", "_")
             if name in known:
                 values[name] = value
-            elif name not in ("host", "port", "api_key", "max_queue_len", "max_request_bytes",
-                              "max_seqs_per_request", "step_watchdog_timeout",
-                              "enable_prompt_tokens_details", "dashboard"):
+            elif name not in SERVER_KEYS:
                 raise ValueError(f"config: unknown key {key!r} in {args.config}")
     for flag, _ in _FLAGS:
         name = _dest(flag)

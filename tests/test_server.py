@@ -356,3 +356,24 @@ def test_pagedserve_serve_subprocess(tiny_llama):
     finally:
         proc.terminate()
         proc.wait(30)
+
+
+def test_every_server_setting_is_accepted_in_a_serve_yaml_by_both_readers(tmp_path, tiny_llama):
+    """A serve YAML is read twice: the engine's knobs by engine_config_from_args (which refuses a
+    key it does not know) and the server's own by server_settings. Every server setting must get
+    past the first and be taken by the second: one list of the keys, not two that drift apart."""
+    from pagedserve.cli import build_parser
+    from pagedserve.engine_args import SERVER_KEYS, engine_config_from_args
+    from pagedserve.server.cli import _SERVER_DEFAULTS, server_settings
+
+    assert SERVER_KEYS == set(_SERVER_DEFAULTS)
+    values = {"host": "127.0.0.1", "port": 9101, "api_key": "k", "max_queue_len": 9, "max_request_bytes": 4096,
+              "max_seqs_per_request": 3, "step_watchdog_timeout": 7, "enable_prompt_tokens_details": True,
+              "enable_auto_tool_choice": True, "tool_call_parser": "hermes", "dashboard": False,
+              "shutdown_timeout": 2, "header_read_timeout": 4, "body_read_timeout": 5}
+    assert set(values) == SERVER_KEYS
+    cfg = tmp_path / "serve.yaml"
+    cfg.write_text("".join(f"{k}: {json.dumps(v)}\n" for k, v in values.items()) + "max_num_seqs: 3\n")
+    args = build_parser().parse_args(["serve", "--model", str(tiny_llama), "--config", str(cfg)])
+    assert engine_config_from_args(args).max_num_seqs == 3
+    assert server_settings(args) == values
