@@ -277,6 +277,17 @@ def run_conversations(server) -> None:
         assert r.status_code == 200, r.text
 
 
+def conversation_frames(server, endpoint: str) -> list[list[bytes]]:
+    """Subscribe, run the conversations, and return every frame published up to the idle engine."""
+    sub = Subscriber(endpoint)
+    try:
+        run_conversations(server)
+        wait_idle(server)
+        return sub.drain()
+    finally:
+        sub.close()
+
+
 def check_layout(frames: list[list[bytes]]) -> None:
     """Every message as vLLM documents it, on the raw bytes."""
     for i, frame in enumerate(frames):
@@ -308,13 +319,7 @@ def check_layout(frames: list[list[bytes]]) -> None:
 def test_a_subscriber_rebuilds_the_engines_block_set_live_and_by_replay(tiny_llama):
     app, async_engine, endpoint, replay = events_server(tiny_llama, "thread")
     with ServerThread(app) as server:
-        sub = Subscriber(endpoint)
-        try:
-            run_conversations(server)
-            wait_idle(server)
-            frames = sub.drain()
-        finally:
-            sub.close()
+        frames = conversation_frames(server, endpoint)
         engine_set = async_engine.engine_core.cached_block_hashes()  # idle: the engine thread only waits
         check_layout(frames)
         batches = [DECODER.decode(f[2]) for f in frames]
@@ -358,13 +363,7 @@ def test_the_engine_core_process_publishes_the_same_events(tiny_llama):
     for mode in ("thread", "process"):
         app, async_engine, endpoint, _ = events_server(tiny_llama, mode)
         with ServerThread(app) as server:
-            sub = Subscriber(endpoint)
-            try:
-                run_conversations(server)
-                wait_idle(server)
-                frames = sub.drain()
-            finally:
-                sub.close()
+            frames = conversation_frames(server, endpoint)
             if async_engine.engine_core is not None:
                 engine_sets[mode] = async_engine.engine_core.cached_block_hashes()
         check_layout(frames)
