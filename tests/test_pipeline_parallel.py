@@ -18,11 +18,10 @@ be HF's.
 from __future__ import annotations
 
 import multiprocessing
-import random
 
 import pytest
 
-from checkpoints import HFGreedyReference, make_checkpoint
+from checkpoints import HFGreedyReference, make_checkpoint, parity_workload
 from pagedserve import LLM, SamplingParams
 from pagedserve.config import PreemptionMode
 
@@ -37,20 +36,10 @@ ENGINE_ARGS = dict(pipeline_parallel_size=2, max_model_len=256, max_num_seqs=8, 
 MODELS = {"llama": dict(), "qwen2": dict(kv_heads=1), "mixtral": dict(), "qwen2_moe": dict(), "deepseek_v3": dict()}
 
 
-def make_workload(seed: int = 0):
-    rng = random.Random(seed)
-    lengths = [1, 16, 17, 150] + [rng.randint(2, 150) for _ in range(NUM_PROMPTS - 4)]
-    prompts = [[rng.randrange(2, 384) for _ in range(n)] for n in lengths]
-    system = [rng.randrange(2, 384) for _ in range(40)]  # a shared prefix: prefix-cache hits
-    for i in range(4, NUM_PROMPTS, 2):
-        prompts[i] = (system + prompts[i])[:150]
-    return prompts, [rng.randint(1, 24) for _ in lengths]
-
-
 class PPCase:
     def __init__(self, arch: str, path, llm: LLM) -> None:
         self.arch, self.path, self.llm = arch, path, llm
-        self.prompts, self.max_tokens = make_workload()
+        self.prompts, self.max_tokens = parity_workload(NUM_PROMPTS)
         self.ref = HFGreedyReference(path)
 
     def run(self, mode: PreemptionMode) -> dict:
@@ -63,11 +52,8 @@ class PPCase:
         outs = self.llm.generate(self.prompts, params, use_tqdm=False)
         pool = self.llm.engine.block_pool
         assert pool.num_free_blocks == pool.num_blocks  # every block came back
-        for i, (o, prompt, n) in enumerate(zip(outs, self.prompts, self.max_tokens)):
-            tokens = o.outputs[0].token_ids
-            assert len(tokens) == n, f"{self.arch} prompt {i}: {len(tokens)} tokens, want {n}"
-            j = self.ref.first_divergence(prompt, tokens)
-            assert j is None, f"{self.arch} prompt {i} (len {len(prompt)}): token {j} is not HF's greedy choice"
+        self.ref.assert_greedy(self.prompts, [o.outputs[0].token_ids for o in outs], self.max_tokens,
+                               f"{self.arch} {mode.value}: ")
         after = (sched.total_preemptions, sched.total_partial_prefills, sched.kv.prefix_hits,
                  sched.total_blocks_swapped["in"], sched.total_recomputed_tokens)
         run = dict(zip(["preempted", "partial_prefills", "prefix_hits", "swapped_in", "recomputed"],
@@ -236,7 +222,7 @@ def test_ray_backend_pp2_matches_hf(tmp_path):
     import ray
 
     path = make_checkpoint(tmp_path / "llama", "llama", layers=NUM_LAYERS)
-    prompts, max_tokens = (part[:6] for part in make_workload())
+    prompts, max_tokens = (part[:6] for part in parity_workload(NUM_PROMPTS))
     ref = HFGreedyReference(path)
     ray.init(num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1", log_to_driver=False)
     try:
@@ -246,9 +232,7 @@ def test_ray_backend_pp2_matches_hf(tmp_path):
                                           for n in max_tokens], use_tqdm=False)
     finally:
         ray.shutdown()
-    for i, (o, prompt, n) in enumerate(zip(outs, prompts, max_tokens)):
-        assert len(o.outputs[0].token_ids) == n
-        assert ref.first_divergence(prompt, o.outputs[0].token_ids) is None, f"prompt {i}"
+    ref.assert_greedy(prompts, [o.outputs[0].token_ids for o in outs], max_tokens)
 
 
 def test_cuda_profile_gives_the_blocks_the_tightest_stage_holds():
