@@ -199,19 +199,11 @@ def test_sigkill_a_stage_fails_requests_turns_health_503_and_exits_naming_it(tmp
     """Rank 0 (stage 0) never replies to the engine: the last stage's rank does, and it is
     blocked in its receive from the dead stage. The death is still seen at once (its process
     sentinel), as for a tensor-parallel rank."""
-    from test_scaleout_faults import Served, _core_pid, _rank_pids, assert_failed_loudly, children, kill_under_load
+    from test_scaleout_faults import Served, kill_a_rank_under_load
 
     model = make_checkpoint(tmp_path / "llama", "llama", layers=NUM_LAYERS)
     server = Served(tmp_path, model, "--pipeline-parallel-size", "2", "--engine-core-mode", "process")
-    try:
-        core = _core_pid(server)
-        rank_pids = _rank_pids(server)
-        assert len(rank_pids) == 2 and set(rank_pids) <= set(children(core)), (rank_pids, children(core))
-        results, health, code = kill_under_load(server, rank_pids[0])
-    finally:
-        if server.proc.poll() is None:
-            server.kill()
-    assert_failed_loudly(results, health, code)
+    rank_pids = kill_a_rank_under_load(server, 0, num_ranks=2)
     log = server.log()
     assert f"rank 0 (pid {rank_pids[0]}) died: killed by SIGKILL" in log, log[-3000:]
 
