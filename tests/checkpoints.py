@@ -145,6 +145,18 @@ class HFGreedyReference:
             assert j is None, f"{label}prompt {i} (len {len(prompt)}): token {j} is not HF's greedy choice"
 
 
+def greedy_outputs(llm, prompts: list[list[int]], max_tokens: list[int]) -> list[list[int]]:
+    """`llm.generate` greedy (ignore_eos, so each output has its max_tokens), then checks that
+    every block came back to the pool; returns each output's token ids."""
+    from pagedserve import SamplingParams
+
+    params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in max_tokens]
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    pool = llm.engine.block_pool
+    assert pool.num_free_blocks == pool.num_blocks  # every block came back
+    return [o.outputs[0].token_ids for o in outs]
+
+
 def parity_workload(num_prompts: int, fixed_lengths=(1, 16, 17, 150), seed: int = 0):
     """Prompts for the parity tests (ids 2-383, fits make_tokenizer's vocabulary): first the
     `fixed_lengths` (one token, block-size edges, a long one), then random lengths of 2-150;

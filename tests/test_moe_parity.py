@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from checkpoints import HFGreedyReference, make_checkpoint, parity_workload
-from pagedserve import LLM, SamplingParams
+from checkpoints import HFGreedyReference, greedy_outputs, make_checkpoint, parity_workload
+from pagedserve import LLM
 
 ARCHS = {
     "mixtral": dict(),                                    # softmax top-2 of 4, renormalised
@@ -41,10 +41,7 @@ def deepseek_case(tmp_path_factory):
 
 def generate(path, prompts, max_tokens, **engine_args):
     llm = LLM(str(path), max_model_len=256, **engine_args)
-    params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in max_tokens]
-    outs = llm.generate(prompts, params, use_tqdm=False)
-    assert llm.engine.block_pool.num_free_blocks == llm.engine.block_pool.num_blocks
-    return [o.outputs[0].token_ids for o in outs], llm
+    return greedy_outputs(llm, prompts, max_tokens), llm
 
 
 @pytest.mark.parametrize("mode", ["swap", "recompute"])

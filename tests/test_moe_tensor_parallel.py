@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import pytest
 
-from checkpoints import HFGreedyReference, make_checkpoint, parity_workload
-from pagedserve import LLM, SamplingParams
+from checkpoints import HFGreedyReference, greedy_outputs, make_checkpoint, parity_workload
+from pagedserve import LLM
 from pagedserve.config import PreemptionMode
 
 ARCHS = ("mixtral", "qwen2_moe", "deepseek_v3")
@@ -66,11 +66,7 @@ def _run(case: Case, mode: PreemptionMode) -> dict:
     sched = case.llm.engine.scheduler
     sched.config.preemption_mode = mode
     before = (dict(sched.total_preemptions_by_mode), sched.total_partial_prefills, sched.kv.prefix_hits)
-    params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in case.max_tokens]
-    outs = case.llm.generate(case.prompts, params, use_tqdm=False)
-    pool = case.llm.engine.block_pool
-    assert pool.num_free_blocks == pool.num_blocks   # every block came back
-    case.ref.assert_greedy(case.prompts, [o.outputs[0].token_ids for o in outs], case.max_tokens,
+    case.ref.assert_greedy(case.prompts, greedy_outputs(case.llm, case.prompts, case.max_tokens), case.max_tokens,
                            f"{case.arch} {case.layout} {mode.value}: ")
     by_mode = sched.total_preemptions_by_mode
     return {"preempted": by_mode[mode.value] - before[0][mode.value],
@@ -195,8 +191,7 @@ def test_ray_backend_runs_mla_with_expert_parallel_like_hf(tmp_path_factory):
         with LLM(str(path), enable_expert_parallel=True, **{**ENGINE_ARGS, "distributed_executor_backend": "ray"}) as llm:
             assert len(llm.engine.executor.actors) == 2
             assert [layers[0][:2] for layers in llm.engine.executor._call("expert_layout")] == [[0, 4], [4, 4]]
-            outs = llm.generate(prompts, [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
-                                          for n in max_tokens], use_tqdm=False)
-        ref.assert_greedy(prompts, [o.outputs[0].token_ids for o in outs], max_tokens)
+            got = greedy_outputs(llm, prompts, max_tokens)
+        ref.assert_greedy(prompts, got, max_tokens)
     finally:
         ray.shutdown()

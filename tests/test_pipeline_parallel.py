@@ -21,8 +21,8 @@ import multiprocessing
 
 import pytest
 
-from checkpoints import HFGreedyReference, make_checkpoint, parity_workload
-from pagedserve import LLM, SamplingParams
+from checkpoints import HFGreedyReference, greedy_outputs, make_checkpoint, parity_workload
+from pagedserve import LLM
 from pagedserve.config import PreemptionMode
 
 NUM_LAYERS = 3
@@ -48,11 +48,7 @@ class PPCase:
         sched.config.preemption_mode = mode
         before = (sched.total_preemptions, sched.total_partial_prefills, sched.kv.prefix_hits,
                   sched.total_blocks_swapped["in"], sched.total_recomputed_tokens)
-        params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in self.max_tokens]
-        outs = self.llm.generate(self.prompts, params, use_tqdm=False)
-        pool = self.llm.engine.block_pool
-        assert pool.num_free_blocks == pool.num_blocks  # every block came back
-        self.ref.assert_greedy(self.prompts, [o.outputs[0].token_ids for o in outs], self.max_tokens,
+        self.ref.assert_greedy(self.prompts, greedy_outputs(self.llm, self.prompts, self.max_tokens), self.max_tokens,
                                f"{self.arch} {mode.value}: ")
         after = (sched.total_preemptions, sched.total_partial_prefills, sched.kv.prefix_hits,
                  sched.total_blocks_swapped["in"], sched.total_recomputed_tokens)
@@ -220,11 +216,10 @@ def test_ray_backend_pp2_matches_hf(tmp_path):
     try:
         with LLM(str(path), **{**ENGINE_ARGS, "distributed_executor_backend": "ray"}) as llm:
             assert len(llm.engine.executor.actors) == 2 and llm.engine.executor.driver == 1
-            outs = llm.generate(prompts, [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
-                                          for n in max_tokens], use_tqdm=False)
+            got = greedy_outputs(llm, prompts, max_tokens)
     finally:
         ray.shutdown()
-    ref.assert_greedy(prompts, [o.outputs[0].token_ids for o in outs], max_tokens)
+    ref.assert_greedy(prompts, got, max_tokens)
 
 
 def test_cuda_profile_gives_the_blocks_the_tightest_stage_holds():
