@@ -48,7 +48,7 @@ class SleepExecutor:
     """Samples at once, then holds the step for `forward_s` with the GIL released (a GPU forward)."""
 
     def __init__(self, forward_s: float, vocab: int) -> None:
-        from step_overhead import InstantExecutor
+        from pagedserve.sim.instant_executor import InstantExecutor
 
         self.inner = InstantExecutor(vocab)
         self.forward_s = forward_s
@@ -71,7 +71,8 @@ def run_config(args, num_kv_blocks: int) -> dict:
     from pagedserve.metrics import EngineMetrics
     from pagedserve.server.app import build_app
     from pagedserve.server.launcher import ServerThread
-    from step_overhead import InstantExecutor, model_dir_with_room
+    from pagedserve.sim.instant_executor import InstantExecutor
+    from step_overhead import model_dir_with_room
 
     prompt_len, max_tokens = 32, args.max_tokens
     model = model_dir_with_room(prompt_len + max_tokens + 64)

@@ -20,33 +20,7 @@ import tempfile
 import time
 from pathlib import Path
 
-
-class InstantExecutor:
-    """Executor that 'computes' nothing: every request that reaches its end samples a token."""
-
-    def __init__(self, vocab: int, seed: int = 0) -> None:
-        self.rng = random.Random(seed)
-        self.vocab = vocab
-
-    def initialize_cache(self, num_blocks: int, num_host_blocks: int) -> None:
-        pass
-
-    allocate_kv_cache = initialize_cache  # the pre-redesign engine's name
-
-    def execute(self, out):
-        from pagedserve.core.outputs import StepResult
-
-        sampled = {r.request_id: self.rng.randrange(16, self.vocab) for r in out.scheduled if r.sample}
-        return StepResult(sampled=sampled)
-
-    def measure_host_bandwidth(self) -> float:
-        return 1e10
-
-    def profile_prefill(self, num_tokens: int) -> float:
-        return 1e-5
-
-    def shutdown(self) -> None:
-        pass
+from pagedserve.sim.instant_executor import InstantExecutor
 
 
 def model_dir_with_room(max_len: int) -> Path:

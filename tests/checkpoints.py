@@ -1,6 +1,7 @@
 """Tiny random HF checkpoints and an offline-trained tokenizer, made on the fly (no hub)."""
 from __future__ import annotations
 
+import random
 from pathlib import Path
 
 import torch
@@ -133,6 +134,42 @@ class HFGreedyReference:
             logits = self.model(ids, attention_mask=torch.ones_like(ids)).logits[0, len(prompt) - 1:]
         greedy = logits.argmax(dim=-1).tolist()
         return next((j for j, (got, want) in enumerate(zip(output, greedy)) if got != want), None)
+
+    def assert_greedy(self, prompts: list[list[int]], outputs: list[list[int]], max_tokens: list[int],
+                      label: str = "") -> None:
+        """Every output has its max_tokens tokens (ignore_eos) and each is HF's greedy choice."""
+        assert len(outputs) == len(prompts), (len(outputs), len(prompts))
+        for i, (prompt, tokens, n) in enumerate(zip(prompts, outputs, max_tokens)):
+            assert len(tokens) == n, f"{label}prompt {i}: {len(tokens)} tokens, want {n}"
+            j = self.first_divergence(prompt, tokens)
+            assert j is None, f"{label}prompt {i} (len {len(prompt)}): token {j} is not HF's greedy choice"
+
+
+def greedy_outputs(llm, prompts: list[list[int]], max_tokens: list[int]) -> list[list[int]]:
+    """`llm.generate` greedy (ignore_eos, so each output has its max_tokens), then checks that
+    every block came back to the pool; returns each output's token ids."""
+    from pagedserve import SamplingParams
+
+    params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in max_tokens]
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    pool = llm.engine.block_pool
+    assert pool.num_free_blocks == pool.num_blocks  # every block came back
+    return [o.outputs[0].token_ids for o in outs]
+
+
+def parity_workload(num_prompts: int, fixed_lengths=(1, 16, 17, 150), seed: int = 0):
+    """Prompts for the parity tests (ids 2-383, fits make_tokenizer's vocabulary): first the
+    `fixed_lengths` (one token, block-size edges, a long one), then random lengths of 2-150;
+    every other prompt after the fixed ones starts with a shared 40-token prefix (prefix-cache
+    hits; cut to 150 tokens). Returns (prompts, max_tokens), 1-24 output tokens each."""
+    rng = random.Random(seed)
+    first = len(fixed_lengths)
+    lengths = list(fixed_lengths) + [rng.randint(2, 150) for _ in range(num_prompts - first)]
+    prompts = [[rng.randrange(2, 384) for _ in range(n)] for n in lengths]
+    system = [rng.randrange(2, 384) for _ in range(40)]
+    for i in range(first, num_prompts, 2):
+        prompts[i] = (system + prompts[i])[:150]
+    return prompts, [rng.randint(1, 24) for _ in lengths]
 
 
 def saved_hf_config(arch: str, config_class: str, tmp_path: Path, fields: dict) -> dict:

@@ -14,9 +14,9 @@ from pagedserve.config import EngineConfig
 from pagedserve.core.block_pool import BlockPool
 from pagedserve.core.executor import Executor
 from pagedserve.core.kv_cache import KVCacheManager
-from pagedserve.core.outputs import StepResult
 from pagedserve.core.request import Request
 from pagedserve.sampling import SamplingParams
+from pagedserve.sim.instant_executor import InstantExecutor
 
 
 def kv_state(kv: KVCacheManager) -> tuple:
@@ -77,32 +77,7 @@ def test_executors_keep_the_protocol(tiny_llama):
     runner = ModelRunner(read_model_config(tiny_llama), "float32", "cpu", 16, frozenset(), 0)
     assert isinstance(runner, Executor)
     assert isinstance(SimExecutor(cost_model=None), Executor)
-
-
-class InstantExecutor:
-    """Samples a random token for every request that reaches its end; computes nothing."""
-
-    def __init__(self, vocab: int) -> None:
-        self.rng = random.Random(0)
-        self.vocab = vocab
-
-    def profile_kv_budget(self, *args) -> int:
-        raise AssertionError("a pool size is configured")
-
-    def initialize_cache(self, num_blocks: int, num_host_blocks: int) -> None:
-        pass
-
-    def measure_host_bandwidth(self) -> float:
-        return 1e10
-
-    def profile_prefill(self, num_tokens: int) -> float:
-        return 1e-5
-
-    def execute(self, out) -> StepResult:
-        return StepResult({r.request_id: self.rng.randrange(16, self.vocab) for r in out.scheduled if r.sample})
-
-    def shutdown(self) -> None:
-        pass
+    assert isinstance(InstantExecutor(4096), Executor)
 
 
 @pytest.fixture

@@ -13,37 +13,22 @@ from pagedserve.core.block_pool import BlockPool
 from pagedserve.core.outputs import StepResult
 from pagedserve.default_model_path import DEFAULT_MODEL_DIR
 from pagedserve.sampling import SamplingParams
+from pagedserve.sim.instant_executor import InstantExecutor
 
 
-class RecordingExecutor:
+class RecordingExecutor(InstantExecutor):
     """Samples random tokens, computes nothing, and records every swap the scheduler asks for."""
 
     def __init__(self, vocab: int) -> None:
-        self.rng = random.Random(0)
-        self.vocab = vocab
+        super().__init__(vocab)
         self.host_ids_written: set[int] = set()
         self.num_swaps_out = 0
-
-    def profile_kv_budget(self, *args) -> int:
-        raise AssertionError("a pool size is configured")
-
-    def initialize_cache(self, num_blocks: int, num_host_blocks: int) -> None:
-        pass
-
-    def measure_host_bandwidth(self) -> float:
-        return 1e10
-
-    def profile_prefill(self, num_tokens: int) -> float:
-        return 1e-5
 
     def execute(self, out) -> StepResult:
         if out.blocks_to_swap_out:
             self.num_swaps_out += 1
         self.host_ids_written.update(host for _, host in out.blocks_to_swap_out)
-        return StepResult({r.request_id: self.rng.randrange(16, self.vocab) for r in out.scheduled if r.sample})
-
-    def shutdown(self) -> None:
-        pass
+        return super().execute(out)
 
 
 def test_many_swaps_touch_no_more_host_blocks_than_are_swapped_at_once():

@@ -74,15 +74,22 @@ class VKVEventBatch(VEventBatch):
 DECODER = msgspec.msgpack.Decoder(VKVEventBatch)
 
 
-def apply(cached: set[int], batch: VKVEventBatch) -> None:
-    """What an external indexer does with one batch."""
-    for e in batch.events:
-        if isinstance(e, VBlockStored):
+def replay(cached: set[int], events, stored: type = VBlockStored, removed: type = VBlockRemoved) -> None:
+    """What an external indexer does with events: stored blocks join the set, removed ones
+    leave it, anything else (all blocks cleared) empties it. The classes are vLLM's messages
+    as decoded here, or the engine's own events (core.kv_events)."""
+    for e in events:
+        if isinstance(e, stored):
             cached.update(e.block_hashes)
-        elif isinstance(e, VBlockRemoved):
+        elif isinstance(e, removed):
             cached.difference_update(e.block_hashes)
         else:
             cached.clear()
+
+
+def apply(cached: set[int], batch: VKVEventBatch) -> None:
+    """What an external indexer does with one batch."""
+    replay(cached, batch.events)
 
 
 # -- the core: the log against the pool, block by block ---------------------------------------
@@ -95,16 +102,6 @@ def indexer_keys(token_ids: list[int], block_size: int, extra: bytes = b"") -> l
         parent = hashlib.sha256(parent + struct.pack(f"<{len(block)}q", *block) + (extra if i == 0 else b"")).digest()
         keys.append(int.from_bytes(parent[-8:], "big"))
     return keys
-
-
-def replay_core_events(events, cached: set[int]) -> None:
-    for e in events:
-        if isinstance(e, BlockStored):
-            cached.update(e.block_hashes)
-        elif isinstance(e, BlockRemoved):
-            cached.difference_update(e.block_hashes)
-        else:
-            cached.clear()
 
 
 @pytest.mark.parametrize("seed", range(4))
@@ -139,7 +136,7 @@ def test_events_rebuild_the_pools_cached_set_after_every_operation(seed):
         events = pool.events.take()
         for e in events:
             seen["stored" if isinstance(e, BlockStored) else "removed" if isinstance(e, BlockRemoved) else "cleared"] += 1
-        replay_core_events(events, cached)
+        replay(cached, events, BlockStored, BlockRemoved)
         assert cached == pool.cached_block_hashes(), f"step {step}"
     assert min(seen.values()) > 0, seen  # the run stored, evicted and cleared
 
@@ -277,6 +274,17 @@ def run_conversations(server) -> None:
         assert r.status_code == 200, r.text
 
 
+def conversation_frames(server, endpoint: str) -> list[list[bytes]]:
+    """Subscribe, run the conversations, and return every frame published up to the idle engine."""
+    sub = Subscriber(endpoint)
+    try:
+        run_conversations(server)
+        wait_idle(server)
+        return sub.drain()
+    finally:
+        sub.close()
+
+
 def check_layout(frames: list[list[bytes]]) -> None:
     """Every message as vLLM documents it, on the raw bytes."""
     for i, frame in enumerate(frames):
@@ -308,13 +316,7 @@ def check_layout(frames: list[list[bytes]]) -> None:
 def test_a_subscriber_rebuilds_the_engines_block_set_live_and_by_replay(tiny_llama):
     app, async_engine, endpoint, replay = events_server(tiny_llama, "thread")
     with ServerThread(app) as server:
-        sub = Subscriber(endpoint)
-        try:
-            run_conversations(server)
-            wait_idle(server)
-            frames = sub.drain()
-        finally:
-            sub.close()
+        frames = conversation_frames(server, endpoint)
         engine_set = async_engine.engine_core.cached_block_hashes()  # idle: the engine thread only waits
         check_layout(frames)
         batches = [DECODER.decode(f[2]) for f in frames]
@@ -354,31 +356,20 @@ def test_a_subscriber_rebuilds_the_engines_block_set_live_and_by_replay(tiny_lla
 def test_the_engine_core_process_publishes_the_same_events(tiny_llama):
     """Process mode: the same one-at-a-time conversations give the same event stream (keys,
     tokens, order) as the in-thread engine, whose block set is read directly."""
-    streams, engine_sets = {}, {}
+    batches, streams, engine_sets = {}, {}, {}
     for mode in ("thread", "process"):
         app, async_engine, endpoint, _ = events_server(tiny_llama, mode)
         with ServerThread(app) as server:
-            sub = Subscriber(endpoint)
-            try:
-                run_conversations(server)
-                wait_idle(server)
-                frames = sub.drain()
-            finally:
-                sub.close()
+            frames = conversation_frames(server, endpoint)
             if async_engine.engine_core is not None:
                 engine_sets[mode] = async_engine.engine_core.cached_block_hashes()
         check_layout(frames)
-        streams[mode] = [[msgspec.to_builtins(e) for e in DECODER.decode(f[2]).events] for f in frames]
+        batches[mode] = [DECODER.decode(f[2]) for f in frames]
+        streams[mode] = [[msgspec.to_builtins(e) for e in batch.events] for batch in batches[mode]]
     assert streams["process"] == streams["thread"]
     rebuilt: set[int] = set()
-    for events in streams["process"]:
-        for e in events:
-            if e["type"] == "BlockStored":
-                rebuilt.update(e["block_hashes"])
-            elif e["type"] == "BlockRemoved":
-                rebuilt.difference_update(e["block_hashes"])
-            else:
-                rebuilt.clear()
+    for batch in batches["process"]:
+        apply(rebuilt, batch)
     assert rebuilt == engine_sets["thread"] and rebuilt
 
 

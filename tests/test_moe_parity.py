@@ -4,12 +4,10 @@ checkpoints of Mixtral, Qwen2-MoE and DeepSeek-V3; and the MLA model's real pool
 exactly the pool `pagedserve plan` sizes."""
 from __future__ import annotations
 
-import random
-
 import pytest
 
-from checkpoints import HFGreedyReference, make_checkpoint
-from pagedserve import LLM, SamplingParams
+from checkpoints import HFGreedyReference, greedy_outputs, make_checkpoint, parity_workload
+from pagedserve import LLM
 
 ARCHS = {
     "mixtral": dict(),                                    # softmax top-2 of 4, renormalised
@@ -19,16 +17,6 @@ ARCHS = {
 NUM_PROMPTS = 10
 
 
-def make_workload(seed: int = 0):
-    rng = random.Random(seed)
-    lengths = [1, 16, 17, 150] + [rng.randint(2, 150) for _ in range(NUM_PROMPTS - 4)]
-    prompts = [[rng.randrange(2, 384) for _ in range(n)] for n in lengths]
-    system = [rng.randrange(2, 384) for _ in range(40)]  # a shared prefix: prefix-cache hits
-    for i in range(4, NUM_PROMPTS, 2):
-        prompts[i] = (system + prompts[i])[:150]
-    return prompts, [rng.randint(1, 24) for _ in lengths]
-
-
 _CASES: dict = {}
 
 
@@ -36,7 +24,7 @@ def _case(arch, tmp_path_factory):
     """Checkpoint, workload and HF reference, built once per architecture for the module."""
     if arch not in _CASES:
         path = make_checkpoint(tmp_path_factory.mktemp(arch), arch, **ARCHS[arch])
-        prompts, max_tokens = make_workload()
+        prompts, max_tokens = parity_workload(NUM_PROMPTS)
         _CASES[arch] = (path, prompts, max_tokens, HFGreedyReference(path))
     return _CASES[arch]
 
@@ -53,17 +41,7 @@ def deepseek_case(tmp_path_factory):
 
 def generate(path, prompts, max_tokens, **engine_args):
     llm = LLM(str(path), max_model_len=256, **engine_args)
-    params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in max_tokens]
-    outs = llm.generate(prompts, params, use_tqdm=False)
-    assert llm.engine.block_pool.num_free_blocks == llm.engine.block_pool.num_blocks
-    return [o.outputs[0].token_ids for o in outs], llm
-
-
-def assert_hf_greedy(got, prompts, max_tokens, ref: HFGreedyReference):
-    for i, (tokens, prompt, n) in enumerate(zip(got, prompts, max_tokens)):
-        assert len(tokens) == n, f"prompt {i}: {len(tokens)} tokens, want {n}"
-        j = ref.first_divergence(prompt, tokens)
-        assert j is None, f"prompt {i}: token {j} is not HF's greedy choice"
+    return greedy_outputs(llm, prompts, max_tokens), llm
 
 
 @pytest.mark.parametrize("mode", ["swap", "recompute"])
@@ -79,7 +57,7 @@ def test_greedy_parity_under_chunking_prefix_caching_and_preemption(case, mode):
         assert sched.total_blocks_swapped["in"] > 0
     else:
         assert sched.total_recomputed_tokens > 0
-    assert_hf_greedy(got, prompts, max_tokens, ref)
+    ref.assert_greedy(prompts, got, max_tokens)
 
 
 def test_mla_absorbed_prefill_matches_hf(deepseek_case, monkeypatch):
@@ -91,7 +69,7 @@ def test_mla_absorbed_prefill_matches_hf(deepseek_case, monkeypatch):
     got, llm = generate(path, prompts, max_tokens, num_kv_blocks=16, max_num_batched_tokens=32,
                         preemption_mode="recompute", enable_prefix_caching=True)
     assert llm.engine.scheduler.total_partial_prefills > 0
-    assert_hf_greedy(got, prompts, max_tokens, ref)
+    ref.assert_greedy(prompts, got, max_tokens)
 
 
 def test_mla_pool_is_the_latent_and_equals_plans(deepseek_case):

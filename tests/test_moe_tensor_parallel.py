@@ -11,12 +11,10 @@ runs the workload once per preemption mode.
 """
 from __future__ import annotations
 
-import random
-
 import pytest
 
-from checkpoints import HFGreedyReference, make_checkpoint
-from pagedserve import LLM, SamplingParams
+from checkpoints import HFGreedyReference, greedy_outputs, make_checkpoint, parity_workload
+from pagedserve import LLM
 from pagedserve.config import PreemptionMode
 
 ARCHS = ("mixtral", "qwen2_moe", "deepseek_v3")
@@ -32,14 +30,8 @@ ENGINE_ARGS = dict(tensor_parallel_size=2, max_model_len=MAX_MODEL_LEN, max_num_
                    swap_space="16MiB", preemption_mode="swap")
 
 
-def make_workload(seed: int = 3):
-    rng = random.Random(seed)
-    lengths = [1, 17, 150] + [rng.randint(2, 150) for _ in range(NUM_PROMPTS - 3)]
-    prompts = [[rng.randrange(2, 384) for _ in range(n)] for n in lengths]
-    system = [rng.randrange(2, 384) for _ in range(40)]   # a shared prefix: prefix-cache hits
-    for i in range(3, NUM_PROMPTS, 2):
-        prompts[i] = (system + prompts[i])[:150]
-    return prompts, [rng.randint(1, 24) for _ in lengths]
+def workload():
+    return parity_workload(NUM_PROMPTS, fixed_lengths=(1, 17, 150), seed=3)
 
 
 _CHECKPOINTS: dict = {}
@@ -56,7 +48,7 @@ class Case:
     def __init__(self, arch: str, layout: str, path, ref: HFGreedyReference) -> None:
         self.arch, self.layout, self.path, self.ref = arch, layout, path, ref
         self.expert_parallel = LAYOUTS[layout]
-        self.prompts, self.max_tokens = make_workload()
+        self.prompts, self.max_tokens = workload()
         self.llm = LLM(str(path), enable_expert_parallel=self.expert_parallel, **ENGINE_ARGS)
 
 
@@ -74,15 +66,8 @@ def _run(case: Case, mode: PreemptionMode) -> dict:
     sched = case.llm.engine.scheduler
     sched.config.preemption_mode = mode
     before = (dict(sched.total_preemptions_by_mode), sched.total_partial_prefills, sched.kv.prefix_hits)
-    params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in case.max_tokens]
-    outs = case.llm.generate(case.prompts, params, use_tqdm=False)
-    pool = case.llm.engine.block_pool
-    assert pool.num_free_blocks == pool.num_blocks   # every block came back
-    for i, (out, prompt, n) in enumerate(zip(outs, case.prompts, case.max_tokens)):
-        tokens = out.outputs[0].token_ids
-        assert len(tokens) == n, f"prompt {i}: {len(tokens)} tokens, want {n}"
-        j = case.ref.first_divergence(prompt, tokens)
-        assert j is None, f"{case.arch} {case.layout} {mode.value}: prompt {i}, token {j} is not HF's greedy choice"
+    case.ref.assert_greedy(case.prompts, greedy_outputs(case.llm, case.prompts, case.max_tokens), case.max_tokens,
+                           f"{case.arch} {case.layout} {mode.value}: ")
     by_mode = sched.total_preemptions_by_mode
     return {"preempted": by_mode[mode.value] - before[0][mode.value],
             "other_mode": sum(by_mode.values()) - sum(before[0].values()) - (by_mode[mode.value] - before[0][mode.value]),
@@ -199,17 +184,14 @@ def test_ray_backend_runs_mla_with_expert_parallel_like_hf(tmp_path_factory):
     import ray
 
     path, ref = _checkpoint("deepseek_v3", tmp_path_factory)
-    prompts, max_tokens = make_workload()
+    prompts, max_tokens = workload()
     prompts, max_tokens = prompts[:4], max_tokens[:4]
     ray.init(num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1", log_to_driver=False)
     try:
         with LLM(str(path), enable_expert_parallel=True, **{**ENGINE_ARGS, "distributed_executor_backend": "ray"}) as llm:
             assert len(llm.engine.executor.actors) == 2
             assert [layers[0][:2] for layers in llm.engine.executor._call("expert_layout")] == [[0, 4], [4, 4]]
-            outs = llm.generate(prompts, [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
-                                          for n in max_tokens], use_tqdm=False)
-        for i, (out, prompt, n) in enumerate(zip(outs, prompts, max_tokens)):
-            assert len(out.outputs[0].token_ids) == n
-            assert ref.first_divergence(prompt, out.outputs[0].token_ids) is None, f"prompt {i}"
+            got = greedy_outputs(llm, prompts, max_tokens)
+        ref.assert_greedy(prompts, got, max_tokens)
     finally:
         ray.shutdown()

@@ -18,12 +18,11 @@ be HF's.
 from __future__ import annotations
 
 import multiprocessing
-import random
 
 import pytest
 
-from checkpoints import HFGreedyReference, make_checkpoint
-from pagedserve import LLM, SamplingParams
+from checkpoints import HFGreedyReference, greedy_outputs, make_checkpoint, parity_workload
+from pagedserve import LLM
 from pagedserve.config import PreemptionMode
 
 NUM_LAYERS = 3
@@ -37,20 +36,10 @@ ENGINE_ARGS = dict(pipeline_parallel_size=2, max_model_len=256, max_num_seqs=8, 
 MODELS = {"llama": dict(), "qwen2": dict(kv_heads=1), "mixtral": dict(), "qwen2_moe": dict(), "deepseek_v3": dict()}
 
 
-def make_workload(seed: int = 0):
-    rng = random.Random(seed)
-    lengths = [1, 16, 17, 150] + [rng.randint(2, 150) for _ in range(NUM_PROMPTS - 4)]
-    prompts = [[rng.randrange(2, 384) for _ in range(n)] for n in lengths]
-    system = [rng.randrange(2, 384) for _ in range(40)]  # a shared prefix: prefix-cache hits
-    for i in range(4, NUM_PROMPTS, 2):
-        prompts[i] = (system + prompts[i])[:150]
-    return prompts, [rng.randint(1, 24) for _ in lengths]
-
-
 class PPCase:
     def __init__(self, arch: str, path, llm: LLM) -> None:
         self.arch, self.path, self.llm = arch, path, llm
-        self.prompts, self.max_tokens = make_workload()
+        self.prompts, self.max_tokens = parity_workload(NUM_PROMPTS)
         self.ref = HFGreedyReference(path)
 
     def run(self, mode: PreemptionMode) -> dict:
@@ -59,15 +48,8 @@ class PPCase:
         sched.config.preemption_mode = mode
         before = (sched.total_preemptions, sched.total_partial_prefills, sched.kv.prefix_hits,
                   sched.total_blocks_swapped["in"], sched.total_recomputed_tokens)
-        params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in self.max_tokens]
-        outs = self.llm.generate(self.prompts, params, use_tqdm=False)
-        pool = self.llm.engine.block_pool
-        assert pool.num_free_blocks == pool.num_blocks  # every block came back
-        for i, (o, prompt, n) in enumerate(zip(outs, self.prompts, self.max_tokens)):
-            tokens = o.outputs[0].token_ids
-            assert len(tokens) == n, f"{self.arch} prompt {i}: {len(tokens)} tokens, want {n}"
-            j = self.ref.first_divergence(prompt, tokens)
-            assert j is None, f"{self.arch} prompt {i} (len {len(prompt)}): token {j} is not HF's greedy choice"
+        self.ref.assert_greedy(self.prompts, greedy_outputs(self.llm, self.prompts, self.max_tokens), self.max_tokens,
+                               f"{self.arch} {mode.value}: ")
         after = (sched.total_preemptions, sched.total_partial_prefills, sched.kv.prefix_hits,
                  sched.total_blocks_swapped["in"], sched.total_recomputed_tokens)
         run = dict(zip(["preempted", "partial_prefills", "prefix_hits", "swapped_in", "recomputed"],
@@ -213,19 +195,11 @@ def test_sigkill_a_stage_fails_requests_turns_health_503_and_exits_naming_it(tmp
     """Rank 0 (stage 0) never replies to the engine: the last stage's rank does, and it is
     blocked in its receive from the dead stage. The death is still seen at once (its process
     sentinel), as for a tensor-parallel rank."""
-    from test_scaleout_faults import Served, _core_pid, _rank_pids, assert_failed_loudly, children, kill_under_load
+    from test_scaleout_faults import Served, kill_a_rank_under_load
 
     model = make_checkpoint(tmp_path / "llama", "llama", layers=NUM_LAYERS)
     server = Served(tmp_path, model, "--pipeline-parallel-size", "2", "--engine-core-mode", "process")
-    try:
-        core = _core_pid(server)
-        rank_pids = _rank_pids(server)
-        assert len(rank_pids) == 2 and set(rank_pids) <= set(children(core)), (rank_pids, children(core))
-        results, health, code = kill_under_load(server, rank_pids[0])
-    finally:
-        if server.proc.poll() is None:
-            server.kill()
-    assert_failed_loudly(results, health, code)
+    rank_pids = kill_a_rank_under_load(server, 0, num_ranks=2)
     log = server.log()
     assert f"rank 0 (pid {rank_pids[0]}) died: killed by SIGKILL" in log, log[-3000:]
 
@@ -236,19 +210,16 @@ def test_ray_backend_pp2_matches_hf(tmp_path):
     import ray
 
     path = make_checkpoint(tmp_path / "llama", "llama", layers=NUM_LAYERS)
-    prompts, max_tokens = (part[:6] for part in make_workload())
+    prompts, max_tokens = (part[:6] for part in parity_workload(NUM_PROMPTS))
     ref = HFGreedyReference(path)
     ray.init(num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1", log_to_driver=False)
     try:
         with LLM(str(path), **{**ENGINE_ARGS, "distributed_executor_backend": "ray"}) as llm:
             assert len(llm.engine.executor.actors) == 2 and llm.engine.executor.driver == 1
-            outs = llm.generate(prompts, [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
-                                          for n in max_tokens], use_tqdm=False)
+            got = greedy_outputs(llm, prompts, max_tokens)
     finally:
         ray.shutdown()
-    for i, (o, prompt, n) in enumerate(zip(outs, prompts, max_tokens)):
-        assert len(o.outputs[0].token_ids) == n
-        assert ref.first_divergence(prompt, o.outputs[0].token_ids) is None, f"prompt {i}"
+    ref.assert_greedy(prompts, got, max_tokens)
 
 
 def test_cuda_profile_gives_the_blocks_the_tightest_stage_holds():

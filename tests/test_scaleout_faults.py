@@ -180,15 +180,7 @@ def model(tmp_path_factory):
 
 def test_sigkill_a_rank_fails_requests_turns_health_503_and_exits_naming_it(tmp_path, model):
     server = Served(tmp_path, model, "--tensor-parallel-size", "2", "--engine-core-mode", "process")
-    try:
-        core = _core_pid(server)
-        rank_pids = _rank_pids(server)
-        assert set(rank_pids) <= set(children(core)), (rank_pids, children(core))
-        results, health, code = kill_under_load(server, rank_pids[1])
-    finally:
-        if server.proc.poll() is None:
-            server.kill()
-    assert_failed_loudly(results, health, code)
+    rank_pids = kill_a_rank_under_load(server, 1, num_ranks=2)
     log = server.log()
     # The killed rank is the cause, named first (its peer, which dies of it, comes after).
     assert f"tensor-parallel rank 1 (pid {rank_pids[1]}) died: killed by SIGKILL" in log, log[-3000:]
@@ -200,6 +192,21 @@ def assert_failed_loudly(results: list[str], health: set[int], code: int | None)
     assert results and all(r.startswith("error") for r in results), results
     assert 503 in health
     assert code not in (None, 0), code
+
+
+def kill_a_rank_under_load(server: Served, rank: int, num_ranks: int) -> list[int]:
+    """SIGKILL rank `rank` of the `num_ranks` (each a child of the engine-core process) while
+    requests stream; every one of them must fail loudly. Returns the ranks' pids."""
+    try:
+        core = _core_pid(server)
+        rank_pids = _rank_pids(server)
+        assert len(rank_pids) == num_ranks and set(rank_pids) <= set(children(core)), (rank_pids, children(core))
+        results, health, code = kill_under_load(server, rank_pids[rank])
+    finally:
+        if server.proc.poll() is None:
+            server.kill()
+    assert_failed_loudly(results, health, code)
+    return rank_pids
 
 
 def _core_pid(server: Served) -> int:

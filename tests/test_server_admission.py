@@ -3,6 +3,7 @@
 --max-queue-len is not given. A refusal changes nothing in the engine."""
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 
@@ -40,6 +41,33 @@ def check_400(r: httpx.Response, param: str) -> str:
     err = r.json()["error"]
     assert err["code"] == 400 and err["type"] == "BadRequestError" and err["param"] == param, err
     return err["message"]
+
+
+@contextlib.contextmanager
+def default_queue_filled(server, ae, hold, release, body: dict):
+    """Hold the engine, send four requests of 256 sequences (`body`) that fill the default queue
+    of 1,024, and wait until all of them wait; the block runs then. After it: release the engine
+    and check that all four were served."""
+    results: list[int] = []
+
+    def call() -> None:
+        results.append(post(server, body).status_code)
+
+    hold()
+    try:
+        waiting = [threading.Thread(target=call) for _ in range(4)]
+        for t in waiting:
+            t.start()
+        end = time.monotonic() + 60
+        while ae.num_waiting < 1024 and time.monotonic() < end:
+            time.sleep(0.02)
+        assert ae.num_waiting == 1024
+        yield
+    finally:
+        release()
+    for t in waiting:
+        t.join(120)
+    assert results == [200] * 4
 
 
 def test_the_defaults():
@@ -80,20 +108,7 @@ def test_the_default_queue_bound_is_503_with_retry_after(server):
     ae = server.async_engine
     assert ae.max_queue_len == MIN_DEFAULT_MAX_QUEUE_LEN == 4 * DEFAULT_MAX_SEQS_PER_REQUEST
     idle = engine_state(server)
-    results: list[int] = []
-
-    def call() -> None:
-        results.append(post(server, {"prompt": [[5, 6]] * 256, "max_tokens": 1}).status_code)
-
-    ae.pause()
-    try:
-        waiting = [threading.Thread(target=call) for _ in range(4)]
-        for t in waiting:
-            t.start()
-        end = time.monotonic() + 60
-        while ae.num_waiting < 1024 and time.monotonic() < end:
-            time.sleep(0.02)
-        assert ae.num_waiting == 1024
+    with default_queue_filled(server, ae, ae.pause, ae.resume, {"prompt": [[5, 6]] * 256, "max_tokens": 1}):
         before = engine_state(server)
         r = post(server, {"prompt": "hi", "max_tokens": 1})
         assert r.status_code == 503, r.text
@@ -101,11 +116,6 @@ def test_the_default_queue_bound_is_503_with_retry_after(server):
         assert int(r.headers["Retry-After"]) >= 1
         assert "1024 of 1024" in r.json()["error"]["message"]
         assert engine_state(server) == before
-    finally:
-        ae.resume()
-    for t in waiting:
-        t.join(120)
-    assert results == [200] * 4
     end = time.monotonic() + 30
     while engine_state(server) != idle and time.monotonic() < end:
         time.sleep(0.02)
@@ -142,29 +152,12 @@ def test_process_mode_the_same_bounds(tiny_llama):
         for name in ("pagedserve:prompt_tokens_total{}", "pagedserve:num_requests_waiting{}",
                      "pagedserve:num_requests_running{}", "pagedserve:kv_cache_used_tokens{}"):
             assert after[name] == before[name], name
-        results: list[int] = []
-
-        def call() -> None:
-            results.append(post(st, {"prompt": [[5, 6]] * 256, "max_tokens": 1, "ignore_eos": True}).status_code)
-
         core = ae.client.process.pid
-        os.kill(core, signal.SIGSTOP)
-        try:
-            waiting = [threading.Thread(target=call) for _ in range(4)]
-            for t in waiting:
-                t.start()
-            end = time.monotonic() + 60
-            while ae.num_waiting < 1024 and time.monotonic() < end:
-                time.sleep(0.02)
-            assert ae.num_waiting == 1024
+        with default_queue_filled(st, ae, lambda: os.kill(core, signal.SIGSTOP), lambda: os.kill(core, signal.SIGCONT),
+                                  {"prompt": [[5, 6]] * 256, "max_tokens": 1, "ignore_eos": True}):
             r = post(st, {"prompt": "hi", "max_tokens": 1})
             assert r.status_code == 503 and int(r.headers["Retry-After"]) >= 1, r.text
             assert ae.num_waiting == 1024
-        finally:
-            os.kill(core, signal.SIGCONT)
-        for t in waiting:
-            t.join(120)
-        assert results == [200] * 4
         m = wait_idle(st)  # every block back, nothing left waiting (it fails on a deadline otherwise)
         assert m["pagedserve:request_success_total{finished_reason=length}"] == (
             before["pagedserve:request_success_total{finished_reason=length}"] + 1024)

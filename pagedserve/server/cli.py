@@ -16,6 +16,10 @@ _SERVER_DEFAULTS = {"host": "127.0.0.1", "port": 8000, "api_key": None, "max_que
                     "max_request_bytes": None, "enable_prompt_tokens_details": False,
                     "enable_auto_tool_choice": False, "tool_call_parser": None, "dashboard": True,
                     "shutdown_timeout": None, "header_read_timeout": None, "body_read_timeout": None}
+# Settings checked alike: counts where 0 = no limit, and seconds (with what 0 means, where it is not "none").
+_COUNT_LIMITS = ("max_request_bytes", "max_queue_len", "max_seqs_per_request")
+_SECONDS = {"step_watchdog_timeout": " (0 = off)", "shutdown_timeout": "", "header_read_timeout": "",
+            "body_read_timeout": ""}
 
 
 def register(sub) -> None:
@@ -91,26 +95,19 @@ def server_settings(args) -> dict:
             settings[name] = value
     if settings["api_key"] is None:
         settings["api_key"] = os.environ.get("PAGEDSERVE_API_KEY") or None
-    port, queue, size = settings["port"], settings["max_queue_len"], settings["max_request_bytes"]
-    if size is not None and (not isinstance(size, int) or size < 0):
-        raise ValueError(f"max_request_bytes: must be an integer >= 0 (0 = no limit), got {size!r}")
+    port = settings["port"]
     if not isinstance(port, int) or not 0 <= port <= 65535:
         raise ValueError(f"port: must be an integer in [0, 65535], got {port!r}")
     if not isinstance(settings["dashboard"], bool):
         raise ValueError(f"dashboard: must be true or false, got {settings['dashboard']!r}")
-    if queue is not None and (not isinstance(queue, int) or queue < 0):
-        raise ValueError(f"max_queue_len: must be an integer >= 0 (0 = no limit), got {queue!r}")
-    watchdog = settings["step_watchdog_timeout"]
-    if watchdog is not None and (isinstance(watchdog, bool) or not isinstance(watchdog, (int, float))
-                                 or watchdog < 0):
-        raise ValueError(f"step_watchdog_timeout: must be a number of seconds >= 0 (0 = off), got {watchdog!r}")
-    per_request = settings["max_seqs_per_request"]
-    if per_request is not None and (not isinstance(per_request, int) or per_request < 0):
-        raise ValueError(f"max_seqs_per_request: must be an integer >= 0 (0 = no limit), got {per_request!r}")
-    for name in ("shutdown_timeout", "header_read_timeout", "body_read_timeout"):
+    for name in _COUNT_LIMITS:
+        value = settings[name]
+        if value is not None and (not isinstance(value, int) or value < 0):
+            raise ValueError(f"{name}: must be an integer >= 0 (0 = no limit), got {value!r}")
+    for name, zero in _SECONDS.items():
         value = settings[name]
         if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0):
-            raise ValueError(f"{name}: must be a number of seconds >= 0, got {value!r}")
+            raise ValueError(f"{name}: must be a number of seconds >= 0{zero}, got {value!r}")
     parser = settings["tool_call_parser"]
     if parser is not None and parser not in TOOL_PARSERS:
         raise ValueError(f"tool_call_parser: unknown parser {parser!r}; choose from {sorted(TOOL_PARSERS)}")

@@ -30,36 +30,7 @@ import time
 from pathlib import Path
 
 from pagedserve.sim.host_overhead import DEFAULTS_PATH, HostOverhead
-
-
-class _NullExecutor:
-    """Samples a token for every request that reaches its end; no compute, no clock."""
-
-    def __init__(self, vocab: int) -> None:
-        self.vocab = vocab
-        self._k = 0
-
-    def initialize_cache(self, num_blocks: int, num_host_blocks: int) -> None:
-        pass
-
-    def measure_host_bandwidth(self) -> float:
-        return 1e10
-
-    def profile_prefill(self, num_tokens: int) -> float:
-        return 1e-5
-
-    def shutdown(self) -> None:
-        pass
-
-    def execute(self, out):
-        from pagedserve.core.outputs import StepResult
-
-        sampled = {}
-        for r in out.scheduled:
-            if r.sample:
-                self._k = (self._k + 7) % (self.vocab - 16)
-                sampled[r.request_id] = 16 + self._k
-        return StepResult(sampled=sampled)
+from pagedserve.sim.instant_executor import InstantExecutor
 
 
 def _core(max_num_seqs: int, max_tokens_per_step: int):
@@ -70,7 +41,7 @@ def _core(max_num_seqs: int, max_tokens_per_step: int):
     cfg = EngineConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_tokens_per_step, max_model_len=1024,
                        num_kv_blocks=4096, enable_prefix_caching=False, device="cpu", swap_space=0)
     cfg.resolve(1024)
-    return EngineCore.build(cfg, _NullExecutor(4000), KVPoolSize(4096, cfg.block_size, 64))
+    return EngineCore.build(cfg, InstantExecutor(4000), KVPoolSize(4096, cfg.block_size, 64))
 
 
 def engine_steps(batches=(1, 4, 16, 64), chunks=(64, 256, 512), steps: int = 40) -> list[tuple[int, int, float]]:
