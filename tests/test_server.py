@@ -377,3 +377,16 @@ def test_every_server_setting_is_accepted_in_a_serve_yaml_by_both_readers(tmp_pa
     args = build_parser().parse_args(["serve", "--model", str(tiny_llama), "--config", str(cfg)])
     assert engine_config_from_args(args).max_num_seqs == 3
     assert server_settings(args) == values
+
+
+@pytest.mark.parametrize("key", ["port", "max_queue_len", "max_request_bytes", "max_seqs_per_request"])
+def test_a_yaml_boolean_is_not_a_count(tmp_path, key):
+    """YAML reads `max_queue_len: true` as a bool, which Python counts as the integer 1: a limit of
+    one the operator never wrote. It is refused by name instead."""
+    from pagedserve.cli import build_parser
+    from pagedserve.server.cli import server_settings
+
+    cfg = tmp_path / "serve.yaml"
+    cfg.write_text(f"{key}: true\n")
+    with pytest.raises(ValueError, match=key):
+        server_settings(build_parser().parse_args(["serve", "--config", str(cfg)]))

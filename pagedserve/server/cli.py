@@ -96,13 +96,13 @@ def server_settings(args) -> dict:
     if settings["api_key"] is None:
         settings["api_key"] = os.environ.get("PAGEDSERVE_API_KEY") or None
     port = settings["port"]
-    if not isinstance(port, int) or not 0 <= port <= 65535:
+    if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
         raise ValueError(f"port: must be an integer in [0, 65535], got {port!r}")
     if not isinstance(settings["dashboard"], bool):
         raise ValueError(f"dashboard: must be true or false, got {settings['dashboard']!r}")
     for name in _COUNT_LIMITS:
         value = settings[name]
-        if value is not None and (not isinstance(value, int) or value < 0):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
             raise ValueError(f"{name}: must be an integer >= 0 (0 = no limit), got {value!r}")
     for name, zero in _SECONDS.items():
         value = settings[name]
