@@ -169,7 +169,7 @@ def wait_sends(pending: list) -> None:
     t0 = time.perf_counter() if observer is not None else 0.0
     for work, _payload in pending:
         work.wait()
-    if observer is not None:  # the sends' own calls were counted when they started
+    if observer is not None and pending:  # the sends' own calls were counted when they started
         observer.record("pp_send", time.perf_counter() - t0, 0, calls=0)
 
 
