@@ -3,7 +3,8 @@ through the executor's `set_comm_observer`): off by default, so a rank records n
 installed, each rank counts every collective of a tp=2 MoE run with the bytes the
 Megatron layout moves: per forward of T tokens one all-reduce for the embedding and one
 per attention block (T x hidden each), one MoE combine per layer (T x hidden), and a
-logits gather. Greedy output stays HF's with the observer on. No timing is asserted.
+logits gather; under pp=2 stage 0 sends and stage 1 receives one [2, T, hidden] payload per
+step. Greedy output stays HF's with the observer on. No timing is asserted.
 """
 from __future__ import annotations
 
@@ -77,3 +78,28 @@ def test_installed_counts_each_collective_and_its_bytes(tp2):
         assert "pp_send" not in comm and "pp_recv" not in comm  # one stage: no sends
         assert s["calls"] == sum(comm[k]["calls"] for k in ("all_reduce", "moe_combine", "gather"))
         assert all(v["seconds"] >= 0 for v in comm.values())
+
+
+def test_pp2_sends_and_receives_are_observed(tmp_path, monkeypatch):
+    path = make_checkpoint(tmp_path / "pp-mixtral", "mixtral", hidden=HIDDEN, layers=LAYERS)
+    monkeypatch.setenv("PAGEDSERVE_PP_MICRO_BATCH_TOKENS", "8")  # steps of >= 16 tokens are micro-batched
+    llm = LLM(str(path), pipeline_parallel_size=2, max_model_len=256, max_num_batched_tokens=32,
+              kv_cache_memory="4MiB", enable_prefix_caching=False)
+    try:
+        ex = llm.engine.executor
+        ex.set_comm_observer(True)
+        ex.reset_stats()
+        prompts, max_tokens = _workload(2)
+        _generate(llm, prompts, max_tokens)
+        first, last = ex.worker_stats()
+    finally:
+        llm.shutdown()
+    tokens = sum(len(p) for p in prompts) + sum(n - 1 for n in max_tokens)
+    payload = tokens * 2 * HIDDEN * 4  # the layer output and the residual, fp32
+    sends, recvs = first["comm"]["pp_send"], last["comm"]["pp_recv"]
+    assert first["pp_micro_batches"] > 0  # some steps went as micro-batches: one send each
+    assert sends["calls"] == recvs["calls"] > first["num_steps"]
+    assert sends["bytes"] == recvs["bytes"] == payload  # micro-batches split the rows, not add to them
+    assert "pp_recv" not in first["comm"] and "pp_send" not in last["comm"]  # the last stage sends nothing
+    assert "all_reduce" not in first["comm"]  # tp=1 stages: no collectives
+    assert first["pp_bytes"] == payload

@@ -68,14 +68,22 @@ def comm_observer() -> CommObserver | None:
     return _observer
 
 
+def observed_clock(x: torch.Tensor) -> float:
+    """perf_counter for an observer's interval; on CUDA after the device's queued work, so
+    an asynchronous NCCL call is timed by its transfer, not its enqueue (a benchmark's cost)."""
+    if x.is_cuda:
+        torch.cuda.synchronize(x.device)
+    return time.perf_counter()
+
+
 def all_reduce(x: torch.Tensor, kind: str = "all_reduce") -> torch.Tensor:
     observer = _observer
     if observer is None:
         dist.all_reduce(x)
         return x
-    t0 = time.perf_counter()
+    t0 = observed_clock(x)
     dist.all_reduce(x)
-    observer.record(kind, time.perf_counter() - t0, x.numel() * x.element_size())
+    observer.record(kind, observed_clock(x) - t0, x.numel() * x.element_size())
     return x
 
 
@@ -87,11 +95,11 @@ def moe_combine(x: torch.Tensor) -> torch.Tensor:
 def gather_on_rank0(x: torch.Tensor, shard: TPShard) -> torch.Tensor | None:
     """Concatenate every rank's last dimension on rank 0 (None elsewhere)."""
     observer = _observer
-    t0 = time.perf_counter() if observer is not None else 0.0
+    t0 = observed_clock(x) if observer is not None else 0.0
     parts = [torch.empty_like(x) for _ in range(shard.tp)] if shard.rank == 0 else None
     dist.gather(x.contiguous(), parts, dst=0)
     if observer is not None:
-        observer.record("gather", time.perf_counter() - t0, x.numel() * x.element_size())
+        observer.record("gather", observed_clock(x) - t0, x.numel() * x.element_size())
     return torch.cat(parts, dim=-1) if parts is not None else None
 
 

@@ -149,28 +149,29 @@ def send_intermediate(parts: tuple, dst: int, wait: bool = True):
     import torch
     import torch.distributed as dist
 
-    from pagedserve.model.parallel import comm_observer
+    from pagedserve.model.parallel import comm_observer, observed_clock
 
     observer = comm_observer()
-    t0 = time.perf_counter() if observer is not None else 0.0
     payload = torch.stack([p for p in parts if p is not None]).contiguous()
+    t0 = observed_clock(payload) if observer is not None else 0.0
     work = dist.isend(payload, dst)
     if wait:
         work.wait()
     if observer is not None:
-        observer.record("pp_send", time.perf_counter() - t0, payload.numel() * payload.element_size())
+        t1 = observed_clock(payload) if wait else time.perf_counter()
+        observer.record("pp_send", t1 - t0, payload.numel() * payload.element_size())
     return None if wait else (work, payload)  # the payload lives until the send completes
 
 
 def wait_sends(pending: list) -> None:
-    from pagedserve.model.parallel import comm_observer
+    from pagedserve.model.parallel import comm_observer, observed_clock
 
-    observer = comm_observer()
-    t0 = time.perf_counter() if observer is not None else 0.0
+    observer = comm_observer() if pending else None
+    t0 = observed_clock(pending[0][1]) if observer is not None else 0.0
     for work, _payload in pending:
         work.wait()
-    if observer is not None and pending:  # the sends' own calls were counted when they started
-        observer.record("pp_send", time.perf_counter() - t0, 0, calls=0)
+    if observer is not None:  # the sends' own calls were counted when they started
+        observer.record("pp_send", observed_clock(pending[-1][1]) - t0, 0, calls=0)
 
 
 def recv_intermediate(num_parts: int, num_tokens: int, hidden_size: int, dtype, device, src: int) -> tuple:
@@ -178,12 +179,12 @@ def recv_intermediate(num_parts: int, num_tokens: int, hidden_size: int, dtype, 
     import torch
     import torch.distributed as dist
 
-    from pagedserve.model.parallel import comm_observer
+    from pagedserve.model.parallel import comm_observer, observed_clock
 
     observer = comm_observer()
-    t0 = time.perf_counter() if observer is not None else 0.0
     payload = torch.empty((num_parts, num_tokens, hidden_size), dtype=dtype, device=device)
+    t0 = observed_clock(payload) if observer is not None else 0.0
     dist.recv(payload, src)
     if observer is not None:
-        observer.record("pp_recv", time.perf_counter() - t0, payload.numel() * payload.element_size())
+        observer.record("pp_recv", observed_clock(payload) - t0, payload.numel() * payload.element_size())
     return (payload[0], payload[1]) if num_parts == 2 else (payload[0], None)
