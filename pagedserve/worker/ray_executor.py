@@ -131,11 +131,6 @@ class RayExecutor(RankCalls):
     def worker_stats(self) -> list[dict]:
         return self._call("stats")
 
-    def set_comm_observer(self, enabled: bool = True) -> None:
-        """Have every rank time its collectives and sends (Worker.set_comm_observer); stats() then
-        report them. Off by default: benchmarks turn it on."""
-        self._call("set_comm_observer", enabled)
-
     def shutdown(self) -> None:
         import ray
 

@@ -267,5 +267,10 @@ class RankCalls:
     def measure_host_bandwidth(self) -> float:
         return min(self._call("measure_host_bandwidth"))
 
+    def set_comm_observer(self, enabled: bool = True) -> None:
+        """Have every rank time its collectives and sends (Worker.set_comm_observer); stats() then
+        report them. Off by default: benchmarks turn it on."""
+        self._call("set_comm_observer", enabled)
+
     def profile_prefill(self, num_tokens: int) -> float:
         return max(self._call("profile_prefill", num_tokens))
