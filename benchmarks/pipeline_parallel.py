@@ -44,6 +44,7 @@ def run(path: Path, pp: int, prompts, new_tokens: int, micro_batch_tokens: int =
     try:
         params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
         llm.generate(prompts[:2], params, use_tqdm=False)  # warm-up
+        llm.engine.executor.set_comm_observer(True)  # the ranks time their sends only when asked
         llm.engine.executor.reset_stats()
         t0 = time.perf_counter()
         outs = llm.generate(prompts, params, use_tqdm=False)

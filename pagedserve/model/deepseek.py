@@ -28,7 +28,7 @@ from pagedserve.model.layers import Linear
 from pagedserve.model.llama import RMSNorm, rotate_half
 from pagedserve.model.moe import DenseMLP, SparseMoeBlock
 from pagedserve.model.moe_models import expert_placement, llama_placement, shared_expert_placement, tp_sliced
-from pagedserve.model.parallel import (RowParallelLinear, VocabParallelEmbedding, all_reduce, gather_vocab_logits,
+from pagedserve.model.parallel import (RowParallelLinear, VocabParallelEmbedding, gather_vocab_logits, moe_combine,
                                        shard_heads)
 from pagedserve.model.rope import RotaryEmbedding
 from pagedserve.model.weights import Placement, load_tensors
@@ -95,7 +95,7 @@ class DeepseekDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = MLAttention(cfg, shard)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = (SparseMoeBlock(cfg.hidden_size, cfg.moe, shard, all_reduce) if sparse
+        self.mlp = (SparseMoeBlock(cfg.hidden_size, cfg.moe, shard, moe_combine) if sparse
                     else DenseMLP(cfg.hidden_size, shard.intermediate_size, shard.tp))
 
     def forward(self, h, cos, sin, cache, meta):

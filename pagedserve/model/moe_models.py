@@ -14,7 +14,7 @@ import re
 from pagedserve.model.config import ModelConfig, TPShard
 from pagedserve.model.llama import LlamaForCausalLM
 from pagedserve.model.moe import SparseMoeBlock
-from pagedserve.model.parallel import all_reduce, shard_checkpoint_tensor, shard_mlp_tensor
+from pagedserve.model.parallel import moe_combine, shard_checkpoint_tensor, shard_mlp_tensor
 from pagedserve.model.weights import Placement, fused_rows, load_tensors
 
 _EXPERT = re.compile(r"^layers\.(\d+)\.(?:block_sparse_moe|mlp)\.experts\.(\d+)\.(\w+)\.weight$")
@@ -83,7 +83,7 @@ class MoeForCausalLM(LlamaForCausalLM):
         super().__init__(cfg, shard)
         for layer, sparse in zip(self.layers, cfg.moe.sparse_layers):
             if sparse:
-                layer.mlp = SparseMoeBlock(cfg.hidden_size, cfg.moe, self.shard, all_reduce)
+                layer.mlp = SparseMoeBlock(cfg.hidden_size, cfg.moe, self.shard, moe_combine)
 
     def load_checkpoint(self, tensors) -> None:
         cfg, shard = self.cfg, self.shard

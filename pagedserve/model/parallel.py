@@ -17,8 +17,10 @@ checkpoint's full tensors are `shard_checkpoint_tensor`'s; which heads and rows 
 is `model.config.TPShard`'s.
 
 The process group is torch.distributed's default group (gloo on CPU, NCCL on CUDA), set up
-by worker/worker.py before the model is built. Time spent in collectives is accumulated in
-COMM_TIME so benchmarks can report the all-reduce share of a step.
+by worker/worker.py before the model is built. Communication is timed only where a
+benchmark installs a CommObserver on the rank (`set_comm_observer`, reached through the
+worker's `set_comm_observer` call); without one (the default) a collective is the bare
+torch.distributed call, with no clock read.
 """
 from __future__ import annotations
 
@@ -32,24 +34,72 @@ from torch import nn
 from pagedserve.model.config import ModelConfig, TPShard
 from pagedserve.model.layers import Linear
 
-COMM_TIME = {"all_reduce": 0.0, "gather": 0.0, "calls": 0}
+class CommObserver:
+    """What one rank's communication cost, by kind: calls, seconds (wall, the call's own)
+    and bytes this rank handed to the call. Kinds: "all_reduce" (attention / dense MLP /
+    embedding), "moe_combine" (the MoE layer's all-reduce), "gather" (logits to rank 0),
+    "pp_send" (a send's call, and later waits on it), "pp_recv"."""
+
+    def __init__(self) -> None:
+        self.calls: dict[str, int] = {}
+        self.seconds: dict[str, float] = {}
+        self.bytes: dict[str, int] = {}
+
+    def record(self, kind: str, seconds: float, num_bytes: int = 0, calls: int = 1) -> None:
+        self.calls[kind] = self.calls.get(kind, 0) + calls
+        self.seconds[kind] = self.seconds.get(kind, 0.0) + seconds
+        self.bytes[kind] = self.bytes.get(kind, 0) + num_bytes
+
+    def summary(self) -> dict[str, dict]:
+        return {k: {"calls": self.calls[k], "seconds": self.seconds[k], "bytes": self.bytes[k]} for k in self.calls}
 
 
-def all_reduce(x: torch.Tensor) -> torch.Tensor:
-    t0 = time.perf_counter()
+_observer: CommObserver | None = None
+
+
+def set_comm_observer(observer: CommObserver | None) -> CommObserver | None:
+    """Install `observer` on this process's collectives (None: remove); returns the previous one."""
+    global _observer
+    previous, _observer = _observer, observer
+    return previous
+
+
+def comm_observer() -> CommObserver | None:
+    return _observer
+
+
+def observed_clock(x: torch.Tensor) -> float:
+    """perf_counter for an observer's interval; on CUDA after the device's queued work, so
+    an asynchronous NCCL call is timed by its transfer, not its enqueue (a benchmark's cost)."""
+    if x.is_cuda:
+        torch.cuda.synchronize(x.device)
+    return time.perf_counter()
+
+
+def all_reduce(x: torch.Tensor, kind: str = "all_reduce") -> torch.Tensor:
+    observer = _observer
+    if observer is None:
+        dist.all_reduce(x)
+        return x
+    t0 = observed_clock(x)
     dist.all_reduce(x)
-    COMM_TIME["all_reduce"] += time.perf_counter() - t0
-    COMM_TIME["calls"] += 1
+    observer.record(kind, observed_clock(x) - t0, x.numel() * x.element_size())
     return x
+
+
+def moe_combine(x: torch.Tensor) -> torch.Tensor:
+    """An MoE layer's combine (model/moe.py): an all-reduce, observed under its own kind."""
+    return all_reduce(x, "moe_combine")
 
 
 def gather_on_rank0(x: torch.Tensor, shard: TPShard) -> torch.Tensor | None:
     """Concatenate every rank's last dimension on rank 0 (None elsewhere)."""
-    t0 = time.perf_counter()
+    observer = _observer
+    t0 = observed_clock(x) if observer is not None else 0.0
     parts = [torch.empty_like(x) for _ in range(shard.tp)] if shard.rank == 0 else None
     dist.gather(x.contiguous(), parts, dst=0)
-    COMM_TIME["gather"] += time.perf_counter() - t0
-    COMM_TIME["calls"] += 1
+    if observer is not None:
+        observer.record("gather", observed_clock(x) - t0, x.numel() * x.element_size())
     return torch.cat(parts, dim=-1) if parts is not None else None
 
 

@@ -33,8 +33,6 @@ from dataclasses import dataclass, replace
 from pagedserve.model.config import ModelConfig
 from pagedserve.plan.parallel import stage_layer_counts
 
-PP_COMM_TIME = {"pp_send": 0.0, "pp_recv": 0.0, "pp_calls": 0, "pp_bytes": 0, "pp_micro_batches": 0}
-
 # A step is cut into micro-batches (at most pp, each of at least this many tokens) that follow
 # each other through the stages, so stage s works on micro-batch k while stage s+1 works on
 # k-1. That pays only where a stage's time grows with its tokens (prefill chunks: compute
@@ -151,22 +149,29 @@ def send_intermediate(parts: tuple, dst: int, wait: bool = True):
     import torch
     import torch.distributed as dist
 
-    t0 = time.perf_counter()
+    from pagedserve.model.parallel import comm_observer, observed_clock
+
+    observer = comm_observer()
     payload = torch.stack([p for p in parts if p is not None]).contiguous()
+    t0 = observed_clock(payload) if observer is not None else 0.0
     work = dist.isend(payload, dst)
     if wait:
         work.wait()
-    PP_COMM_TIME["pp_send"] += time.perf_counter() - t0
-    PP_COMM_TIME["pp_calls"] += 1
-    PP_COMM_TIME["pp_bytes"] += payload.numel() * payload.element_size()
+    if observer is not None:
+        t1 = observed_clock(payload) if wait else time.perf_counter()
+        observer.record("pp_send", t1 - t0, payload.numel() * payload.element_size())
     return None if wait else (work, payload)  # the payload lives until the send completes
 
 
 def wait_sends(pending: list) -> None:
-    t0 = time.perf_counter()
+    from pagedserve.model.parallel import comm_observer, observed_clock
+
+    observer = comm_observer() if pending else None
+    t0 = observed_clock(pending[0][1]) if observer is not None else 0.0
     for work, _payload in pending:
         work.wait()
-    PP_COMM_TIME["pp_send"] += time.perf_counter() - t0
+    if observer is not None:  # the sends' own calls were counted when they started
+        observer.record("pp_send", observed_clock(pending[-1][1]) - t0, 0, calls=0)
 
 
 def recv_intermediate(num_parts: int, num_tokens: int, hidden_size: int, dtype, device, src: int) -> tuple:
@@ -174,9 +179,12 @@ def recv_intermediate(num_parts: int, num_tokens: int, hidden_size: int, dtype, 
     import torch
     import torch.distributed as dist
 
-    t0 = time.perf_counter()
+    from pagedserve.model.parallel import comm_observer, observed_clock
+
+    observer = comm_observer()
     payload = torch.empty((num_parts, num_tokens, hidden_size), dtype=dtype, device=device)
+    t0 = observed_clock(payload) if observer is not None else 0.0
     dist.recv(payload, src)
-    PP_COMM_TIME["pp_recv"] += time.perf_counter() - t0
-    PP_COMM_TIME["pp_calls"] += 1
+    if observer is not None:
+        observer.record("pp_recv", observed_clock(payload) - t0, payload.numel() * payload.element_size())
     return (payload[0], payload[1]) if num_parts == 2 else (payload[0], None)

@@ -168,9 +168,14 @@ def build_deployment(config: EngineConfig, model: str, *, gpu: str | None = None
                                        config.block_size)
         device = spec.name
     else:
-        if layout.pp != 1 or layout.dp != 1 or layout.expert_parallel:
-            raise ValueError("pipeline_parallel_size: on --device cpu the simulator prices one engine's TP ranks; "
-                             "use --gpu for pipeline and expert parallelism")
+        if layout.dp != 1:
+            raise ValueError("data_parallel_size: the simulator runs one engine (one DP replica); "
+                             "simulate one replica and multiply")
+        if layout.expert_parallel and not shape.is_moe:
+            raise ValueError("enable_expert_parallel: the model has no experts")
+        # the engine runs TP, EP and PP on CPU ranks (gloo): the pool is sized per stage as it sizes it
+        config.pipeline_parallel_size = layout.pp
+        config.enable_expert_parallel = layout.expert_parallel
         config.device = "cpu"
         config.resolve(shape.max_position_embeddings or 8192)
         dtype = resolve_dtype(config.dtype, info.checkpoint_dtype, "cpu")
@@ -183,11 +188,18 @@ def build_deployment(config: EngineConfig, model: str, *, gpu: str | None = None
             raise ValueError("cost_model: on --device cpu give --cost-model COST.json "
                              "(made by `pagedserve simulate calibrate` from an engine step trace)")
         params = cost_params
-        cost_model = CostModel(ModelCost.from_shape(shape, dtype, kv_dtype, tp), params, config.block_size)
+        if layout.pp > 1 or layout.expert_parallel:
+            # the CPU ranks sit on one machine: every link is the cost model's link_bandwidth
+            # (a calibrated gloo rate, benchmarks/parallel_layouts.py fits one)
+            cost_model = ParallelCostModel(shape, dtype, kv_dtype, layout, params, topology or Topology(),
+                                           config.block_size)
+        else:
+            cost_model = CostModel(ModelCost.from_shape(shape, dtype, kv_dtype, tp), params, config.block_size)
         device = "cpu"
     check_pool_fits(KVPoolSize(num_blocks, config.block_size, bytes_per_block // config.block_size), config)
     return Deployment(config, num_blocks, cost_model, info.name, shape.vocab_size or 32000, device, tp, note,
-                      bytes_per_block, layout.describe() if gpu is not None else "", plan if gpu is not None else None)
+                      bytes_per_block, layout.describe() if gpu is not None or layout.pp > 1 or layout.expert_parallel
+                      else "", plan if gpu is not None else None)
 
 
 @dataclass

@@ -44,7 +44,7 @@ from pagedserve.core.scheduler import NewRequestData, ScheduledRequest, Schedule
 from pagedserve.sampling import SamplingParams
 from pagedserve.model.config import TPShard
 from pagedserve.model.loader import TORCH_DTYPES, ModelConfig, load_model
-from pagedserve.model.pipeline import (PP_COMM_TIME, PipelineStage, micro_batch_bounds, recv_intermediate,
+from pagedserve.model.pipeline import (PipelineStage, micro_batch_bounds, recv_intermediate,
                                        send_intermediate, stage_config, wait_sends)
 from pagedserve.structured.compiler import GrammarCompiler, GrammarMatcher
 from pagedserve.worker.sampler import Sampler
@@ -148,6 +148,7 @@ class ModelRunner:
         self.shard = shard or TPShard.of(model_config)
         self.stage = stage or PipelineStage.of(model_config.num_layers)
         self.stage_config = stage_config(model_config, self.stage)  # its layers: the pool's shape
+        self.num_micro_batches = 0  # pipelined steps' micro-batches (benchmarks read it)
         # the one rank that samples (and so keeps grammar matchers): the last stage's TP rank 0
         self.samples = self.stage.is_last and self.shard.rank == 0
         self.device = torch.device(device)
@@ -346,7 +347,7 @@ class ModelRunner:
         bounds = micro_batch_bounds([sr.num_new_tokens for sr in sched], self.stage.pp)
         if len(bounds) == 1:
             return self._forward(inputs.input_ids, inputs.positions, self.kv_cache, inputs.meta, inputs.prompt_lens)
-        PP_COMM_TIME["pp_micro_batches"] += len(bounds)
+        self.num_micro_batches += len(bounds)
         offsets = np.concatenate([[0], np.cumsum([sr.num_new_tokens for sr in sched])])
         outs, pending = [], []
         for a, b in bounds:

@@ -152,19 +152,38 @@ class Worker:
                                   stage=stage)
 
     def stats(self) -> dict:
-        from pagedserve.model.parallel import COMM_TIME
-        from pagedserve.model.pipeline import PP_COMM_TIME
-        return {"rank": self.rank, "pid": os.getpid(), "pp_rank": self.pp_rank, "tp_rank": self.tp_rank,
-                "decode_seconds": self.decode_seconds, "execute_seconds": self.execute_seconds,
-                "num_steps": self.num_steps, **COMM_TIME, **PP_COMM_TIME}
+        """Step counts and times; with a comm observer installed (`set_comm_observer`) also
+        its communication by kind (`comm`) and the totals benchmarks/scaleout.py and
+        pipeline_parallel.py print."""
+        from pagedserve.model.parallel import comm_observer
+
+        out = {"rank": self.rank, "pid": os.getpid(), "pp_rank": self.pp_rank, "tp_rank": self.tp_rank,
+               "decode_seconds": self.decode_seconds, "execute_seconds": self.execute_seconds,
+               "num_steps": self.num_steps, "pp_micro_batches": self.runner.num_micro_batches, "comm": None}
+        observer = comm_observer()
+        if observer is not None:
+            comm = observer.summary()
+            part = lambda kind, field: comm.get(kind, {}).get(field, 0)  # noqa: E731
+            out.update(comm=comm, all_reduce=part("all_reduce", "seconds") + part("moe_combine", "seconds"),
+                       gather=part("gather", "seconds"),
+                       calls=sum(part(k, "calls") for k in ("all_reduce", "moe_combine", "gather")),
+                       pp_send=part("pp_send", "seconds"), pp_recv=part("pp_recv", "seconds"),
+                       pp_calls=part("pp_send", "calls") + part("pp_recv", "calls"), pp_bytes=part("pp_send", "bytes"))
+        return out
 
     def reset_stats(self) -> None:
-        from pagedserve.model.parallel import COMM_TIME
-        from pagedserve.model.pipeline import PP_COMM_TIME
+        from pagedserve.model.parallel import CommObserver, comm_observer, set_comm_observer
         self.decode_seconds = self.execute_seconds = 0.0
         self.num_steps = 0
-        COMM_TIME.update(all_reduce=0.0, gather=0.0, calls=0)
-        PP_COMM_TIME.update(pp_send=0.0, pp_recv=0.0, pp_calls=0, pp_bytes=0, pp_micro_batches=0)
+        self.runner.num_micro_batches = 0
+        if comm_observer() is not None:
+            set_comm_observer(CommObserver())
+
+    def set_comm_observer(self, enabled: bool) -> None:
+        """Time this rank's collectives and sends from now on (a fresh CommObserver), or stop
+        (None: the collectives run without a clock read)."""
+        from pagedserve.model.parallel import CommObserver, set_comm_observer
+        set_comm_observer(CommObserver() if enabled else None)
 
     def handle(self, payload: bytes) -> bytes | None | ShutdownMsg:
         """One message in; the reply's bytes (None: nothing to reply). Raises on failure."""
@@ -247,6 +266,11 @@ class RankCalls:
 
     def measure_host_bandwidth(self) -> float:
         return min(self._call("measure_host_bandwidth"))
+
+    def set_comm_observer(self, enabled: bool = True) -> None:
+        """Have every rank time its collectives and sends (Worker.set_comm_observer); stats() then
+        report them. Off by default: benchmarks turn it on."""
+        self._call("set_comm_observer", enabled)
 
     def profile_prefill(self, num_tokens: int) -> float:
         return max(self._call("profile_prefill", num_tokens))
