@@ -1,6 +1,6 @@
 """Check that splitting the README into docs/ lost nothing, and that its links resolve.
 
-    git show 957a7ed:README.md > /tmp/old_README.md   # the README before the split
+    git show 83a7ff3:README.md > /tmp/old_README.md   # the README before the split (main at the time)
     python scripts/check_docs_moved.py /tmp/old_README.md
 
 1. Every `##`-`####` heading of OLD_README.md (by its text, any level) is a heading of
