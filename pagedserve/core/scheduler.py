@@ -94,7 +94,8 @@ class ScheduledRequest(Struct, array_like=True):
 
 class SchedulerOutput(Struct, array_like=True):
     """One step's instructions to the executor. A msgspec Struct: with tensor parallelism it
-    is encoded once per step and broadcast to every rank (worker/broadcast.py)."""
+    is encoded once per step and the same bytes are sent to every rank (worker/multiproc_executor.py;
+    worker/ray_executor.py for Ray actors)."""
 
     scheduled: list[ScheduledRequest]
     num_batched_tokens: int

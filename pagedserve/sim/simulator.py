@@ -1,10 +1,12 @@
 """Discrete-event simulation of a pagedserve deployment on a virtual clock.
 
-The scheduler and the KV-cache manager are the engine's own: the core is built with
-`Scheduler.from_config(config, num_blocks, clock=virtual_clock)` exactly as the engine
-builds it, and this loop drives `schedule()` / `update_from_output()` itself. Only the
-model runner is replaced, by `SimExecutor` (a cost model). So preemptions, KV usage,
-queueing and tail latency come out of the real policy.
+The scheduler and the KV-cache manager are the engine's own: the core is built by the
+engine's own factory, `EngineCore.build(config, executor, pool, clock=virtual_clock,
+cpu_clock=virtual_clock)` (`build_core`), which makes the scheduler with
+`Scheduler.from_config` as it does for the engine, and this loop calls `core.step()`
+(schedule, execute, update_from_output) as the engine does. Only the model runner is
+replaced, by `SimExecutor` (a cost model). So preemptions, KV usage, queueing and tail
+latency come out of the real policy.
 
 One iteration:
     admit every request whose arrival time + admission overhead <= now (and, in closed
