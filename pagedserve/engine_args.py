@@ -38,7 +38,7 @@ _FLAGS: list[tuple[str, dict]] = [
                                               "estimated size, e.g. 64MiB (it also keeps at most 256 grammars)")),
     ("--kv-events-config", dict(default=None, help="KV events as vLLM publishes them, JSON: "
                                 "{\"enable_kv_cache_events\": true, \"endpoint\": \"tcp://127.0.0.1:5557\", "
-                                "\"replay_endpoint\": ..., \"topic\": ...} (README: KV events)")),
+                                "\"replay_endpoint\": ..., \"topic\": ...} (docs/metrics.md: KV events)")),
     ("--step-trace-path", dict(default=None, help="write one JSON line per engine step (for sim calibrate)")),
     (("--tensor-parallel-size", "-tp", "--tp"), dict(type=int, default=None,
                                                       help="ranks the model is sharded over (one process each)")),

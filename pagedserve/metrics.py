@@ -5,7 +5,7 @@ histograms) plus what operators ask vLLM for: the pool size and use in tokens, r
 swapped blocks, the step time, and `engine_busy_ratio` — the share of wall time the engine spends
 in the model forward (our "utilisation"). Names and help texts come from `metric_names.METRICS`.
 
-Histogram bounds are ours, not vLLM's (README, "Metrics"): a classic histogram's quantile is a
+Histogram bounds are ours, not vLLM's (docs/metrics.md): a classic histogram's quantile is a
 linear interpolation inside the bucket that holds it, so it can be off by up to one bucket width.
 Latency bounds therefore follow the preferred numbers over the whole range pagedserve's
 latencies take on CPU and GPU: E24 (24 per decade, neighbours 7-15% apart) for the latencies

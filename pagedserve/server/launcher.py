@@ -18,7 +18,7 @@ ENGINE_CORE_MODES = ("auto", "thread", "process")
 
 def resolve_engine_core_mode(mode: str, device: str) -> str:
     """auto: its own process on CUDA (the GPU must never wait on the GIL); on CPU the
-    measured faster of the two (benchmarks/scaleout.py; README "Scaling out")."""
+    measured faster of the two (benchmarks/scaleout.py; docs/scaling.md)."""
     if mode not in ENGINE_CORE_MODES:
         raise ValueError(f"engine_core_mode: must be one of {ENGINE_CORE_MODES}, got {mode!r}")
     if mode != "auto":

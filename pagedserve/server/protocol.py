@@ -45,7 +45,7 @@ class _Base(BaseModel):
             _check_unicode(value, key)
             harmless = cls.refused_fields.get(key)
             if harmless is not None and value is not None and value not in harmless:
-                raise ValueError(f"{key}: not supported by this server (see the README's request field table)")
+                raise ValueError(f"{key}: not supported by this server (see the request field table in docs/api.md)")
         return {k: v for k, v in data.items() if v is not None}
 
 
