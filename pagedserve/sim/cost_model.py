@@ -54,6 +54,7 @@ from typing import Iterable, Sequence
 from pagedserve.core.engine_core import StepTrace
 from pagedserve.plan.kv_budget import QUANTIZED_KV_DTYPES, ModelShape, dtype_bytes, kv_bytes_per_token, kv_scale_bytes
 from pagedserve.plan.models import param_breakdown
+from pagedserve.sim.host_overhead import ServingOverhead, default_host_overhead
 
 # ---------------------------------------------------------------------------------------
 # Default constants. Sources (numbers rounded, taken as typical rather than best case):
@@ -173,8 +174,6 @@ class CostParams:
         leaves the serving layer out (the step's CPU terms stay): only when asked for.
 
         The NVLink figure in the presets is aggregate bidirectional: one direction is half."""
-        from pagedserve.sim.host_overhead import default_host_overhead
-
         host = host or default_host_overhead()
         params = cls(peak_flops=gpu.bf16_tflops * 1e12, mem_bandwidth=gpu.hbm_bandwidth_gbps * 1e9,
                      fp8_peak_flops=getattr(gpu, "fp8_tflops", 0.0) * 1e12,
@@ -182,58 +181,6 @@ class CostParams:
                      source=f"defaults for {gpu.name}")
         host.apply(params, serving=serving_overhead)
         return params
-
-
-@dataclass
-class ServingOverhead:
-    """A request's time in the serving layer, outside the engine's steps. The simulator
-    delays a request's entry into the engine by `admit` and every token's arrival at the
-    client by `deliver`: so TTFT and E2E include them, and ITL their change from step to step.
-
-    admit(prompt)   = admit_s + admit_per_prompt_token_s x prompt tokens
-                      (HTTP, body parse, tokenization, validation, the hand-off to the engine)
-    deliver(step)   = deliver_s + deliver_per_output_s x requests the step fed
-                      (detokenization and one SSE chunk per request, one after another)
-    """
-
-    admit_s: float = 0.0
-    admit_per_prompt_token_s: float = 0.0
-    deliver_s: float = 0.0
-    deliver_per_output_s: float = 0.0
-    source: str = "none"
-    # One event loop does it all (pagedserve's server, vLLM's API process): with `serial` each
-    # admission and each step's per-request delivery work waits for the work before it, so a burst
-    # of arrivals, or many streams at once, queue for it (deliver_s stays a latency: the hand-over
-    # from the engine, occupying nothing). Right for pure service times (the host probe's, which
-    # the GPU presets use); a fit from a live trace (fit_serving) already holds the queueing it
-    # saw, so it keeps False: every one served at once.
-    serial: bool = False
-
-    def admit(self, prompt_len: int) -> float:
-        return self.admit_s + self.admit_per_prompt_token_s * prompt_len
-
-    def deliver(self, num_outputs: int) -> float:
-        return self.deliver_s + self.deliver_per_output_s * num_outputs
-
-    @property
-    def is_zero(self) -> bool:
-        return not (self.admit_s or self.admit_per_prompt_token_s or self.deliver_s or self.deliver_per_output_s)
-
-    def describe(self) -> str:
-        if self.is_zero:
-            return ("none modelled (asked for with --no-serving-overhead, or a cost model calibrated without a "
-                    "request trace)")
-        return (f"admission {self.admit_s * 1e3:.1f} ms + {self.admit_per_prompt_token_s * 1e6:.1f} us/prompt token, "
-                f"delivery {self.deliver_s * 1e3:.1f} ms + {self.deliver_per_output_s * 1e3:.3f} ms per request "
-                f"in the step{', one event loop (queued)' if self.serial else ''} ({self.source})")
-
-    def to_dict(self) -> dict:
-        return asdict(self)
-
-    @classmethod
-    def from_dict(cls, d: dict | None) -> "ServingOverhead":
-        known = {f.name for f in fields(cls)}
-        return cls(**{k: v for k, v in (d or {}).items() if k in known})
 
 
 @dataclass(frozen=True)

@@ -5,7 +5,7 @@ Two parts, both as functions of the step's and the request's sizes:
 * **per step, in the engine loop** (schedule, block allocation, the step's inputs, update and
   output processing): ``step_s + per_request_s x requests + per_token_s x scheduled tokens``,
   added to every step (CostParams.step_overhead_s / per_request_overhead_s / per_token_overhead_s);
-* **per request, in the serving layer** (cost_model.ServingOverhead): admission
+* **per request, in the serving layer** (ServingOverhead, below): admission
   ``admit_s + admit_per_prompt_token_s x prompt tokens`` (HTTP parse, tokenization, hand-off) before
   a request reaches the engine, and delivery ``deliver_s + deliver_per_output_s x requests the step
   fed`` (detokenization and one SSE frame per request) after each step.
@@ -53,6 +53,58 @@ VLLM_PER_REQUEST_S = 20e-6
 HOST_PROFILES = ("vllm", "pagedserve")
 
 
+@dataclass
+class ServingOverhead:
+    """A request's time in the serving layer, outside the engine's steps. The simulator
+    delays a request's entry into the engine by `admit` and every token's arrival at the
+    client by `deliver`: so TTFT and E2E include them, and ITL their change from step to step.
+
+    admit(prompt)   = admit_s + admit_per_prompt_token_s x prompt tokens
+                      (HTTP, body parse, tokenization, validation, the hand-off to the engine)
+    deliver(step)   = deliver_s + deliver_per_output_s x requests the step fed
+                      (detokenization and one SSE chunk per request, one after another)
+    """
+
+    admit_s: float = 0.0
+    admit_per_prompt_token_s: float = 0.0
+    deliver_s: float = 0.0
+    deliver_per_output_s: float = 0.0
+    source: str = "none"
+    # One event loop does it all (pagedserve's server, vLLM's API process): with `serial` each
+    # admission and each step's per-request delivery work waits for the work before it, so a burst
+    # of arrivals, or many streams at once, queue for it (deliver_s stays a latency: the hand-over
+    # from the engine, occupying nothing). Right for pure service times (the host probe's, which
+    # the GPU presets use); a fit from a live trace (fit_serving) already holds the queueing it
+    # saw, so it keeps False: every one served at once.
+    serial: bool = False
+
+    def admit(self, prompt_len: int) -> float:
+        return self.admit_s + self.admit_per_prompt_token_s * prompt_len
+
+    def deliver(self, num_outputs: int) -> float:
+        return self.deliver_s + self.deliver_per_output_s * num_outputs
+
+    @property
+    def is_zero(self) -> bool:
+        return not (self.admit_s or self.admit_per_prompt_token_s or self.deliver_s or self.deliver_per_output_s)
+
+    def describe(self) -> str:
+        if self.is_zero:
+            return ("none modelled (asked for with --no-serving-overhead, or a cost model calibrated without a "
+                    "request trace)")
+        return (f"admission {self.admit_s * 1e3:.1f} ms + {self.admit_per_prompt_token_s * 1e6:.1f} us/prompt token, "
+                f"delivery {self.deliver_s * 1e3:.1f} ms + {self.deliver_per_output_s * 1e3:.3f} ms per request "
+                f"in the step{', one event loop (queued)' if self.serial else ''} ({self.source})")
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict | None) -> "ServingOverhead":
+        known = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in (d or {}).items() if k in known})
+
+
 @dataclass(frozen=True)
 class HostOverhead:
     step_s: float = 0.0
@@ -86,7 +138,6 @@ class HostOverhead:
         params.step_overhead_s = self.step_s * k
         params.per_request_overhead_s = self.per_request_s * k
         params.per_token_overhead_s = self.per_token_s * k
-        from pagedserve.sim.cost_model import ServingOverhead
 
         note = f"{self.source}, host speed x{self.speed:g}"
         params.serving = ServingOverhead(self.admit_s * k, self.admit_per_prompt_token_s * k, self.deliver_s * k,
