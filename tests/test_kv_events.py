@@ -24,7 +24,8 @@ from metrics_scrape import scrape, wait_idle
 from pagedserve.config import EngineConfig
 from pagedserve.core.block_pool import BlockPool
 from pagedserve.core.kv_cache import KVCacheManager
-from pagedserve.core.kv_events import BlockRemoved, BlockStored, KVEventLog, KVEventsConfig
+from pagedserve.config import KVEventsConfig
+from pagedserve.core.kv_events import BlockRemoved, BlockStored, KVEventLog
 from pagedserve.core.request import Request
 from pagedserve.sampling import SamplingParams
 from pagedserve.server.launcher import ServerThread, build_server

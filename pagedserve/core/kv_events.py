@@ -19,9 +19,7 @@ ones, empty it on a clear) gives exactly the external keys of the pool's cached 
 """
 from __future__ import annotations
 
-import json
-from dataclasses import dataclass, field, fields
-from typing import Any
+from dataclasses import dataclass, field
 
 _LOW_64 = (1 << 64) - 1
 
@@ -102,61 +100,3 @@ def device_medium(device: str) -> str:
     """The `medium` of the device pool's events: vLLM's "GPU" for a CUDA pool; "CPU" when the
     pool itself lives in host memory (a CPU engine), since that is where the KV is."""
     return "GPU" if device == "cuda" else "CPU"
-
-
-# -- --kv-events-config ---------------------------------------------------------------
-@dataclass
-class KVEventsConfig:
-    """vLLM's KVEventsConfig fields and defaults, except the endpoint: loopback unless asked
-    (vLLM binds tcp://*:5557, every interface)."""
-
-    enable_kv_cache_events: bool = False
-    publisher: str | None = None            # "zmq" | "null"; None: zmq when enabled, else null
-    endpoint: str = "tcp://127.0.0.1:5557"  # PUB socket (bound)
-    replay_endpoint: str | None = None      # ROUTER socket for replays (bound), None = no replay
-    buffer_steps: int = 10_000              # batches kept for replay
-    hwm: int = 100_000                      # ZMQ send high-water mark of the PUB socket
-    max_queue_size: int = 100_000           # batches waiting for the publisher thread; beyond: dropped
-    topic: str = ""
-
-    def __post_init__(self) -> None:
-        if self.publisher is None:
-            self.publisher = "zmq" if self.enable_kv_cache_events else "null"
-        _need(isinstance(self.enable_kv_cache_events, bool), "enable_kv_cache_events", "must be true or false")
-        _need(self.publisher in ("zmq", "null"), "publisher", f"must be \"zmq\" or \"null\", got {self.publisher!r}")
-        _need(isinstance(self.endpoint, str) and "://" in self.endpoint, "endpoint",
-              f"must be a ZMQ address like tcp://127.0.0.1:5557, got {self.endpoint!r}")
-        _need(self.replay_endpoint is None or (isinstance(self.replay_endpoint, str) and "://" in self.replay_endpoint),
-              "replay_endpoint", f"must be a ZMQ address or null, got {self.replay_endpoint!r}")
-        for name in ("buffer_steps", "hwm", "max_queue_size"):
-            value = getattr(self, name)
-            _need(isinstance(value, int) and not isinstance(value, bool) and value >= 1, name,
-                  f"must be an integer >= 1, got {value!r}")
-        _need(isinstance(self.topic, str), "topic", f"must be a string, got {self.topic!r}")
-
-    @property
-    def publishes(self) -> bool:
-        return self.enable_kv_cache_events and self.publisher != "null"
-
-    @classmethod
-    def parse(cls, value: "KVEventsConfig | dict | str | None") -> "KVEventsConfig | None":
-        """From the flag's JSON text, a mapping (YAML config), or an instance; None stays None."""
-        if value is None or isinstance(value, cls):
-            return value
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"kv_events_config: not valid JSON ({e})") from None
-        if not isinstance(value, dict):
-            raise ValueError(f"kv_events_config: must be a JSON object, got {type(value).__name__}")
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(value) - known)
-        if unknown:
-            raise ValueError(f"kv_events_config: unknown field(s) {unknown}; known: {sorted(known)}")
-        return cls(**value)
-
-
-def _need(cond: Any, name: str, message: str) -> None:
-    if not cond:
-        raise ValueError(f"kv_events_config.{name}: {message}")

@@ -30,7 +30,7 @@ from typing import Any
 import msgspec
 
 from pagedserve.core import kv_events as core_events
-from pagedserve.core.kv_events import KVEventsConfig
+from pagedserve.config import KVEventsConfig
 
 logger = logging.getLogger("pagedserve.engine")
 

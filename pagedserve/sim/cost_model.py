@@ -54,7 +54,7 @@ from typing import Iterable, Sequence
 from pagedserve.core.engine_core import StepTrace
 from pagedserve.plan.kv_budget import QUANTIZED_KV_DTYPES, ModelShape, dtype_bytes, kv_bytes_per_token, kv_scale_bytes
 from pagedserve.plan.models import param_breakdown
-from pagedserve.sim.host_overhead import ServingOverhead, default_host_overhead
+from pagedserve.sim.host_overhead import HostOverhead, ServingOverhead, default_host_overhead
 
 # ---------------------------------------------------------------------------------------
 # Default constants. Sources (numbers rounded, taken as typical rather than best case):
