@@ -236,15 +236,13 @@ async def _hub_fans_frames_out_and_resyncs_a_slow_page():  # the hub lives on th
     assert gate.watchers == 1
     init = json.loads(page.pending.pop(0))
     assert init["type"] == "init" and init["info"]["num_blocks"] == 8 and init["snapshot"] is None
-    outs = _outs(1.0)
-    outs.pool_snapshot = take_snapshot(sched)
-    hub.ingest(outs)
+    hub.ingest(_outs(1.0))
+    hub.ingest_snapshot(take_snapshot(sched))
     frame = json.loads(page.pending.pop(0))
     assert frame["type"] == "frame" and len(frame["points"]) == 1 and frame["snapshot"]["num_blocks"] == 8
     for i in range(40):                           # the page stops reading
-        outs = _outs(2.0 + i)
-        outs.pool_snapshot = take_snapshot(sched)
-        hub.ingest(outs)
+        hub.ingest(_outs(2.0 + i))
+        hub.ingest_snapshot(take_snapshot(sched))
     assert len(page.pending) < 40
     messages = [json.loads(m) for m in page.pending]
     assert messages[0]["type"] == "init" and all(m["type"] == "frame" for m in messages[1:])
@@ -452,13 +450,18 @@ def _used_blocks(server) -> int:
     return round(m["pagedserve:kv_cache_used_tokens{}"] / 16)
 
 
-def test_dashboard_page_in_a_browser(tiny_llama, browser, tmp_path):
+@pytest.mark.parametrize("engine_core_mode,tensor_parallel_size",
+                         [("thread", 1), ("process", 1), ("thread", 2), ("process", 2)],
+                         ids=["thread", "process", "thread-tp2", "process-tp2"])
+def test_dashboard_page_in_a_browser(tiny_llama, browser, tmp_path, engine_core_mode, tensor_parallel_size):
     """A 64-block pool under a load that preempts, watched by Chromium: no console error, 64
     cells, the page's in-use count agrees with /metrics, a preemption in the chart, and every
-    block free or cached-free again after the load."""
+    block free or cached-free again after the load; wherever the engine core runs (a thread,
+    its own process) and however many tensor-parallel ranks it drives."""
     config = EngineConfig(model=str(tiny_llama), num_kv_blocks=64, max_model_len=256, max_num_seqs=16,
-                          preemption_mode="swap", swap_space="96KiB")  # 12 host blocks of 8 KiB: swap, then recompute
-    app, async_engine = build_server(config)
+                          preemption_mode="swap", swap_space="96KiB",  # 12 host blocks of 8 KiB: swap, then recompute
+                          tensor_parallel_size=tensor_parallel_size)
+    app, async_engine = build_server(config, engine_core_mode=engine_core_mode)
     app.state.dashboard.gate.max_rate, app.state.dashboard.gate.max_share = 1e9, 1.0  # see the pause below
     errors: list[str] = []
     with ServerThread(app) as st:

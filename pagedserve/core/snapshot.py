@@ -1,8 +1,8 @@
 """What the KV pool and the queues hold right now, compactly: the dashboard's pool view.
 
 Only the engine loop may read the scheduler and the KV manager, so the loop takes the
-snapshot (after a step, when `SnapshotGate.take` says one is due) and hands it to the
-front-end with that step's outputs. Torch-free, like the rest of core/.
+snapshot (after a step, when `SnapshotGate.take` says one is due: engine/core_loop.py
+PoolView) and sends it to the front-end as its own message, after that step's outputs. Torch-free, like the rest of core/.
 
 A pool is encoded as runs over its block ids, `RUN_WIDTH` ints per run, flat:
 
@@ -200,6 +200,12 @@ class SnapshotGate:
 
     def remove_watcher(self) -> None:
         self.watchers = max(self.watchers - 1, 0)
+
+    def set_watchers(self, watchers: int) -> None:
+        """The count as the front-end keeps it (process mode: sent over the wire)."""
+        if watchers > self.watchers:
+            self._next_due = 0.0
+        self.watchers = max(watchers, 0)
 
     def take(self, scheduler) -> PoolSnapshot | None:
         if not self.watchers:
