@@ -17,8 +17,8 @@ import httpx
 import pytest
 
 from pagedserve.config import EngineConfig
-from pagedserve.core.block_pool import BlockPool, KVBlock
-from pagedserve.core.kv_cache import KVCacheManager
+from pagedserve.core.block_pool import BlockPool
+from pagedserve.core.kv_cache import KVCacheManager, TableRows
 from pagedserve.core.outputs import EngineCoreOutput, EngineCoreOutputs, SchedulerStats, StepResult
 from pagedserve.core.request import FinishReason, Request, RequestStatus
 from pagedserve.core.scheduler import Scheduler, SchedulerConfig
@@ -92,8 +92,7 @@ def test_snapshot_runs_by_hand():
 
 
 def test_a_table_running_down_the_ids_is_one_run():
-    blocks = [KVBlock(i, ref_cnt=1) for i in range(8)]
-    table = [blocks[7], blocks[6], blocks[5], blocks[4]]  # positions 0..3 on falling ids
+    table = TableRows([7, 6, 5, 4], [1] * 4, [False] * 4)  # positions 0..3 on falling ids
     assert _runs(encode_pool(8, [(0, table)])) == [(0, 4, FREE, 0, 0, 0, 0), (4, 4, 0, 3, -1, 1, 0)]
     assert decode_runs(encode_pool(8, [(0, table)]), 8)[4:] == [(0, 3, 1, 0), (0, 2, 1, 0), (0, 1, 1, 0),
                                                                (0, 0, 1, 0)]
