@@ -2,11 +2,12 @@
 process, or its own process: engine/core_client.py); the asyncio loop tokenizes, validates,
 turns each step's deltas into outputs and records metrics.
 
-    loop thread                                   engine core (thread or process)
-    submit(): validate, register, send "add"  ─▶  apply commands (add / finish)
+    loop thread                                   engine-core loop (thread or process)
+    submit(): validate, register, AddMsg      ─▶  apply messages (add / finish / pause / ...)
                                                   core.step() -> EngineCoreOutputs
-    output handler: process_outputs(), metrics ◀─ (the client posts onto the loop)
-      -> per-request asyncio.Queue of RequestOutput deltas; stop strings -> "finish"
+    output handler: process_outputs(), metrics ◀─ (the CoreClient posts onto the loop;
+      -> per-request asyncio.Queue of RequestOutput     pool snapshots, when watched, too)
+         deltas; stop strings -> FinishMsg
 
 Only the engine core's side touches the EngineCore; only the loop touches the
 OutputProcessor and the metrics. The core never waits for the loop: detokenization and
