@@ -504,9 +504,17 @@ def test_dashboard_page_in_a_browser(tiny_llama, browser, tmp_path, engine_core_
                 async_engine.pause()
 
         async_engine.step_listeners.append(pause_at_first_preemption)
+        # The engine is held until all ten are in: on a loaded machine, requests that trickle
+        # in could each finish before the pool fills, and then nothing preempts.
+        async_engine.pause()
         load = [threading.Thread(target=one, args=(i,)) for i in range(10)]
         for t in load:
             t.start()
+        deadline = time.monotonic() + 60
+        while async_engine.num_waiting < 10 and not failures:
+            assert time.monotonic() < deadline, f"only {async_engine.num_waiting} of 10 requests arrived"
+            time.sleep(0.02)
+        async_engine.resume()
         # The in-use count on the page equals /metrics' used blocks within one refresh. Both
         # move every step, so at the first preemption the engine is held between two steps
         # (AsyncLLM.pause, from the loop as soon as it sees the step) and the page must then
