@@ -97,9 +97,10 @@ def run_config(args, num_kv_blocks: int) -> dict:
         if outs.step_time:
             with lock:
                 steps.append((outs.timestamp, outs.step_time))
-        if outs.pool_snapshot is not None:
-            with lock:
-                snapshot_costs.append((outs.timestamp, outs.pool_snapshot.cost))
+
+    def record_snapshot(snapshot) -> None:  # each pool snapshot comes as its own message, after its step
+        with lock:
+            snapshot_costs.append((snapshot.time, snapshot.cost))
 
     hub_cpu: list[tuple[float, float]] = []  # the loop's CPU time in the dashboard's ingest, per report
 
@@ -110,6 +111,7 @@ def run_config(args, num_kv_blocks: int) -> dict:
 
     async_engine.step_listeners[async_engine.step_listeners.index(hub.ingest)] = timed_ingest
     async_engine.step_listeners.append(record)
+    async_engine.snapshot_listeners.append(record_snapshot)
     phases: list[tuple[str, float, float]] = []
     with ServerThread(app) as st:
         import httpx

@@ -61,8 +61,8 @@ def test_prefix_cache_reuse_and_eviction():
     hits, num_hit_tokens = kv.get_computed_blocks(second)
     assert len(hits) == 2 and num_hit_tokens == 4
     assert kv.allocate_slots(second, 2, num_hit_tokens, hits) is not None
-    assert [b.block_id for b in kv.block_tables["b"][:2]] == [b.block_id for b in hits]
-    assert all(b.ref_cnt == 1 for b in hits)
+    assert [b.block_id for b in kv.block_tables["b"][:2]] == hits
+    assert all(pool.blocks[i].ref_cnt == 1 for i in hits)
     # the last token is never served from cache
     assert len(kv.get_computed_blocks(req("c", [1, 2, 3, 4]))[0]) == 1
     kv.free(second)

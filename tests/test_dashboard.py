@@ -17,8 +17,8 @@ import httpx
 import pytest
 
 from pagedserve.config import EngineConfig
-from pagedserve.core.block_pool import BlockPool, KVBlock
-from pagedserve.core.kv_cache import KVCacheManager
+from pagedserve.core.block_pool import BlockPool
+from pagedserve.core.kv_cache import KVCacheManager, TableRows
 from pagedserve.core.outputs import EngineCoreOutput, EngineCoreOutputs, SchedulerStats, StepResult
 from pagedserve.core.request import FinishReason, Request, RequestStatus
 from pagedserve.core.scheduler import Scheduler, SchedulerConfig
@@ -92,8 +92,7 @@ def test_snapshot_runs_by_hand():
 
 
 def test_a_table_running_down_the_ids_is_one_run():
-    blocks = [KVBlock(i, ref_cnt=1) for i in range(8)]
-    table = [blocks[7], blocks[6], blocks[5], blocks[4]]  # positions 0..3 on falling ids
+    table = TableRows([7, 6, 5, 4], [1] * 4, [False] * 4)  # positions 0..3 on falling ids
     assert _runs(encode_pool(8, [(0, table)])) == [(0, 4, FREE, 0, 0, 0, 0), (4, 4, 0, 3, -1, 1, 0)]
     assert decode_runs(encode_pool(8, [(0, table)]), 8)[4:] == [(0, 3, 1, 0), (0, 2, 1, 0), (0, 1, 1, 0),
                                                                (0, 0, 1, 0)]
@@ -236,15 +235,13 @@ async def _hub_fans_frames_out_and_resyncs_a_slow_page():  # the hub lives on th
     assert gate.watchers == 1
     init = json.loads(page.pending.pop(0))
     assert init["type"] == "init" and init["info"]["num_blocks"] == 8 and init["snapshot"] is None
-    outs = _outs(1.0)
-    outs.pool_snapshot = take_snapshot(sched)
-    hub.ingest(outs)
+    hub.ingest(_outs(1.0))
+    hub.ingest_snapshot(take_snapshot(sched))
     frame = json.loads(page.pending.pop(0))
     assert frame["type"] == "frame" and len(frame["points"]) == 1 and frame["snapshot"]["num_blocks"] == 8
     for i in range(40):                           # the page stops reading
-        outs = _outs(2.0 + i)
-        outs.pool_snapshot = take_snapshot(sched)
-        hub.ingest(outs)
+        hub.ingest(_outs(2.0 + i))
+        hub.ingest_snapshot(take_snapshot(sched))
     assert len(page.pending) < 40
     messages = [json.loads(m) for m in page.pending]
     assert messages[0]["type"] == "init" and all(m["type"] == "frame" for m in messages[1:])
@@ -452,13 +449,18 @@ def _used_blocks(server) -> int:
     return round(m["pagedserve:kv_cache_used_tokens{}"] / 16)
 
 
-def test_dashboard_page_in_a_browser(tiny_llama, browser, tmp_path):
+@pytest.mark.parametrize("engine_core_mode,tensor_parallel_size",
+                         [("thread", 1), ("process", 1), ("thread", 2), ("process", 2)],
+                         ids=["thread", "process", "thread-tp2", "process-tp2"])
+def test_dashboard_page_in_a_browser(tiny_llama, browser, tmp_path, engine_core_mode, tensor_parallel_size):
     """A 64-block pool under a load that preempts, watched by Chromium: no console error, 64
     cells, the page's in-use count agrees with /metrics, a preemption in the chart, and every
-    block free or cached-free again after the load."""
+    block free or cached-free again after the load; wherever the engine core runs (a thread,
+    its own process) and however many tensor-parallel ranks it drives."""
     config = EngineConfig(model=str(tiny_llama), num_kv_blocks=64, max_model_len=256, max_num_seqs=16,
-                          preemption_mode="swap", swap_space="96KiB")  # 12 host blocks of 8 KiB: swap, then recompute
-    app, async_engine = build_server(config)
+                          preemption_mode="swap", swap_space="96KiB",  # 12 host blocks of 8 KiB: swap, then recompute
+                          tensor_parallel_size=tensor_parallel_size)
+    app, async_engine = build_server(config, engine_core_mode=engine_core_mode)
     app.state.dashboard.gate.max_rate, app.state.dashboard.gate.max_share = 1e9, 1.0  # see the pause below
     errors: list[str] = []
     with ServerThread(app) as st:
@@ -502,9 +504,17 @@ def test_dashboard_page_in_a_browser(tiny_llama, browser, tmp_path):
                 async_engine.pause()
 
         async_engine.step_listeners.append(pause_at_first_preemption)
+        # The engine is held until all ten are in: on a loaded machine, requests that trickle
+        # in could each finish before the pool fills, and then nothing preempts.
+        async_engine.pause()
         load = [threading.Thread(target=one, args=(i,)) for i in range(10)]
         for t in load:
             t.start()
+        deadline = time.monotonic() + 60
+        while async_engine.num_waiting < 10 and not failures:
+            assert time.monotonic() < deadline, f"only {async_engine.num_waiting} of 10 requests arrived"
+            time.sleep(0.02)
+        async_engine.resume()
         # The in-use count on the page equals /metrics' used blocks within one refresh. Both
         # move every step, so at the first preemption the engine is held between two steps
         # (AsyncLLM.pause, from the loop as soon as it sees the step) and the page must then

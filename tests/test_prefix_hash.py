@@ -43,9 +43,9 @@ class Harness:
         """Prefill `tokens`; asserts every cache hit holds this prompt's own prefix. Returns hits."""
         req = Request(rid, tokens, SamplingParams(max_tokens=1))
         hits, num_hit_tokens = self.kv.get_computed_blocks(req)
-        for i, block in enumerate(hits):
-            assert self.computed_from[block.block_id] == tuple(tokens[:(i + 1) * BS]), (
-                f"{rid}: block {i} served KV computed from {self.computed_from[block.block_id]}, "
+        for i, block_id in enumerate(hits):
+            assert self.computed_from[block_id] == tuple(tokens[:(i + 1) * BS]), (
+                f"{rid}: block {i} served KV computed from {self.computed_from[block_id]}, "
                 f"not from its own prefix {tuple(tokens[:(i + 1) * BS])}")
         assert self.kv.allocate_slots(req, len(tokens) - num_hit_tokens, num_hit_tokens, hits) is not None
         table = self.kv.block_tables[rid]

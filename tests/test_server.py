@@ -9,6 +9,7 @@ import httpx
 import openai
 import pytest
 
+from pagedserve.engine.core_wire import FinishMsg
 from pagedserve.config import EngineConfig
 from pagedserve.engine import LLM
 from pagedserve.sampling import SamplingParams
@@ -284,7 +285,7 @@ def test_non_streaming_client_that_leaves_is_aborted(server, model):
                        json={"model": model, "prompt": "hello", "max_tokens": 100, "ignore_eos": True})
         # the abort reaches the command queue once the server sees the disconnect
         end = time.monotonic() + 30
-        while not any(c[0] == "finish" and c[2].name == "FINISHED_ABORTED" for c in list(ae.client._commands)):
+        while not any(isinstance(c, FinishMsg) and c.status.name == "FINISHED_ABORTED" for c in ae.client.inbox.pending()):
             assert time.monotonic() < end, "the server never queued an abort for the client that left"
             time.sleep(0.02)
     finally:

@@ -33,7 +33,7 @@ def engine_state(server) -> tuple:
     ae = server.async_engine
     e = ae.engine
     return (e.kv_cache_manager.num_used_blocks, e.block_pool.free_queue.num_free, e.scheduler.num_waiting,
-            e.scheduler.num_running, len(e.output_processor.requests), ae.num_waiting, len(ae.client._commands), len(ae._queues))
+            e.scheduler.num_running, len(e.output_processor.requests), ae.num_waiting, len(ae.client.inbox.pending()), len(ae._queues))
 
 
 def post(server, path: str, body=None, headers=AUTH, **kw) -> httpx.Response:

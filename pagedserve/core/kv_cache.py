@@ -25,6 +25,7 @@ import hashlib
 from array import array
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from pagedserve.core.block_pool import BlockPool, KVBlock
 from pagedserve.core.request import Request
@@ -58,6 +59,64 @@ class _PrefixChain:
     published: list[tuple[KVBlock, int] | None] = field(default_factory=list)
 
 
+class TableRows(NamedTuple):
+    """One block table as the pool view reads it: per position, the block id, its reference
+    count, and whether it is published in the prefix cache."""
+
+    ids: list[int]
+    ref_cnts: list[int]
+    cached: list[bool]
+
+
+def _rows(table: list[KVBlock]) -> TableRows:
+    return TableRows([b.block_id for b in table], [b.ref_cnt for b in table], [b.block_hash is not None for b in table])
+
+
+class KVCacheView:
+    """A read-only view of a KVCacheManager by block id, for observers (core/snapshot.py):
+    they see sizes, counts and each request's table as numbers, never the manager's tables
+    or the pool's blocks, so nothing they do can change either."""
+
+    def __init__(self, kv: "KVCacheManager") -> None:
+        self._kv = kv
+
+    @property
+    def block_size(self) -> int:
+        return self._kv.block_size
+
+    @property
+    def num_blocks(self) -> int:
+        return self._kv.pool.num_blocks
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self._kv.pool.num_used_blocks
+
+    @property
+    def num_host_blocks(self) -> int:
+        """0: no host swap pool."""
+        return self._kv.host_pool.num_blocks if self._kv.host_pool is not None else 0
+
+    @property
+    def num_host_used_blocks(self) -> int:
+        return self._kv.host_pool.num_used_blocks if self._kv.host_pool is not None else 0
+
+    def device_table(self, request_id: str) -> TableRows | None:
+        table = self._kv.block_tables.get(request_id)
+        return _rows(table) if table else None
+
+    def host_table(self, request_id: str) -> TableRows | None:
+        table = self._kv.host_tables.get(request_id)
+        return _rows(table) if table else None
+
+    def cached_free_block_ids(self) -> list[int]:
+        """Free blocks that keep a prefix (reusable until handed out again); [] without caching."""
+        pool = self._kv.pool
+        if not pool.enable_caching:
+            return []
+        return [b.block_id for b in pool.hash_to_block.values() if b.ref_cnt == 0]
+
+
 class KVCacheManager:
     def __init__(self, pool: BlockPool, block_size: int, host_pool: BlockPool | None = None,
                  extra_keys_for: Callable[[Request], bytes] | None = None) -> None:
@@ -73,6 +132,10 @@ class KVCacheManager:
         self.prefix_hits = 0     # of which found
 
     # -- pool state ---------------------------------------------------------------------
+    def view(self) -> KVCacheView:
+        """Read-only, by block id: what observers (the dashboard's pool view) may see."""
+        return KVCacheView(self)
+
     @property
     def num_total_blocks(self) -> int:
         return self.pool.num_blocks
@@ -108,10 +171,10 @@ class KVCacheManager:
             chain.contents.append(content)
         return chain
 
-    def get_computed_blocks(self, request: Request) -> tuple[list[KVBlock], int]:
-        """The longest run of cached full blocks matching the request's tokens, and the number
-        of tokens they hold. The last token is never served from cache: its logits must be
-        computed to sample from. Looks only: nothing is taken until allocate_slots."""
+    def get_computed_blocks(self, request: Request) -> tuple[list[int], int]:
+        """The ids of the longest run of cached full blocks matching the request's tokens, and
+        the number of tokens they hold. The last token is never served from cache: its logits
+        must be computed to sample from. Looks only: nothing is taken until allocate_slots."""
         if not self.pool.enable_caching:
             return [], 0
         num_full = (request.num_tokens - 1) // self.block_size
@@ -122,7 +185,7 @@ class KVCacheManager:
             if block is None:
                 break
             found.append(block)
-        return found, len(found) * self.block_size
+        return [b.block_id for b in found], len(found) * self.block_size
 
     def record_prefix_lookup(self, num_query_tokens: int, num_hit_tokens: int) -> None:
         self.prefix_queries += num_query_tokens
@@ -149,15 +212,16 @@ class KVCacheManager:
 
     # -- allocation ---------------------------------------------------------------------
     def allocate_slots(self, request: Request, num_new_tokens: int, num_new_computed_tokens: int = 0,
-                       new_computed_blocks: Sequence[KVBlock] = ()) -> list[int] | None:
+                       new_computed_block_ids: Sequence[int] = ()) -> list[int] | None:
         """Room for `num_new_tokens` tokens after the request's computed ones and the
-        `num_new_computed_tokens` that `new_computed_blocks` (prefix-cache hits, for a request
-        holding nothing yet) bring along.
+        `num_new_computed_tokens` that the blocks `new_computed_block_ids` (prefix-cache hits
+        from get_computed_blocks, for a request holding nothing yet) bring along.
 
         Returns the ids of the blocks appended to its table (hits first), or None and changes
         nothing when the pool cannot supply them.
         """
         table = self.block_tables.get(request.request_id)
+        new_computed_blocks = [self.pool.blocks[i] for i in new_computed_block_ids]
         if new_computed_blocks and table:
             raise RuntimeError("cached blocks can only be adopted by a request holding none")
         held = (len(table) if table else 0) + len(new_computed_blocks)

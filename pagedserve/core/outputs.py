@@ -19,7 +19,6 @@ from dataclasses import dataclass
 from msgspec import Struct, field
 
 from pagedserve.core.request import FinishReason
-from pagedserve.core.snapshot import PoolSnapshot
 
 
 class TokenLogprobs(Struct, array_like=True):
@@ -109,9 +108,6 @@ class EngineCoreOutputs(Struct, array_like=True):
     step_time: float = 0.0          # wall seconds of the whole step (schedule, execute, update)
     execute_time: float = 0.0       # of which in the executor
     forward_time: float = 0.0       # of which in the model forward + sampling
-    # The pool and queues after this step (core/snapshot.py), only when a dashboard asked for
-    # one: the engine loop takes it at a bounded rate, the front-end's loop ships it.
-    pool_snapshot: PoolSnapshot | None = None
     # KV events (--kv-events-config) the engine-core loop's publisher has sent and dropped so
     # far (cumulative; both 0 when KV events are off).
     kv_events_published: int = 0

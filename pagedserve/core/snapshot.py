@@ -1,8 +1,8 @@
 """What the KV pool and the queues hold right now, compactly: the dashboard's pool view.
 
 Only the engine loop may read the scheduler and the KV manager, so the loop takes the
-snapshot (after a step, when `SnapshotGate.take` says one is due) and hands it to the
-front-end with that step's outputs. Torch-free, like the rest of core/.
+snapshot (after a step, when `SnapshotGate.take` says one is due: engine/core_loop.py
+PoolView) and sends it to the front-end as its own message, after that step's outputs. Torch-free, like the rest of core/.
 
 A pool is encoded as runs over its block ids, `RUN_WIDTH` ints per run, flat:
 
@@ -28,7 +28,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Iterable
 
-from pagedserve.core.block_pool import BlockPool, KVBlock
+from pagedserve.core.kv_cache import KVCacheView, TableRows
 
 
 RUN_WIDTH = 7
@@ -62,12 +62,10 @@ class PoolSnapshot:
                 "num_waiting_unlisted": self.num_waiting_unlisted, "cost": self.cost}
 
 
-def _table_runs(owner: int, table: list[KVBlock], shared_seen: set[int], out: list[tuple]) -> None:
+def _table_runs(owner: int, table: TableRows, shared_seen: set[int], out: list[tuple]) -> None:
     """Append the runs of one block table to `out` (unsorted). A shared block (ref > 1) goes
     to the first table that shows it; `shared_seen` remembers those."""
-    ids = [b.block_id for b in table]
-    refs = [b.ref_cnt for b in table]
-    hashed = [b.block_hash is not None for b in table]
+    ids, refs, hashed = table
     n = len(ids)
     i = 0
     while i < n:
@@ -94,7 +92,7 @@ def _table_runs(owner: int, table: list[KVBlock], shared_seen: set[int], out: li
         i = j
 
 
-def encode_pool(num_blocks: int, tables: Iterable[tuple[int, list[KVBlock]]],
+def encode_pool(num_blocks: int, tables: Iterable[tuple[int, TableRows]],
                 cached_free_ids: Iterable[int] = ()) -> list[int]:
     """Runs (RUN_WIDTH ints each) for a pool of `num_blocks` whose held blocks are the
     (owner, block table) pairs in `tables`; `cached_free_ids`: its free blocks that keep a prefix."""
@@ -136,38 +134,32 @@ def decode_runs(runs: list[int], num_blocks: int) -> list[tuple[int, int, int, i
     return out  # type: ignore[return-value]
 
 
-def _cached_free_ids(pool: BlockPool) -> list[int]:
-    return [b.block_id for b in pool.hash_to_block.values() if b.ref_cnt == 0]
-
-
 def take_snapshot(scheduler, max_waiting_rows: int = MAX_WAITING_ROWS) -> PoolSnapshot:
-    """The pool, the host pool and the live requests as of now. Engine loop only."""
-    kv = scheduler.kv
+    """The pool, the host pool and the live requests as of now, read through the KV
+    manager's read-only view (core/kv_cache.py KVCacheView). Engine loop only."""
+    kv: KVCacheView = scheduler.kv.view()
     rows: list[list] = []
-    device_tables: list[tuple[int, list[KVBlock]]] = []
-    host_tables: list[tuple[int, list[KVBlock]]] = []
+    device_tables: list[tuple[int, TableRows]] = []
+    host_tables: list[tuple[int, TableRows]] = []
     listed = [*scheduler.running, *scheduler.swapped, *scheduler.waiting[:max_waiting_rows]]
     for owner, req in enumerate(listed):
         rid = req.request_id
-        table = kv.block_tables.get(rid)
-        host = kv.host_tables.get(rid)
+        table = kv.device_table(rid)
+        host = kv.host_table(rid)
         if table:
             device_tables.append((owner, table))
         if host:
             host_tables.append((owner, host))
         rows.append([rid, req.status.value, req.num_prompt_tokens, req.num_output_tokens, req.num_computed_tokens,
-                     len(table) if table else 0, len(host) if host else 0, req.num_preemptions,
+                     len(table.ids) if table else 0, len(host.ids) if host else 0, req.num_preemptions,
                      req.times.arrival])
-    pool = kv.pool
-    host_pool = kv.host_pool
-    cached_free = _cached_free_ids(pool) if pool.enable_caching else []
+    cached_free = kv.cached_free_block_ids()
     return PoolSnapshot(
-        time=scheduler.clock(), block_size=kv.block_size, num_blocks=pool.num_blocks,
-        num_used_blocks=pool.num_used_blocks, num_cached_free_blocks=len(cached_free),
-        runs=encode_pool(pool.num_blocks, device_tables, cached_free),
-        num_host_blocks=host_pool.num_blocks if host_pool is not None else 0,
-        num_host_used_blocks=host_pool.num_used_blocks if host_pool is not None else 0,
-        host_runs=encode_pool(host_pool.num_blocks, host_tables) if host_pool is not None else [],
+        time=scheduler.clock(), block_size=kv.block_size, num_blocks=kv.num_blocks,
+        num_used_blocks=kv.num_used_blocks, num_cached_free_blocks=len(cached_free),
+        runs=encode_pool(kv.num_blocks, device_tables, cached_free),
+        num_host_blocks=kv.num_host_blocks, num_host_used_blocks=kv.num_host_used_blocks,
+        host_runs=encode_pool(kv.num_host_blocks, host_tables) if kv.num_host_blocks else [],
         requests=rows, num_waiting_unlisted=max(len(scheduler.waiting) - max_waiting_rows, 0))
 
 
@@ -200,6 +192,12 @@ class SnapshotGate:
 
     def remove_watcher(self) -> None:
         self.watchers = max(self.watchers - 1, 0)
+
+    def set_watchers(self, watchers: int) -> None:
+        """The count as the front-end keeps it (process mode: sent over the wire)."""
+        if watchers > self.watchers:
+            self._next_due = 0.0
+        self.watchers = max(watchers, 0)
 
     def take(self, scheduler) -> PoolSnapshot | None:
         if not self.watchers:

@@ -2,11 +2,12 @@
 process, or its own process: engine/core_client.py); the asyncio loop tokenizes, validates,
 turns each step's deltas into outputs and records metrics.
 
-    loop thread                                   engine core (thread or process)
-    submit(): validate, register, send "add"  ─▶  apply commands (add / finish)
+    loop thread                                   engine-core loop (thread or process)
+    submit(): validate, register, AddMsg      ─▶  apply messages (add / finish / pause / ...)
                                                   core.step() -> EngineCoreOutputs
-    output handler: process_outputs(), metrics ◀─ (the client posts onto the loop)
-      -> per-request asyncio.Queue of RequestOutput deltas; stop strings -> "finish"
+    output handler: process_outputs(), metrics ◀─ (the CoreClient posts onto the loop;
+      -> per-request asyncio.Queue of RequestOutput     pool snapshots, when watched, too)
+         deltas; stop strings -> FinishMsg
 
 Only the engine core's side touches the EngineCore; only the loop touches the
 OutputProcessor and the metrics. The core never waits for the loop: detokenization and
@@ -34,7 +35,8 @@ from typing import Callable, Sequence
 
 from pagedserve.core.outputs import EngineCoreOutputs
 from pagedserve.core.request import RequestStatus
-from pagedserve.engine.core_client import EngineCoreDied, ThreadCoreClient
+from pagedserve.core.snapshot import PoolSnapshot
+from pagedserve.engine.core_client import CoreClient, EngineCoreDied, ThreadCoreClient
 from pagedserve.engine.output_processor import OutputKind, make_core_requests
 from pagedserve.outputs import RequestOutput
 from pagedserve.sampling import SamplingParams
@@ -100,14 +102,14 @@ class ServerShuttingDown(EngineDead):
 
 class AsyncLLM:
     def __init__(self, engine, metrics=None, max_queue_len: int | None = None, idle_wait: float = 0.25,
-                 client=None, step_watchdog_timeout: float | None = None) -> None:
+                 client: CoreClient | None = None, step_watchdog_timeout: float | None = None) -> None:
         """`engine`: the front-end parts (an Engine, or an EngineFrontend when `client` runs
         the core in another process). Without `client` the Engine's core steps in a thread.
         `step_watchdog_timeout`: seconds without a step, while there is work, before the
         engine counts as stalled; None = derived from measured steps (watchdog_bound),
         0 = no watchdog."""
         self.engine = engine
-        self.client = client if client is not None else ThreadCoreClient(engine.engine_core, idle_wait)
+        self.client: CoreClient = client if client is not None else ThreadCoreClient(engine.engine_core, idle_wait)
         self.output_processor = engine.output_processor
         self.output_processor.metrics = metrics
         self.metrics = metrics
@@ -127,28 +129,18 @@ class AsyncLLM:
         self._largest_step = (0, 0.0)  # (batched tokens, seconds) of the step with the most tokens
         self._watchdog: asyncio.Task | None = None
         # The dashboard's seam (server/dashboard.py): callables the loop hands every step's
-        # outputs to. Pool snapshots are taken by the client's engine thread (pool_snapshots).
+        # outputs to, and every pool snapshot the core sent (it sends them while `watch_pool`
+        # says pages watch: engine/core_loop.py PoolView).
         self.step_listeners: list = []
+        self.snapshot_listeners: list = []
+        self.pool_snapshots = None  # the dashboard's watcher count and rate (server/dashboard.py PoolWatch)
         self._publish_metrics(self.client.initial_snapshot())  # the pool size is known before the first request
 
     @property
     def engine_core(self):
         """The EngineCore when it steps in this process (the thread client); None when it runs
         in an engine-core process."""
-        return getattr(self.client, "engine_core", None)
-
-    @property
-    def pool_snapshots(self):
-        """The gate (core.snapshot.SnapshotGate) the engine thread consults after each step to
-        attach a pool snapshot to the step's outputs; only the thread client has one."""
-        return getattr(self.client, "pool_snapshots", None)
-
-    @pool_snapshots.setter
-    def pool_snapshots(self, gate) -> None:
-        if not hasattr(self.client, "pool_snapshots"):
-            raise ValueError("the dashboard's pool view needs the engine core in this process "
-                             "(--engine-core-mode thread)")
-        self.client.pool_snapshots = gate
+        return self.client.engine_core
 
     # -- life cycle ---------------------------------------------------------------------
     def start(self) -> None:
@@ -184,7 +176,7 @@ class AsyncLLM:
         core's death and the loop handling the news of it (the first /health answer names it)."""
         if self.dead_error is not None:
             return f"{type(self.dead_error).__name__}: {self.dead_error}"
-        reason = getattr(self.client, "death_reason", lambda: None)()
+        reason = self.client.death_reason()
         return None if reason is None else f"{EngineCoreDied.__name__}: {reason}"
 
     def stop_accepting(self, message: str) -> None:
@@ -273,6 +265,9 @@ class AsyncLLM:
             if isinstance(item, BaseException):
                 if self.dead_error is None:
                     self._die(item)
+                continue
+            if isinstance(item, PoolSnapshot):
+                self._notify(self.snapshot_listeners, item)
                 continue
             self._process(item)
 
@@ -367,11 +362,15 @@ class AsyncLLM:
                 self.abort(out.request_id)
                 queue.put_nowait((out.request_id, e))
         self._publish_metrics(core_outputs)
-        for listener in self.step_listeners:
+        self._notify(self.step_listeners, core_outputs)
+
+    @staticmethod
+    def _notify(listeners: list, item) -> None:
+        for listener in listeners:
             try:
-                listener(core_outputs)
+                listener(item)
             except Exception:  # noqa: BLE001 - a watcher's failure must not stop the serving
-                logger.exception("step listener %r failed", listener)
+                logger.exception("listener %r failed", listener)
 
     def _process_output(self, queue: asyncio.Queue, out: RequestOutput) -> None:
         if out.finished:

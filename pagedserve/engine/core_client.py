@@ -1,17 +1,15 @@
-"""The seam between a front-end (AsyncLLM) and its engine core: in a thread, or in its own
-process.
+"""The seam between a front-end (AsyncLLM) and its engine core: one CoreClient protocol, two
+ways to run the one engine-core loop (engine/core_loop.py):
 
-    ThreadCoreClient    the EngineCore steps in a thread of this process (commands through a
-                        deque under a condition variable)
-    ProcessCoreClient   the EngineCore runs in an engine-core process (engine/core_proc.py),
-                        fed over ZMQ: requests and finishes go in as msgspec messages, each
-                        step's EngineCoreOutputs come back the same way
+    ThreadCoreClient    the loop on a thread of this process, fed through an in-memory inbox
+    ProcessCoreClient   the loop in an engine-core process (engine/core_proc.py), fed over
+                        ZMQ: the same wire messages (engine/core_wire.py), msgspec-encoded
 
-Both hand every step's EngineCoreOutputs, and a fatal error as an exception, to `post`
-(called from a thread of theirs; AsyncLLM moves it onto its event loop). Neither waits for
-the event loop: the core steps while the loop detokenizes. The front-end sends plain data
-(EngineCoreRequest: ids, prompt token ids, SamplingParams, eos ids, arrival, priority) and
-keeps everything textual on its side.
+Both hand every step's EngineCoreOutputs, every pool snapshot a watcher asked for (a
+PoolSnapshot), and a fatal error as an exception, to `post` (called from a thread of theirs;
+AsyncLLM moves it onto its event loop). Neither waits for the event loop: the core steps while
+the loop detokenizes. The front-end sends plain data (EngineCoreRequest: ids, prompt token
+ids, SamplingParams, eos ids, arrival, priority) and keeps everything textual on its side.
 
 Faults in the process client: a core that fails sends the error (naming a dead rank, if
 that was the cause) and exits 1; a core that vanishes (SIGKILL) is noticed by its process
@@ -19,19 +17,24 @@ sentinel within RECV_POLL_SECONDS. Either way `post` gets an EngineCoreDied.
 """
 from __future__ import annotations
 
-import collections
 import logging
 import os
 import tempfile
 import threading
 import time
 import uuid
-from typing import Callable
+from typing import Callable, Protocol
+
+import torch.multiprocessing as torch_mp
+import zmq
 
 from pagedserve.core.outputs import EngineCoreOutputs
 from pagedserve.core.request import EngineCoreRequest, Request, RequestStatus
-from pagedserve.engine.core_wire import (ENCODER, FROM_CORE_DECODER, AddMsg, DeadMsg, FinishMsg, OutputsMsg, ReadyMsg,
-                                         ShutdownMsg)
+from pagedserve.engine.core_loop import CoreLoop, Inbox, pool_layout
+from pagedserve.engine.core_proc import run_engine_core
+from pagedserve.engine.core_wire import (ENCODER, FROM_CORE_DECODER, AddMsg, DeadMsg, FinishMsg, OutputsMsg, PauseMsg,
+                                         PoolLayout, ReadyMsg, ResumeMsg, ShutdownMsg, SnapshotMsg, WatchPoolMsg)
+from pagedserve.worker.multiproc_executor import describe_exit
 
 logger = logging.getLogger("pagedserve.server")
 
@@ -67,29 +70,53 @@ def held_processes(named: list[tuple[str, int | None, int]]) -> list[dict]:
     return out
 
 
+class CoreClient(Protocol):
+    """What AsyncLLM needs of an engine core, wherever it runs."""
+
+    engine_core: object | None  # the EngineCore when it steps in this process, else None
+
+    @property
+    def num_pending_adds(self) -> int:
+        """Requests sent that the core has not taken in yet."""
+
+    def start(self, post: Callable[[object], None]) -> None: ...
+    def add_requests(self, requests: list[Request]) -> None: ...
+    def finish_requests(self, request_ids: list[str], status: RequestStatus, stop_reason=None) -> None: ...
+    def pause(self) -> None: ...
+    def resume(self) -> None: ...
+    def watch_pool(self, watchers: int, max_rate: float, max_share: float) -> None: ...
+    def initial_snapshot(self) -> EngineCoreOutputs: ...
+    def pool_layout(self) -> PoolLayout: ...
+    def describe(self) -> str: ...
+    def stall_suspects(self) -> list[dict]: ...
+    def is_alive(self) -> bool: ...
+    def death_reason(self) -> str | None: ...
+    def shutdown(self, timeout: float = 10.0) -> None: ...
+
+
 # -- in a thread -----------------------------------------------------------------------
 class ThreadCoreClient:
-    """The engine core steps in a thread of this process. Only that thread touches it."""
+    """The engine-core loop on a thread of this process. Only that thread touches the core."""
 
     def __init__(self, engine_core, idle_wait: float = 0.25) -> None:
         self.engine_core = engine_core
-        self.idle_wait = idle_wait
-        self._cond = threading.Condition()
-        self._commands: collections.deque = collections.deque()
-        self._num_pending_adds = 0
+        self.inbox = Inbox()
+        self.loop = CoreLoop(engine_core, self.inbox, self._emit, idle_wait)
+        self._num_sent = 0
+        self._num_received = 0
         self._thread: threading.Thread | None = None
         self._post: Callable[[object], None] | None = None
-        self._stop = False
-        self._paused = False  # tests: hold the thread so queue states can be set up exactly
         self._death: BaseException | None = None
-        self.pool_snapshots = None  # core.snapshot.SnapshotGate | None: the dashboard's pool view
 
     def initial_snapshot(self) -> EngineCoreOutputs:
         return self.engine_core.snapshot()
 
+    def pool_layout(self) -> PoolLayout:
+        return pool_layout(self.engine_core)
+
     @property
     def num_pending_adds(self) -> int:
-        return self._num_pending_adds
+        return max(0, self._num_sent - self._num_received)
 
     def describe(self) -> str:
         return "the engine thread"
@@ -102,7 +129,7 @@ class ThreadCoreClient:
 
     def start(self, post: Callable[[object], None]) -> None:
         self._post = post
-        self._stop = False
+        self.loop.stopped = False
         self._thread = threading.Thread(target=self._run, name="pagedserve-engine", daemon=True)
         self._thread.start()
 
@@ -116,80 +143,42 @@ class ThreadCoreClient:
         return None
 
     def add_requests(self, requests: list[Request]) -> None:
-        with self._cond:
-            self._commands.append(("add", requests))
-            self._num_pending_adds += len(requests)
-            self._cond.notify_all()
+        self._num_sent += len(requests)
+        self.inbox.put(AddMsg([EngineCoreRequest.of(r) for r in requests]))
 
     def finish_requests(self, request_ids: list[str], status: RequestStatus, stop_reason=None) -> None:
-        with self._cond:
-            self._commands.append(("finish", request_ids, status, stop_reason))
-            self._cond.notify_all()
+        self.inbox.put(FinishMsg(list(request_ids), status, stop_reason))
 
     def pause(self) -> None:
-        with self._cond:
-            self._paused = True
+        self.inbox.put(PauseMsg())
 
     def resume(self) -> None:
-        with self._cond:
-            self._paused = False
-            self._cond.notify_all()
+        self.inbox.put(ResumeMsg())
+
+    def watch_pool(self, watchers: int, max_rate: float, max_share: float) -> None:
+        self.inbox.put(WatchPoolMsg(watchers, max_rate, max_share))
 
     def shutdown(self, timeout: float = 10.0) -> None:
-        with self._cond:
-            self._stop = True
-            self._cond.notify_all()
+        self.loop.request_stop()
         if self._thread is not None:
             self._thread.join(timeout)
             self._thread = None
         self.engine_core.shutdown()
 
+    def _emit(self, msg) -> None:
+        if isinstance(msg, OutputsMsg):
+            self._num_received = msg.num_received
+            self._post(msg.outputs)
+        elif isinstance(msg, SnapshotMsg):
+            self._post(msg.snapshot)
+
     def _run(self) -> None:
-        core = self.engine_core
-        while True:
-            with self._cond:
-                while not self._stop and (self._paused or (not self._commands and not core.has_unfinished_requests())):
-                    self._cond.wait(self.idle_wait)
-                    if not self._paused:
-                        break  # wake up now and then so idle gauges and the log line stay fresh
-                if self._stop:
-                    return
-                commands = list(self._commands)
-                self._commands.clear()
-            try:
-                self._apply(commands)
-                check_health = getattr(core.executor, "check_health", None)
-                if check_health is not None:
-                    check_health()
-                outputs = core.observe(core.step() if core.has_unfinished_requests() else core.snapshot())
-            except BaseException as e:  # noqa: BLE001 - fatal, whatever it is: the core's state is unknown
-                logger.exception("engine step failed; the engine is dead")
-                self._death = e
-                self._post(e)
-                return
-            if self.pool_snapshots is not None:
-                self._attach_pool_snapshot(outputs)
-            self._post(outputs)
-
-    def _attach_pool_snapshot(self, outputs: EngineCoreOutputs) -> None:
-        """A snapshot only reads the core: if it fails, the pool view stops, the engine does not."""
         try:
-            outputs.pool_snapshot = self.pool_snapshots.take(self.engine_core.scheduler)
-        except Exception:  # noqa: BLE001
-            logger.exception("pool snapshot failed; the dashboard's pool view stops")
-            self.pool_snapshots = None
-
-    def _apply(self, commands: list[tuple]) -> None:
-        core = self.engine_core
-        for command in commands:
-            if command[0] == "add":
-                for req in command[1]:
-                    core.add_request(req)
-                with self._cond:
-                    self._num_pending_adds -= len(command[1])
-            else:
-                _, core_ids, status, stop_reason = command
-                core.finish_requests(core_ids, status, stop_reason)
+            self.loop.run()
+        except BaseException as e:  # noqa: BLE001 - fatal, whatever it is: the core's state is unknown
+            logger.exception("engine step failed; the engine is dead")
+            self._death = e
+            self._post(e)
 
 
 # -- in its own process -----------------------------------------------------------------
@@ -199,11 +188,7 @@ class ProcessCoreClient:
     sized its pool, or raises what stopped it (a ValueError for a bad knob)."""
 
     def __init__(self, config, eos_token_ids: frozenset[int], start_timeout: float = 900.0) -> None:
-        import torch.multiprocessing as tmp
-        import zmq
-
-        from pagedserve.engine.core_proc import run_engine_core
-
+        self.engine_core = None
         self._ctx = zmq.Context()
         base = os.path.join(tempfile.gettempdir(), f"pagedserve-{uuid.uuid4().hex[:12]}")
         self._paths = [f"{base}-in", f"{base}-out"]
@@ -220,7 +205,7 @@ class ProcessCoreClient:
         self._closing = False
         self._death: EngineCoreDied | None = None
         self.worker_pids: list[int] = []
-        spawn = tmp.get_context("spawn")
+        spawn = torch_mp.get_context("spawn")
         self.process = spawn.Process(target=run_engine_core, name="pagedserve-engine-core",
                                      args=(config, sorted(eos_token_ids), f"ipc://{self._paths[0]}",
                                            f"ipc://{self._paths[1]}"), daemon=False)
@@ -232,13 +217,12 @@ class ProcessCoreClient:
             self._close_sockets()
             raise
         self._snapshot = ready.snapshot
+        self._layout = ready.layout
         self.worker_pids = list(ready.worker_pids)
         logger.info("engine core process pid %d%s", self.process.pid,
                     f", tensor-parallel ranks {self.worker_pids}" if self.worker_pids else "")
 
     def _wait_ready(self, timeout: float) -> ReadyMsg:
-        import zmq
-
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self._out.poll(int(RECV_POLL_SECONDS * 1000), zmq.POLLIN):
@@ -249,11 +233,14 @@ class ProcessCoreClient:
                     raise (ValueError if msg.bad_config else EngineCoreDied)(msg.error)
             elif not self.process.is_alive():
                 raise EngineCoreDied(f"the engine core process (pid {self.process.pid}) died while starting: "
-                                     f"{_describe_exit(self.process.exitcode)}")
+                                     f"{describe_exit(self.process.exitcode)}")
         raise EngineCoreDied(f"the engine core process did not start within {timeout:.0f} s")
 
     def initial_snapshot(self) -> EngineCoreOutputs:
         return self._snapshot
+
+    def pool_layout(self) -> PoolLayout:
+        return self._layout
 
     @property
     def num_pending_adds(self) -> int:
@@ -282,7 +269,7 @@ class ProcessCoreClient:
             return str(self._death)
         if self._closing or self._receiver is None or self.process.is_alive():
             return None
-        return f"{self.describe()} died: {_describe_exit(self.process.exitcode)}"
+        return f"{self.describe()} died: {describe_exit(self.process.exitcode)}"
 
     def _died(self, error: EngineCoreDied) -> None:
         self._death = error
@@ -291,8 +278,6 @@ class ProcessCoreClient:
     def _send(self, msg) -> None:
         """Non-blocking: a PUSH socket whose peer is gone would block forever (and with it the
         event loop, or the shutdown)."""
-        import zmq
-
         payload = ENCODER.encode(msg)
         with self._send_lock:
             if self._closing:
@@ -309,10 +294,17 @@ class ProcessCoreClient:
     def finish_requests(self, request_ids: list[str], status: RequestStatus, stop_reason=None) -> None:
         self._send(FinishMsg(list(request_ids), status, stop_reason))
 
+    def pause(self) -> None:
+        self._send(PauseMsg())
+
+    def resume(self) -> None:
+        self._send(ResumeMsg())
+
+    def watch_pool(self, watchers: int, max_rate: float, max_share: float) -> None:
+        self._send(WatchPoolMsg(watchers, max_rate, max_share))
+
     def _receive(self) -> None:
         """Outputs in, until the core says it is dead or its process is gone."""
-        import zmq
-
         while not self._closing:
             try:
                 ready = self._out.poll(int(RECV_POLL_SECONDS * 1000), zmq.POLLIN)
@@ -323,13 +315,15 @@ class ProcessCoreClient:
                 if isinstance(msg, OutputsMsg):
                     self._num_received = msg.num_received
                     self._post(msg.outputs)
+                elif isinstance(msg, SnapshotMsg):
+                    self._post(msg.snapshot)
                 elif isinstance(msg, DeadMsg):
                     self._died(EngineCoreDied(msg.error))
                     return
             elif not self.process.is_alive() and not self._closing:
                 self.process.join(1)
                 self._died(EngineCoreDied(f"the engine core process (pid {self.process.pid}) died: "
-                                          f"{_describe_exit(self.process.exitcode)}"))
+                                          f"{describe_exit(self.process.exitcode)}"))
                 return
 
     def shutdown(self, timeout: float = 15.0) -> None:
@@ -366,6 +360,3 @@ class ProcessCoreClient:
                 pass
 
 
-def _describe_exit(exitcode: int | None) -> str:
-    from pagedserve.worker.multiproc_executor import describe_exit
-    return describe_exit(exitcode)

@@ -935,10 +935,7 @@ def build_app(async_engine: AsyncLLM, api_key: str | None = None, manage_engine:
             raise APIError(400, "tokens: this model has no tokenizer", "tokens")
         return {"prompt": await server.off_loop(server.decode, body.tokens)}
 
-    if dashboard and async_engine.engine_core is None:
-        logger.warning("no /dashboard: its pool view reads the engine core, which runs in another process "
-                       "here (--engine-core-mode process); use --engine-core-mode thread to see it")
-    elif dashboard:
+    if dashboard:
         from pagedserve.server.dashboard import mount_dashboard
         mount_dashboard(app, async_engine)
     return app

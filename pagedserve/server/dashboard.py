@@ -11,19 +11,19 @@ tokenizer routes). The page shows what /metrics shows plus request ids, token co
 block ownership; never a prompt or an output. A server reachable by people who should not
 see that runs with --no-dashboard.
 
-While no page is connected, the engine thread takes no pool snapshots; the loop still folds
-each step into the time series (a few additions per step), so a page opened later has the
-history.
+While no page is connected, the engine-core loop takes no pool snapshots (PoolWatch tells it
+how many pages watch, in either engine-core mode); the front-end's loop still folds each step
+into the time series (a few additions per step), so a page opened later has the history.
 """
 from __future__ import annotations
 
 import asyncio
+from dataclasses import dataclass
 from importlib import resources
 
 from fastapi import FastAPI
 from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 
-from pagedserve.core.snapshot import SnapshotGate
 from pagedserve.server.dashboard_feed import DashboardHub, DashboardInfo, LiveAdvisor, LiveSeries
 
 STATIC_FILES = {"dashboard.js": "text/javascript", "dashboard.css": "text/css"}
@@ -78,23 +78,51 @@ async def _events(hub: DashboardHub):
         hub.disconnect(client)
 
 
+@dataclass
+class PoolWatch:
+    """The front-end's side of the pool view's gate: counts the pages that watch and sends the
+    count, with the rate and CPU-share bounds, to the engine-core loop, whose gate
+    (core/snapshot.py SnapshotGate) decides when a snapshot is due."""
+
+    client: object            # engine/core_client.py CoreClient
+    max_rate: float = 4.0
+    max_share: float = 0.01
+    watchers: int = 0
+
+    def add_watcher(self) -> None:
+        self.watchers += 1
+        self._send()
+
+    def remove_watcher(self) -> None:
+        self.watchers = max(self.watchers - 1, 0)
+        self._send()
+
+    def _send(self) -> None:
+        try:
+            self.client.watch_pool(self.watchers, self.max_rate, self.max_share)
+        except Exception:  # noqa: BLE001 - a gone core: the page shows what it has
+            pass
+
+
 def mount_dashboard(app: FastAPI, async_engine, max_snapshot_rate: float = 4.0,
                     point_interval: float = 0.5) -> DashboardHub:
-    """Serve the dashboard for `async_engine` (an AsyncLLM, before it starts): the engine
-    thread takes pool snapshots through the gate, the loop feeds every step to the hub."""
+    """Serve the dashboard for `async_engine` (an AsyncLLM, before it starts), whichever way
+    its core runs: the core's loop sends pool snapshots while pages watch, the front-end's
+    loop feeds every step and snapshot to the hub."""
     engine = async_engine.engine
-    kv = engine.engine_core.scheduler.kv  # sizes only, read before the engine thread runs
+    layout = async_engine.client.pool_layout()
     config = engine.config
-    info = DashboardInfo(model=engine.model_name, num_blocks=kv.num_total_blocks, block_size=kv.block_size,
-                         num_host_blocks=kv.host_pool.num_blocks if kv.host_pool is not None else 0,
+    info = DashboardInfo(model=engine.model_name, num_blocks=layout.num_blocks, block_size=layout.block_size,
+                         num_host_blocks=layout.num_host_blocks,
                          max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
                          preemption_mode=str(config.preemption_mode))
-    gate = SnapshotGate(max_rate=max_snapshot_rate)
+    gate = PoolWatch(async_engine.client, max_rate=max_snapshot_rate)
     metrics = async_engine.metrics
     advisor = LiveAdvisor(metrics.render) if metrics is not None else None
     hub = DashboardHub(info, gate, advisor, LiveSeries(point_interval=point_interval))
     async_engine.pool_snapshots = gate
     async_engine.step_listeners.append(hub.ingest)
+    async_engine.snapshot_listeners.append(hub.ingest_snapshot)
     add_dashboard_routes(app, hub)
     app.state.dashboard = hub
     return hub

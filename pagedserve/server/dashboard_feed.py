@@ -29,7 +29,7 @@ from typing import Callable
 import numpy as np
 
 from pagedserve.core.outputs import EngineCoreOutputs
-from pagedserve.core.snapshot import SnapshotGate
+from pagedserve.core.snapshot import PoolSnapshot, SnapshotGate
 
 PREEMPTION_MODES = ("recompute", "swap")
 _STALE_REQUEST_S = 300.0   # a request silent this long (aborted) leaves the ITL bookkeeping
@@ -256,15 +256,17 @@ class DashboardHub:
             self._new_points.append(point)
         if self.advisor is not None and self.advisor.update(outs.timestamp):
             self._verdict_changed = True
-        snapshot = outs.pool_snapshot
-        if snapshot is not None:
-            self.snapshot = snapshot.to_dict()
         if not self.clients:
             self._new_points.clear()
             return
-        due = time.monotonic() - self._last_flush >= self.flush_every
-        if snapshot is not None or (due and (self._new_points or self._verdict_changed)):
-            self._flush(snapshot is not None)
+        if time.monotonic() - self._last_flush >= self.flush_every and (self._new_points or self._verdict_changed):
+            self._flush(False)
+
+    def ingest_snapshot(self, snapshot: PoolSnapshot) -> None:
+        """The pool after the step ingested last: it goes out now, with the points so far."""
+        self.snapshot = snapshot.to_dict()
+        if self.clients:
+            self._flush(True)
 
     def end_of_run(self) -> None:
         """No more steps will come (a replay ended): show the last partial point now."""

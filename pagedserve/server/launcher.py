@@ -77,13 +77,9 @@ def build_server(config: EngineConfig, api_key: str | None = None, max_queue_len
                             max_num_batched_tokens=engine.config.max_num_batched_tokens)
     if client is None:
         num_blocks, bytes_per_token = engine.pool_sizing.num_blocks, engine.pool_sizing.bytes_per_token
-    else:  # the core process sized the pool; the bytes per token follow from the config alone
-        from pagedserve.core.engine_core import size_pool
-        from pagedserve.plan.kv_budget import ModelShape
-
-        num_blocks = client.initial_snapshot().stats.num_total_blocks
-        shape = ModelShape.from_hf_config(engine.model_config.hf_config)
-        bytes_per_token = size_pool(engine.config, shape, engine.dtype).bytes_per_token
+    else:  # the core process sized the pool and said so when it was ready
+        layout = client.pool_layout()
+        num_blocks, bytes_per_token = layout.num_blocks, layout.bytes_per_token
     metrics.set_cache_config(engine.kv_cache_dtype, engine.config.block_size, num_blocks, bytes_per_token,
                              engine.config.device)
     if getattr(engine, "grammar_compiler", None) is not None:

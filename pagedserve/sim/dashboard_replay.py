@@ -23,7 +23,7 @@ from contextlib import asynccontextmanager
 from typing import Callable, Sequence
 
 from pagedserve.core.outputs import EngineCoreOutputs, RequestMetrics
-from pagedserve.core.snapshot import SnapshotGate
+from pagedserve.core.snapshot import PoolSnapshot, SnapshotGate
 from pagedserve.metrics import CONTENT_TYPE, EngineMetrics
 
 logger = logging.getLogger("pagedserve.sim")
@@ -113,9 +113,12 @@ class SimReplay:
         self._thread: threading.Thread | None = None
 
     # -- loop side ------------------------------------------------------------------------
-    def _ingest(self, outs: EngineCoreOutputs) -> None:
-        self.feeder(outs)
-        self.hub.ingest(outs)
+    def _ingest(self, item: EngineCoreOutputs | PoolSnapshot) -> None:
+        if isinstance(item, PoolSnapshot):
+            self.hub.ingest_snapshot(item)
+            return
+        self.feeder(item)
+        self.hub.ingest(item)
 
     async def _start_when_watched(self) -> None:
         while not self.hub.clients:
@@ -159,8 +162,8 @@ class SimReplay:
         wall0 = time.monotonic()
         speed = self.speed
 
-        def on_step(outs: EngineCoreOutputs) -> None:
-            if math.isfinite(speed):
+        def on_step(outs: EngineCoreOutputs | PoolSnapshot) -> None:
+            if math.isfinite(speed) and isinstance(outs, EngineCoreOutputs):  # a snapshot follows its step
                 delay = wall0 + outs.timestamp / speed - time.monotonic()
                 if delay > 0:
                     time.sleep(delay)

@@ -355,9 +355,9 @@ def simulate(deployment: Deployment, workload: Sequence[WorkloadRequest], *, max
 
     `executor` defaults to SimExecutor(deployment.cost_model) advancing `clock`; tests pass
     a recording one that advances the clock they pass. `on_step(core_outputs)` is called
-    after every step. `pool_snapshots` (a core.snapshot.SnapshotGate; the dashboard's replay)
-    attaches a pool snapshot to the steps it says, and a last state report (no step, a
-    snapshot of the drained pool) goes to `on_step` when the run ends.
+    after every step. With `pool_snapshots` (a core.snapshot.SnapshotGate; the dashboard's
+    replay), `on_step` also gets a PoolSnapshot after each step the gate says, and when the
+    run ends a last state report (no step) and a snapshot of the drained pool.
     """
     wall0 = time.perf_counter()
     config = deployment.config
@@ -491,19 +491,18 @@ def simulate(deployment: Deployment, workload: Sequence[WorkloadRequest], *, max
         timeline.num_batched_tokens.append(st.num_batched_tokens)
         timeline.num_preempted.append(n_pre)
         steps += 1
-        if pool_snapshots is not None:
-            outs.pool_snapshot = pool_snapshots.take(scheduler)
         if on_step is not None:
             on_step(outs)
+            if pool_snapshots is not None and (snapshot := pool_snapshots.take(scheduler)) is not None:
+                on_step(snapshot)
         if max_steps is not None and steps >= max_steps:
             break
     # The run ends when its last token reached its client: after the last step by the serving
     # layer's delivery (the drained pool's last report carries that time).
     clock.now = max([clock.now] + [r.finish for r in records if r is not None and r.finish is not None])
     if pool_snapshots is not None and on_step is not None:
-        final = core.snapshot()
-        final.pool_snapshot = take_snapshot(scheduler)
-        on_step(final)
+        on_step(core.snapshot())
+        on_step(take_snapshot(scheduler))
 
     core.shutdown()  # closes the step trace, if config.step_trace_path asked for one
     records = [r for r in records if r is not None]
