@@ -30,8 +30,8 @@ from pagedserve.sampling import SamplingParams
 from pagedserve.engine.async_llm import AsyncLLM, EngineDead, EngineOverloaded, ServerShuttingDown
 from pagedserve.engine.output_processor import OutputKind
 from pagedserve.server.gate import Gate
-from pagedserve.server.protocol import (ChatCompletionRequest, ChatMessage, CompletionRequest, DetokenizeRequest,
-                                        ErrorResponse, NamedToolChoice, TokenizeRequest)
+from pagedserve.server.protocol import (RETRY_AFTER_SECONDS, ChatCompletionRequest, ChatMessage, CompletionRequest,
+                                        DetokenizeRequest, ErrorResponse, NamedToolChoice, TokenizeRequest, error_body)
 from pagedserve.server.request_trace import ArrivalStamp, RequestTrace, request_trace_path
 from pagedserve.structured.params import StructuredOutputsParams
 from pagedserve.structured.tool_parsers import get_tool_parser
@@ -40,7 +40,6 @@ from pagedserve.structured.tools import (NamedCallStream, RequiredCallStream, To
 
 logger = logging.getLogger("pagedserve.server")
 
-RETRY_AFTER_SECONDS = 1
 _LOGPROB_FLOOR = -9999.0  # JSON has no -inf
 _ERROR_RESPONSES = {code: {"model": ErrorResponse} for code in (400, 401, 404, 413, 503)}
 # Bytes of request body allowed per token of max_model_len (JSON escapes and chat markup
@@ -65,10 +64,6 @@ class APIError(Exception):
     def type(self) -> str:
         return {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError",
                 413: "RequestTooLargeError", 503: "ServiceUnavailableError"}.get(self.status, "InternalServerError")
-
-
-def error_body(status: int, message: str, type_: str, param: str | None) -> dict:
-    return {"error": {"message": message, "type": type_, "param": param, "code": status}}
 
 
 def bad_request(e: Exception | str) -> APIError:

@@ -25,10 +25,11 @@ import json
 import logging
 import time
 
+from pagedserve.server.protocol import RETRY_AFTER_SECONDS, error_body
+
 logger = logging.getLogger("pagedserve.server")
 
 DEFAULT_SHUTDOWN_TIMEOUT = 20.0
-RETRY_AFTER_SECONDS = 1
 # After the cut-off: how long the error bodies get to be written before uvicorn closes anyway.
 WRITE_GRACE_SECONDS = 5.0
 API_PREFIXES = ("/v1/", "/tokenize", "/detokenize")
@@ -114,10 +115,6 @@ class Drain:
         return True
 
 
-def _error(status: int, message: str, type_: str) -> bytes:
-    return json.dumps({"error": {"message": message, "type": type_, "param": None, "code": status}}).encode()
-
-
 class DrainGate:
     """ASGI middleware: counts the API requests in flight, and refuses new ones while draining."""
 
@@ -130,7 +127,7 @@ class DrainGate:
             return await self.app(scope, receive, send)
         drain = self.drain
         if drain.draining:
-            body = _error(503, drain.message(), "ServiceUnavailableError")
+            body = json.dumps(error_body(503, drain.message(), "ServiceUnavailableError")).encode()
             await send({"type": "http.response.start", "status": 503,
                         "headers": [(b"content-type", b"application/json"),
                                     (b"content-length", str(len(body)).encode()),

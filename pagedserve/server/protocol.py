@@ -14,6 +14,14 @@ from typing import Any, ClassVar, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+# Seconds a 503 asks the client to wait (Retry-After): a full queue, a draining server.
+RETRY_AFTER_SECONDS = 1
+
+
+def error_body(status: int, message: str, type_: str, param: str | None = None) -> dict:
+    """OpenAI's error object, as every error this server sends (JSON, SSE event, 408, 503) carries it."""
+    return {"error": {"message": message, "type": type_, "param": param, "code": status}}
+
 # torch.Generator.manual_seed takes [-2**63, 2**64); n samples use seed + i.
 SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
 

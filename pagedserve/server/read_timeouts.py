@@ -20,13 +20,14 @@ import json
 import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
+from pagedserve.server.protocol import error_body
+
 DEFAULT_HEADER_READ_TIMEOUT = 10.0
 DEFAULT_BODY_READ_TIMEOUT = 30.0
 
 
 def _timeout_response(message: str) -> bytes:
-    body = json.dumps({"error": {"message": message, "type": "RequestTimeoutError", "param": None,
-                                 "code": 408}}).encode()
+    body = json.dumps(error_body(408, message, "RequestTimeoutError")).encode()
     head = (b"HTTP/1.1 408 Request Timeout\r\ncontent-type: application/json\r\n"
             b"content-length: " + str(len(body)).encode() + b"\r\nconnection: close\r\n\r\n")
     return head + body
