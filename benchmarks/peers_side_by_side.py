@@ -1,7 +1,9 @@
-"""pagedserve vs OpenVINO GenAI, vLLM-CPU, llama.cpp and HF on the same checkpoints, one session.
+"""pagedserve beside the engines users run today (OpenVINO GenAI, vLLM-CPU, llama.cpp, HF) on the
+same checkpoints, one session: the project's one peer benchmark, in three modes.
 
     python benchmarks/peers_side_by_side.py                       # in-process, both models, bs 1/8/32
     python benchmarks/peers_side_by_side.py --served --conc 1,8,32 # servers + the same HTTP load
+    python benchmarks/peers_side_by_side.py --latency              # servers under arrival-bound load
     python benchmarks/peers_side_by_side.py --models tiny-llama --engines pagedserve,llama.cpp
 
 The peers are installed by ../shared/peers/setup.sh under $PEERS_DIR (default /tmp/peers): their
@@ -10,11 +12,25 @@ exports. Each engine runs alone in its own process (two benchmarks on two cores 
 nothing), in rounds: every engine once per round, `--rounds` rounds (default 2), and the best
 round is kept, since single runs on these shared machines move by ~20%.
 
-The workload is the peers' own: prompts of exactly 128 random token ids, 128 new tokens, greedy,
-EOS ignored, fp32 weights, prefix caching off, every prompt submitted at once (in-process) or
-`conc` concurrent streams (served). Output tok/s includes the prefill. Ratios are pagedserve
-over the peer. With `--threads` below the machine's CPU count every engine (and server) runs
-under `taskset` on that many CPUs, since not every engine obeys a thread-count variable. A peer that is missing or fails is reported as skipped, with the reason.
+In process and `--served`, the workload is the peers' own: prompts of exactly 128 random token
+ids, 128 new tokens, greedy, EOS ignored, fp32 weights, prefix caching off, every prompt
+submitted at once (in-process) or `conc` concurrent streams (served). Output tok/s includes the
+prefill. Ratios are pagedserve over the peer. With `--threads` below the machine's CPU count
+every engine (and server) runs under `taskset` on that many CPUs, since not every engine obeys a
+thread-count variable. A peer that is missing or fails is reported as skipped, with the reason.
+
+`--latency` (formerly served_latency.py): pagedserve's and vLLM-CPU's servers on one checkpoint
+(default tiny-llama, one thread each, prefix caching on for both) under the same `pagedserve
+bench` load with Poisson arrivals at a rate both sustain, so throughput is equal and the
+latencies compare the per-token work:
+
+- long-context: 20% of prompts ~3,000 tokens, the rest ~256, 128 output tokens, 1.5 req/s;
+- prefix: 4 shared 1,024-token prefixes + 128-token suffixes, 128 output tokens, 4 req/s.
+
+The best round (lowest median ITL) is kept per engine; it prints median / P99 ITL and TTFT,
+output tok/s and the prefix-cache hit rate, and the ratios pagedserve / vLLM (below 1.0x is
+better for latencies). `--variant-args` / `--variant-env` add a second pagedserve configuration
+as engine `pagedserve-variant` (an A/B of one setting in the same session).
 """
 from __future__ import annotations
 
@@ -25,6 +41,7 @@ import random
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 from pathlib import Path
@@ -36,6 +53,14 @@ PEERS_DIR = Path(os.environ.get("PEERS_DIR", "/tmp/peers"))
 PEER_SCRIPTS = Path(os.environ.get("PEER_SCRIPTS", ROOT.parent / "shared" / "peers"))
 ENGINES = ["pagedserve", "openvino", "vllm", "llama.cpp", "hf"]
 SERVED = ["pagedserve", "vllm", "llama.cpp"]
+LATENCY = ["pagedserve", "vllm", "pagedserve-variant"]
+LATENCY_MAX_MODEL_LEN = 4096
+LATENCY_WORKLOADS = {
+    "long-context": ["--dataset", "long-context", "--long-fraction", "0.2", "--long-input-len", "3000",
+                     "--short-input-len", "256", "--random-output-len", "128", "--request-rate", "1.5"],
+    "prefix": ["--dataset", "prefix-repetition", "--prefix-len", "1024", "--suffix-len", "128",
+               "--num-prefixes", "4", "--random-output-len", "128", "--request-rate", "4"],
+}
 
 
 # -- pagedserve, in a process of its own ------------------------------------------------------
@@ -205,6 +230,84 @@ def table(title: str, results: dict, cols: list[int], value) -> str:
     return "\n".join(lines)
 
 
+# -- servers under arrival-bound load (--latency) ------------------------------------------------
+def latency_server_command(engine: str, model: str, port: int, extra: list[str]) -> list[str]:
+    if engine.startswith("pagedserve"):
+        return [sys.executable, "-m", "pagedserve.cli", "serve", "--model", model, "--port", str(port),
+                "--max-num-seqs", "64", "--max-model-len", str(LATENCY_MAX_MODEL_LEN), "--kv-cache-memory", "2GiB",
+                "--log-interval", "0", *extra]
+    # vLLM-CPU: its distribution is named vllm_cpu, so the `vllm` CLI fails; the module runs the same server.
+    return [str(PEERS_DIR / "vllm/bin/python"), "-m", "vllm.entrypoints.openai.api_server", "--model", model,
+            "--port", str(port), "--dtype", "float32", "--max-num-seqs", "64", "--max-model-len",
+            str(LATENCY_MAX_MODEL_LEN), "--enable-prefix-caching", "--disable-log-stats"]
+
+
+def run_latency(engine: str, model: str, workload: str, args) -> dict:
+    # Only pagedserve gets this checkout on its path: vLLM's entry point found no package metadata with it.
+    environment = live.env(args.threads, {"VLLM_CPU_KVCACHE_SPACE": "2",
+                                          "VLLM_CPU_OMP_THREADS_BIND": live.cpu_list(args.threads)})
+    if not engine.startswith("pagedserve"):
+        environment["PYTHONPATH"] = ""
+    if engine == "pagedserve-variant":
+        environment.update(kv.split("=", 1) for kv in args.variant_env.split())
+    extra = args.pagedserve_args.split() if engine == "pagedserve" else args.variant_args.split()
+    logs = Path(args.log_dir)
+    cmd = latency_server_command(engine, str(PEERS_DIR / model), args.port, extra)
+    with live.Server(cmd, args.port, logs / f"latency_{engine}_{workload}.log", environment, timeout_s=600) as server, \
+            tempfile.TemporaryDirectory() as tmp:
+        base = ["--seed", "0"]
+        # Warm-up outside the measurement: the first requests pay one-time costs on both servers.
+        live.run_bench(server.url, base + ["--dataset", "random", "--random-input-len", "64", "--random-output-len",
+                                           "8", "--num-prompts", "4", "--no-metrics"],
+                       Path(tmp) / "warm.json", logs / f"latency_bench_{engine}_warmup.log")
+        summary = live.run_bench(server.url, base + LATENCY_WORKLOADS[workload] + ["--num-prompts", str(args.num_prompts)],
+                                 Path(tmp) / "r.json", logs / f"latency_bench_{engine}_{workload}.log")["summary"]
+    server_stats = summary.get("server") or {}
+    return {"itl_median": summary["itl_ms"]["median"], "itl_p99": summary["itl_ms"]["p99"],
+            "ttft_median": summary["ttft_ms"]["median"], "ttft_p99": summary["ttft_ms"]["p99"],
+            "out_tok_s": summary["output_throughput"], "ok": summary["successful_requests"],
+            "hit_rate": server_stats.get("prefix_cache_hit_rate")}
+
+
+LATENCY_COLUMNS = [("itl_median", "ITL p50 ms"), ("itl_p99", "ITL p99 ms"), ("ttft_median", "TTFT p50 ms"),
+                   ("ttft_p99", "TTFT p99 ms"), ("out_tok_s", "out tok/s"), ("hit_rate", "prefix hits")]
+
+
+def _cell(v) -> str:
+    return f"{v:>12.3f}" if isinstance(v, float) and v < 1 else f"{v:>12.1f}" if isinstance(v, (int, float)) else f"{'-':>12}"
+
+
+def latency_main(args, engines: list[str], report: dict) -> None:
+    model = args.models.split(",")[0]
+    for workload in args.workloads.split(","):
+        runs: dict[str, list] = {e: [] for e in engines}
+        for rnd in range(args.rounds):
+            for engine in engines:
+                t0 = time.perf_counter()
+                try:
+                    res = run_latency(engine, model, workload, args)
+                except (RuntimeError, OSError) as e:  # a server that does not come up, or a peer not installed
+                    res = {"error": str(e).splitlines()[0]}
+                runs[engine].append(res)
+                print(f"  {workload} round {rnd + 1} {engine}: {json.dumps(res)} ({time.perf_counter() - t0:.0f} s)",
+                      flush=True)
+        best_runs = {e: min((r for r in rs if "error" not in r), key=lambda r: r["itl_median"], default=rs[-1])
+                     for e, rs in runs.items()}
+        report["workloads"][workload] = {"best": best_runs, "runs": runs}
+        print(f"\n{model}, {workload} ({args.num_prompts} requests, best of {args.rounds} by median ITL)")
+        print(f"{'engine':<12}" + "".join(f"{title:>12}" for _, title in LATENCY_COLUMNS))
+        for engine, res in best_runs.items():
+            if "error" in res:
+                print(f"{engine:<12} failed: {res['error']}")
+                continue
+            print(f"{engine:<12}" + "".join(_cell(res.get(key)) for key, _ in LATENCY_COLUMNS))
+        ours, theirs = best_runs.get("pagedserve"), best_runs.get("vllm")
+        if ours and theirs and "error" not in ours and "error" not in theirs:
+            print(f"{'ratio':<12}" + "".join(
+                f"{ours[k] / theirs[k]:>11.2f}x" if ours.get(k) and theirs.get(k) else f"{'-':>12}"
+                for k, _ in LATENCY_COLUMNS))
+
+
 def main() -> None:
     if len(sys.argv) > 2 and sys.argv[1] == "--_worker":
         env = os.environ
@@ -212,27 +315,48 @@ def main() -> None:
                           int(env.get("NEW_TOKENS", 128)), env.get("PAGEDSERVE_DTYPE", "float32"))
         return
     ap = argparse.ArgumentParser()
-    ap.add_argument("--models", default="tiny-llama,small-llama")
-    ap.add_argument("--engines", default=",".join(ENGINES))
+    ap.add_argument("--models", default=None, help="default: tiny-llama,small-llama (--latency: tiny-llama)")
+    ap.add_argument("--engines", default=None, help="default: every engine the mode runs (--latency: pagedserve,vllm)")
     ap.add_argument("--batch-sizes", default="1,8,32")
-    ap.add_argument("--served", action="store_true", help="servers under bench_http.py instead of in-process")
+    mode = ap.add_mutually_exclusive_group()
+    mode.add_argument("--served", action="store_true", help="servers under bench_http.py instead of in-process")
+    mode.add_argument("--latency", action="store_true",
+                      help="pagedserve and vLLM servers under arrival-bound `pagedserve bench` workloads")
     ap.add_argument("--conc", default="1,8,32")
     ap.add_argument("--rounds", type=int, default=2)
-    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=None, help="default 2 (--latency: 1)")
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--port", type=int, default=8411)
+    ap.add_argument("--workloads", default="long-context,prefix", help="--latency: " + ", ".join(LATENCY_WORKLOADS))
+    ap.add_argument("--num-prompts", type=int, default=80, help="--latency: requests per workload")
+    ap.add_argument("--pagedserve-args", default="", help="--latency: extra `pagedserve serve` flags")
+    ap.add_argument("--variant-args", default="",
+                    help="--latency: flags of a second pagedserve configuration, run as engine 'pagedserve-variant'")
+    ap.add_argument("--variant-env", default="", help="--latency: KEY=VALUE ... set for 'pagedserve-variant' only")
     ap.add_argument("--timeout", type=float, default=1800)
     ap.add_argument("--log-dir", default="/tmp/pagedserve-peers")
     ap.add_argument("--out", default=str(ROOT / "results" / "peers_side_by_side.json"))
     args = ap.parse_args()
+    args.models = args.models or ("tiny-llama" if args.latency else "tiny-llama,small-llama")
+    args.threads = args.threads or (1 if args.latency else 2)
+    known = LATENCY if args.latency else SERVED if args.served else ENGINES
+    engines = [e for e in (args.engines or ("pagedserve,vllm" if args.latency else ",".join(known))).split(",")
+               if e in known]
     Path(args.log_dir).mkdir(parents=True, exist_ok=True)
     os.environ["PAGEDSERVE_DTYPE"] = args.dtype
-    engines = [e for e in args.engines.split(",") if e in (SERVED if args.served else ENGINES)]
+    print(f"load before: {os.getloadavg()}", flush=True)
+    if args.latency:
+        report = {"latency": True, "model": args.models.split(",")[0], "threads": args.threads,
+                  "rounds": args.rounds, "num_prompts": args.num_prompts, "workloads": {}}
+        latency_main(args, engines, report)
+        print(f"load after: {os.getloadavg()}")
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(report, indent=1, default=str))
+        return
     cols = [int(x) for x in (args.conc if args.served else args.batch_sizes).split(",")]
     report: dict = {"served": args.served, "threads": args.threads, "rounds": args.rounds, "models": {}}
-    print(f"load before: {os.getloadavg()}", flush=True)
     for model in args.models.split(","):
         runs: dict[str, list] = {e: [] for e in engines}
         for rnd in range(args.rounds):

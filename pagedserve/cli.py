@@ -45,7 +45,7 @@ def build_parser() -> argparse.ArgumentParser:
         ("pagedserve.plan.cli", "register"),
         ("pagedserve.bench.cli", "register"),
         ("pagedserve.sim.cli", "register"),
-        ("pagedserve.tune.advise_cli", "register"),
+        ("pagedserve.advise.cli", "register"),
         ("pagedserve.tune.cli", "register"),
     ]
     import importlib

@@ -10,8 +10,8 @@ import threading
 
 import pytest
 
-from pagedserve.tune import advise_cli
-from pagedserve.tune.advisor import Thresholds, advise, format_report, observe
+from pagedserve.advise import cli as advise_cli
+from pagedserve.advise.advisor import Thresholds, advise, format_report, observe
 from pagedserve.bench.prom import Histogram, histogram_delta, histogram_quantile, naming_label, parse_metrics
 
 FIXTURES = pathlib.Path(__file__).parent / "fixtures" / "metrics"
@@ -435,7 +435,7 @@ def test_format_report_mentions_every_finding():
 # -- queue time, knob spelling, a report for people ---------------------------------------------
 
 def _obs(**kw):
-    from pagedserve.tune.advisor import Observations
+    from pagedserve.advise.advisor import Observations
 
     base = dict(naming="pagedserve", interval_s=30.3295, num_gauge_samples=16, gauges_sampled=True,
                 utilisation=0.97, utilisation_source="engine_busy_ratio", kv_usage_mean=0.6, kv_usage_max=0.8,
@@ -602,7 +602,7 @@ WINDOWS = {
 
 def dashboard_verdict(texts: list[str]) -> dict:
     """The dashboard's advisor fed the window one second at a time, as the engine clock ticks."""
-    from pagedserve.server.dashboard_feed import LiveAdvisor
+    from pagedserve.dashboard.feed import LiveAdvisor
 
     feed = iter(texts)
     advisor = LiveAdvisor(lambda: next(feed), window_s=30.0, sample_every=1.0)

@@ -350,7 +350,7 @@ def test_one_snapshot_for_bench_and_advise():
     bench's summary speaks of them by their exposed name (with `_total`), from the names table."""
     from pagedserve import metric_names
     from pagedserve.bench import metrics_scrape, prom
-    from pagedserve.tune import advisor
+    from pagedserve.advise import advisor
 
     assert metrics_scrape.parse_metrics is prom.parse_metrics and advisor.Snapshot is prom.Snapshot
     from pagedserve.metrics import EngineMetrics

@@ -24,7 +24,7 @@ from pagedserve.core.request import FinishReason, Request, RequestStatus
 from pagedserve.core.scheduler import Scheduler, SchedulerConfig
 from pagedserve.core.snapshot import FREE, RUN_WIDTH, SnapshotGate, decode_runs, encode_pool, take_snapshot
 from pagedserve.sampling import SamplingParams
-from pagedserve.server.dashboard_feed import DashboardHub, DashboardInfo, LiveSeries
+from pagedserve.dashboard.feed import DashboardHub, DashboardInfo, LiveSeries
 from pagedserve.server.launcher import ServerThread, build_server
 from metrics_scrape import scrape
 from required_tools import require_tool
@@ -179,7 +179,7 @@ def test_snapshot_gate_rate_share_and_watchers():
         SnapshotGate(max_share=0)
 
 
-# -- the loop-side feed (server/dashboard_feed.py) ------------------------------------------------------
+# -- the loop-side feed (dashboard/feed.py) ------------------------------------------------------
 
 
 def _outs(t: float, outputs=(), step_time: float = 0.1, forward: float = 0.05, **stats) -> EngineCoreOutputs:
@@ -352,7 +352,7 @@ def test_simulated_run_replays_into_the_dashboard():
     """The replay feeds the page what the simulation did: the same steps and preemptions, a
     /metrics with every request, a drained pool at the end, and an advisor verdict."""
     from pagedserve.bench.workloads import WorkloadRequest
-    from pagedserve.sim.dashboard_replay import SimReplay, replay_info, workload_prompt_len
+    from pagedserve.dashboard.replay import SimReplay, replay_info, workload_prompt_len
     from pagedserve.sim.simulator import build_deployment, simulate
 
     dep = build_deployment(EngineConfig(max_num_seqs=32, num_kv_blocks=160, max_model_len=1024,
@@ -395,6 +395,38 @@ def test_simulate_dashboard_flags_are_checked_first(capsys):
                      "--dashboard", flag, value]) == 2
         err = capsys.readouterr().err
         assert f"{flag[2:].replace('-', '_')}:" in err and "Serving Result" not in err
+
+
+def test_simulate_dashboard_serves_the_replay(monkeypatch, capsys):
+    """`simulate --dashboard` reaches its server (uvicorn's run stubbed: the replay waits for a
+    page), serves the replay's page, and a shutdown signal also ends the pages' event streams."""
+    import uvicorn
+
+    from pagedserve.cli import main
+
+    served = []
+
+    class Page:  # a connected page's stream, as the hub holds it
+        closed = False
+        event = threading.Event()
+
+    def fake_run(server, sockets=None):
+        served.append(server)
+        client = Page()
+        server.config.app.state.dashboard.clients.add(client)
+        server.config.app.state.dashboard._loop = loop = asyncio.new_event_loop()
+        server.handle_exit(2, None)  # SIGINT
+        loop.run_until_complete(asyncio.sleep(0))
+        loop.close()
+        assert client.closed and server.should_exit
+
+    monkeypatch.setattr(uvicorn.Server, "run", fake_run)
+    assert main(["simulate", "--model", "llama-3.1-8b", "--gpu", "H100-SXM", "--num-prompts", "5",
+                 "--dashboard", "--dashboard-port", "0"]) == 0
+    assert len(served) == 1 and served[0].config.host == "127.0.0.1" and served[0].config.port == 0
+    paths = {route.path for route in served[0].config.app.routes}
+    assert {"/dashboard", "/dashboard/events", "/dashboard/state", "/metrics"} <= paths
+    assert "the replay (x1) starts when the page connects" in capsys.readouterr().out
 
 
 # -- the page in a real browser ---------------------------------------------------------------------

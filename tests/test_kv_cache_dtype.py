@@ -581,7 +581,7 @@ def test_kv_pressure_rules_name_an_8_bit_cache_unless_it_is_one(scenario, naming
     from pathlib import Path
 
     from pagedserve.bench.prom import parse_metrics
-    from pagedserve.tune.advisor import Thresholds, advise, observe
+    from pagedserve.advise.advisor import Thresholds, advise, observe
 
     fixtures = Path(__file__).parent / "fixtures" / "metrics"
     a, b = (parse_metrics(_with_cache_dtype((fixtures / f"{scenario}.{naming}.{x}.txt").read_text(), cache_dtype,

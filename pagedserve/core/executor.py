@@ -5,8 +5,9 @@ Implementations (worker/executors.py picks one from the config): worker.model_ru
 tensor-parallel rank), worker.ray_executor.RayExecutor (one Ray actor per rank), and
 sim.executor.SimExecutor (a cost model on a virtual clock, no tensors). An executor never
 calls back into the scheduler; it keeps what NewRequestData told it and applies each
-step's diffs. A multi-process executor may also offer `check_health()`, which raises when a
-rank has died; the engine's loops call it between steps.
+step's diffs. Every executor answers `check_health()` (the engine-core loop calls it between
+steps; it raises when a rank has died, and has nothing to check when the model runs in this
+process) and `worker_pids()` (the processes of its ranks, for the stall and death reports).
 """
 from __future__ import annotations
 
@@ -36,6 +37,14 @@ class Executor(Protocol):
         ...
 
     def execute(self, out: SchedulerOutput) -> StepResult:
+        ...
+
+    def check_health(self) -> None:
+        """Raise if a part of the executor has died (a rank); cheap, called between steps."""
+        ...
+
+    def worker_pids(self) -> list[int]:
+        """The process ids of its ranks, in rank order ([]: the model runs in this process)."""
         ...
 
     def shutdown(self) -> None:

@@ -128,12 +128,12 @@ class AsyncLLM:
         self._slowest_step = 0.0
         self._largest_step = (0, 0.0)  # (batched tokens, seconds) of the step with the most tokens
         self._watchdog: asyncio.Task | None = None
-        # The dashboard's seam (server/dashboard.py): callables the loop hands every step's
+        # The dashboard's seam (dashboard/routes.py): callables the loop hands every step's
         # outputs to, and every pool snapshot the core sent (it sends them while `watch_pool`
         # says pages watch: engine/core_loop.py PoolView).
         self.step_listeners: list = []
         self.snapshot_listeners: list = []
-        self.pool_snapshots = None  # the dashboard's watcher count and rate (server/dashboard.py PoolWatch)
+        self.pool_snapshots = None  # the dashboard's watcher count and rate (dashboard/routes.py PoolWatch)
         self._publish_metrics(self.client.initial_snapshot())  # the pool size is known before the first request
 
     @property

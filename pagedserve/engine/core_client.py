@@ -124,7 +124,7 @@ class ThreadCoreClient:
     def stall_suspects(self) -> list[dict]:
         """Processes of this engine that cannot run (its tensor-parallel ranks, if any; the
         engine thread itself is in this process, which is running)."""
-        pids = list(getattr(self.engine_core.executor, "pids", []) or [])
+        pids = self.engine_core.executor.worker_pids()
         return held_processes([(f"tensor-parallel rank {i}", i, pid) for i, pid in enumerate(pids)])
 
     def start(self, post: Callable[[object], None]) -> None:

@@ -124,7 +124,7 @@ class CoreLoop:
 
     def run(self) -> None:
         core = self.core
-        check_health = getattr(core.executor, "check_health", None)  # executors with ranks to watch
+        check_health = core.executor.check_health  # a dead rank ends the loop before the next step
         while not self.stopped:
             idle = self.paused or not core.has_unfinished_requests()
             for msg in self.inbox.take(self.idle_wait if idle else 0.0, self.paused):
@@ -135,8 +135,7 @@ class CoreLoop:
                 if self.on_idle is not None:
                     self.on_idle()
                 continue
-            if check_health is not None:
-                check_health()
+            check_health()
             if core.has_unfinished_requests():
                 outputs = core.step()
             else:

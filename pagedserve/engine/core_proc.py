@@ -54,7 +54,7 @@ def run_engine_core(config, eos_token_ids: list[int], in_addr: str, out_addr: st
         out_sock.close(linger=2000)
         ctx.term()
         os._exit(1)
-    worker_pids = list(getattr(core.executor, "pids", []))
+    worker_pids = core.executor.worker_pids()
     out_sock.send(ENCODER.encode(ReadyMsg(core.snapshot(), os.getpid(), worker_pids, pool_layout(core))))
     code = EngineCoreProcess(core, in_sock, out_sock).run()  # the I/O threads close their sockets first
     ctx.term()

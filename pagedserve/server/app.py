@@ -931,6 +931,6 @@ def build_app(async_engine: AsyncLLM, api_key: str | None = None, manage_engine:
         return {"prompt": await server.off_loop(server.decode, body.tokens)}
 
     if dashboard:
-        from pagedserve.server.dashboard import mount_dashboard
+        from pagedserve.dashboard.routes import mount_dashboard
         mount_dashboard(app, async_engine)
     return app

@@ -125,7 +125,7 @@ def run(args) -> int:
     import asyncio
 
     from pagedserve.engine_args import engine_config_from_args
-    from pagedserve.server.dashboard import make_server
+    from pagedserve.server.http_server import make_server
     from pagedserve.server.launcher import build_server
 
     settings = server_settings(args)

@@ -215,8 +215,7 @@ def _check_dashboard_args(args) -> None:
 
 
 def _run_with_dashboard(args, dep, workload, slos) -> int:
-    from pagedserve.server.dashboard import run_server
-    from pagedserve.sim.dashboard_replay import SimReplay, replay_info, workload_prompt_len
+    from pagedserve.dashboard.replay import SimReplay, replay_info, workload_prompt_len
     from pagedserve.sim.simulator import simulate
 
     speed = args.dashboard_speed
@@ -233,7 +232,7 @@ def _run_with_dashboard(args, dep, workload, slos) -> int:
                        dep.config.max_model_len, speed=speed, on_done=on_done)
     print(f"dashboard: open http://{args.dashboard_host}:{args.dashboard_port}/dashboard — the replay "
           f"(x{speed:g}) starts when the page connects", flush=True)
-    run_server(replay.app(), args.dashboard_host, args.dashboard_port, "warning")
+    replay.serve(args.dashboard_host, args.dashboard_port, "warning")
     return 1 if replay.error is not None else 0
 
 

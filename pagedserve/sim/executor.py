@@ -48,6 +48,12 @@ class SimExecutor:
     def profile_prefill(self, num_tokens: int) -> float:
         return self.cost_model.predict([num_tokens], [num_tokens]) / num_tokens
 
+    def check_health(self) -> None:
+        pass  # a cost model: nothing to watch
+
+    def worker_pids(self) -> list[int]:
+        return []
+
     def shutdown(self) -> None:
         pass
 

@@ -49,5 +49,11 @@ class InstantExecutor:
                 sampled[r.request_id] = ids.pop()
         return StepResult(sampled=sampled)
 
+    def check_health(self) -> None:
+        pass  # no model: nothing to watch
+
+    def worker_pids(self) -> list[int]:
+        return []
+
     def shutdown(self) -> None:
         pass

@@ -484,6 +484,12 @@ class ModelRunner:
                 out.append(TokenLogprobs(token, target_list[j], rank_list[j], top))
         return out
 
+    def check_health(self) -> None:
+        pass  # one process: nothing to watch
+
+    def worker_pids(self) -> list[int]:
+        return []
+
     def shutdown(self) -> None:
         self.requests.clear()
 

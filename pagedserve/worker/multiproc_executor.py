@@ -291,8 +291,7 @@ class MultiprocExecutor(RankCalls):
         self.broadcast_seconds = 0.0
         self.broadcast_bytes = self.num_broadcasts = 0
 
-    @property
-    def pids(self) -> list[int]:
+    def worker_pids(self) -> list[int]:
         return [r.process.pid for r in self.ranks]
 
     def shutdown(self, timeout: float = 10.0) -> None:

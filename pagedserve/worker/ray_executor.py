@@ -87,7 +87,7 @@ class RayExecutor(RankCalls):
             for rank in range(self.world_size)]
         try:
             master_addr, master_port = ray.get(self.actors[0].address.remote())
-            self.pids = self._get([a.start.remote(master_addr, master_port) for a in self.actors])
+            self.pids: list[int] = self._get([a.start.remote(master_addr, master_port) for a in self.actors])
         except BaseException:
             self.shutdown()
             raise
@@ -130,6 +130,12 @@ class RayExecutor(RankCalls):
 
     def worker_stats(self) -> list[dict]:
         return self._call("stats")
+
+    def check_health(self) -> None:
+        pass  # no monitor to ask: a dead actor fails the step's own call as WorkerDied (`_get`)
+
+    def worker_pids(self) -> list[int]:
+        return list(self.pids)
 
     def shutdown(self) -> None:
         import ray

@@ -10,7 +10,7 @@ in `simulate --dashboard` the replay thread does); `DashboardHub.ingest` folds i
   (TTFT = first token's step end - arrival, ITL = gap between a request's token steps shared
   by the tokens that arrived together: the definitions /metrics' histograms use);
 - the latest pool snapshot (core/snapshot.py), when the engine thread attached one;
-- the advisor's verdict: `pagedserve advise`'s own verdict (tune/advisor.py `judge`, the
+- the advisor's verdict: `pagedserve advise`'s own verdict (advise/advisor.py `judge`, the
   device read from the metrics as `advise` reads it) over the same Prometheus text a scraper
   of /metrics would read, sampled once a second of engine time over a sliding window.
 
@@ -28,6 +28,8 @@ from typing import Callable
 
 import numpy as np
 
+from pagedserve.advise.advisor import Thresholds, detect_device, judge
+from pagedserve.bench.prom import parse_metrics
 from pagedserve.core.outputs import EngineCoreOutputs
 from pagedserve.core.snapshot import PoolSnapshot, SnapshotGate
 
@@ -164,8 +166,6 @@ class LiveAdvisor:
 
     def __init__(self, metrics_text: Callable[[], bytes | str], window_s: float = 30.0, sample_every: float = 1.0,
                  thresholds=None) -> None:
-        from pagedserve.tune.advisor import Thresholds
-
         self.metrics_text = metrics_text
         self.window_s = window_s
         self.sample_every = sample_every
@@ -181,9 +181,6 @@ class LiveAdvisor:
         if now < self._next:
             return False
         self._next = now + self.sample_every
-        from pagedserve.tune.advisor import detect_device, judge
-        from pagedserve.bench.prom import parse_metrics
-
         text = self.metrics_text()
         text = text.decode() if isinstance(text, bytes) else text
         if self.device == "unknown":

@@ -10,7 +10,7 @@ import sys
 import time
 from urllib.parse import urlsplit, urlunsplit
 
-from pagedserve.tune.advisor import Thresholds, detect_device, format_report, judge
+from pagedserve.advise.advisor import Thresholds, detect_device, format_report, judge
 from pagedserve.bench.prom import Snapshot, fetch_text, parse_metrics
 
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|min|h)?\s*$")

@@ -24,6 +24,8 @@ from typing import Callable, Sequence
 
 from pagedserve.core.outputs import EngineCoreOutputs, RequestMetrics
 from pagedserve.core.snapshot import PoolSnapshot, SnapshotGate
+from pagedserve.dashboard.feed import DashboardHub, DashboardInfo, LiveAdvisor, LiveSeries
+from pagedserve.dashboard.routes import add_dashboard_routes
 from pagedserve.metrics import CONTENT_TYPE, EngineMetrics
 
 logger = logging.getLogger("pagedserve.sim")
@@ -89,8 +91,6 @@ class SimReplay:
 
     def __init__(self, run_simulation: Callable, info, prompt_len: Callable[[str], int], max_model_len: int,
                  speed: float = 1.0, max_snapshot_rate: float = 4.0, on_done: Callable | None = None) -> None:
-        from pagedserve.server.dashboard_feed import DashboardHub, LiveAdvisor, LiveSeries
-
         if not speed > 0:
             raise ValueError(f"dashboard_speed: must be > 0 simulated seconds per second, got {speed}")
         self.run_simulation = run_simulation
@@ -131,8 +131,6 @@ class SimReplay:
         from fastapi import FastAPI
         from fastapi.responses import Response
 
-        from pagedserve.server.dashboard import add_dashboard_routes
-
         @asynccontextmanager
         async def lifespan(app):
             self._loop = asyncio.get_running_loop()
@@ -156,6 +154,20 @@ class SimReplay:
         app.state.replay = self
         app.state.dashboard = self.hub
         return app
+
+    def serve(self, host: str, port: int, log_level: str = "info") -> None:
+        """Serve `app()` until a shutdown signal; the signal also ends the pages' event streams
+        (uvicorn's graceful shutdown waits for every open response, and a page never closes its own)."""
+        import uvicorn
+
+        hub = self.hub
+
+        class _Server(uvicorn.Server):
+            def handle_exit(self, sig, frame) -> None:
+                hub.close_all_threadsafe()
+                super().handle_exit(sig, frame)
+
+        _Server(uvicorn.Config(self.app(), host=host, port=port, log_level=log_level)).run()
 
     # -- replay thread ------------------------------------------------------------------------
     def _run(self) -> None:
@@ -182,8 +194,6 @@ class SimReplay:
 
 
 def replay_info(deployment, speed: float):
-    from pagedserve.server.dashboard_feed import DashboardInfo
-
     cfg = deployment.config
     return DashboardInfo(model=deployment.model_name, num_blocks=deployment.num_blocks, block_size=cfg.block_size,
                          num_host_blocks=deployment.num_host_blocks, source="simulation",
