@@ -121,7 +121,33 @@ def published(args) -> dict:
     print("|---|---:|---:|---|---|---|")
     for group in TARGETS:
         print(_row(errors, group))
-    return {"cases": out, "errors": [{"case": c, "metric": k, "published": p, "simulated": s} for c, k, p, s in errors]}
+    by_source = _by_source(errors)
+    return {"cases": out, "by_source": by_source,
+            "errors": [{"case": c, "metric": k, "published": p, "simulated": s} for c, k, p, s in errors]}
+
+
+def _source(case_id: str) -> str:
+    """The publication a case comes from: its id's first word (lambda, kvcached, musgrave, oci, vllm)."""
+    return case_id.split("-", 1)[0]
+
+
+def _by_source(errors: list[tuple[str, str, float, float]]) -> dict:
+    """Median |error| per metric group and source: one sweep from one publication (nine batch
+    sizes of one run) weighs nine times in the group's median, so the table shows whether a
+    group's figure is one source's or every source's."""
+    cells: dict[str, dict[str, list[float]]] = {}
+    for cid, key, p, s in errors:
+        cells.setdefault(GROUPS[key], {}).setdefault(_source(cid), []).append(abs(s - p) / p)
+    sources = sorted({_source(cid) for cid, *_ in errors})
+    print("\nmedian |error| by source (cases):\n\n| metric group | " + " | ".join(sources) + " |")
+    print("|---|" + "---:|" * len(sources))
+    out = {}
+    for group in TARGETS:
+        row = cells.get(group, {})
+        out[group] = {src: {"cases": len(v), "median_abs_error": statistics.median(v)} for src, v in row.items()}
+        print(f"| {group} | " + " | ".join(f"{statistics.median(row[src]):.1%} ({len(row[src])})" if src in row else ""
+                                           for src in sources) + " |")
+    return out
 
 
 def live(args) -> dict:

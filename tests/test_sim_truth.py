@@ -115,13 +115,14 @@ def test_gpu_presets_model_the_host_by_default_and_only_drop_the_serving_layer_w
     assert not serving.is_zero and serving.serial
     assert "none modelled" not in serving.describe()
     host = default_host_overhead()
-    assert dep.cost_model.params.step_overhead_s == pytest.approx(host.step_s)
-    assert dep.cost_model.params.per_token_overhead_s == pytest.approx(host.per_token_s)
+    # the engine loop: the scheduler's terms plus the model runner's input preparation
+    assert dep.cost_model.params.step_overhead_s == pytest.approx(host.step_s + host.runner_step_s)
+    assert dep.cost_model.params.per_token_overhead_s == pytest.approx(host.per_token_s + host.runner_per_token_s)
     off = build_deployment(EngineConfig(**cfg), "llama-3.1-8b", gpu="L4", serving_overhead=False)
     assert ServingOverhead.from_dict(off.cost_model.params.serving).is_zero
-    assert off.cost_model.params.step_overhead_s == pytest.approx(host.step_s)  # the engine loop stays
+    assert off.cost_model.params.step_overhead_s == pytest.approx(host.engine_step_s)  # the engine loop stays
     fast = build_deployment(EngineConfig(**cfg), "llama-3.1-8b", gpu="L4", host_cpu_speed=2.0)
-    assert fast.cost_model.params.step_overhead_s == pytest.approx(host.step_s / 2)
+    assert fast.cost_model.params.step_overhead_s == pytest.approx(host.engine_step_s / 2)
     assert ServingOverhead.from_dict(fast.cost_model.params.serving).admit_s == pytest.approx(host.admit_s / 2)
     vllm = build_deployment(EngineConfig(**cfg), "llama-3.1-8b", gpu="L4", host_profile="vllm")
     assert vllm.cost_model.params.step_overhead_s == 2e-3
@@ -142,6 +143,33 @@ def test_host_overhead_terms_by_hand():
     assert with_host.overhead - base.overhead == pytest.approx(2.5e-4 + 3 * 2.5e-6 + 102 * 2.5e-7)
     with pytest.raises(ValueError, match="host_cpu_speed"):
         h.scaled(0)
+
+
+def test_the_model_runners_input_preparation_joins_the_engine_loop_except_under_vllms_figure():
+    h = HostOverhead(step_s=1e-5, per_request_s=3e-6, per_token_s=5e-8, runner_step_s=2e-4,
+                     runner_per_request_s=5e-6, runner_per_token_s=6e-7)
+    p = unit_params()
+    h.scaled(2.0).apply(p)
+    assert (p.step_overhead_s, p.per_request_overhead_s, p.per_token_overhead_s) == \
+        pytest.approx((2.1e-4 / 2, 8e-6 / 2, 6.5e-7 / 2))
+    v = unit_params()
+    h.for_profile("vllm").apply(v)  # vLLM's 2 ms is its whole loop, input preparation included
+    assert (v.step_overhead_s, v.per_request_overhead_s, v.per_token_overhead_s) == pytest.approx((2e-3, 2e-5, 0.0))
+    old = HostOverhead.from_dict({"step_s": 1e-5, "source": "host_probe on X"})  # a file from before
+    assert old.runner_step_s == 0.0 and old.engine_step_s == 1e-5
+
+
+def test_host_probe_times_the_model_runners_host_side():
+    from pagedserve.sim.host_probe import fit_runner, runner_steps
+
+    rows = runner_steps(batches=(1, 4), chunks=(0, 32), steps=4)
+    assert [(r, t) for r, t, _ in rows] == [(1, 1), (2, 33), (4, 4), (5, 36)]
+    assert all(s > 0 for *_, s in rows)
+    # the fit recovers terms set by hand
+    truth = [(r, t, 2e-4 + 5e-6 * r + 6e-7 * t) for r, t in ((1, 1), (2, 65), (8, 8), (9, 264), (64, 64), (65, 320))]
+    (step, per_req, per_tok), err = fit_runner(truth)
+    assert (step, per_req, per_tok) == pytest.approx((2e-4, 5e-6, 6e-7), rel=1e-6)
+    assert err < 1e-9
 
 
 # -- the serving layer as one event loop ---------------------------------------------------------
@@ -229,6 +257,7 @@ def test_the_shipped_host_terms_say_where_they_were_measured():
     host = default_host_overhead()
     assert host.source.startswith("host_probe on ")
     assert host.step_s > 0 and host.admit_s > 0 and host.deliver_per_output_s > 0
+    assert host.runner_step_s > 0 and host.runner_per_request_s > 0 and "model runner" in host.source
     assert "engine loop: vLLM v0.6.0" in default_host_overhead(profile="vllm").source
     with pytest.raises(ValueError, match="host_profile"):
         default_host_overhead(profile="sglang")

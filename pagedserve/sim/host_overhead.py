@@ -2,17 +2,20 @@
 
 Two parts, both as functions of the step's and the request's sizes:
 
-* **per step, in the engine loop** (schedule, block allocation, the step's inputs, update and
-  output processing): ``step_s + per_request_s x requests + per_token_s x scheduled tokens``,
-  added to every step (CostParams.step_overhead_s / per_request_overhead_s / per_token_overhead_s);
+* **per step, in the engine loop** (schedule, block allocation, update and output processing:
+  ``step_s + per_request_s x requests + per_token_s x scheduled tokens``; plus the model runner's
+  input preparation, the step's diffs and tensors: ``runner_step_s + runner_per_request_s x requests
+  + runner_per_token_s x tokens``), added to every step (CostParams.step_overhead_s /
+  per_request_overhead_s / per_token_overhead_s);
 * **per request, in the serving layer** (ServingOverhead, below): admission
   ``admit_s + admit_per_prompt_token_s x prompt tokens`` (HTTP parse, tokenization, hand-off) before
   a request reaches the engine, and delivery ``deliver_s + deliver_per_output_s x requests the step
   fed`` (detokenization and one SSE frame per request) after each step.
 
 The numbers are measured, not guessed: `pagedserve.sim.host_probe` times pagedserve's own
-engine core (the scheduler the simulator runs, with an executor that computes nothing), its
-incremental detokenizer, its SSE frame and its tokenizer on this machine, and fits the terms by
+engine core (the scheduler the simulator runs, with an executor that computes nothing), its model
+runner's input preparation (CPU time), its incremental detokenizer, its SSE frame and its
+tokenizer on this machine, and fits the terms by
 least squares (`python -m pagedserve.sim.host_probe --out pagedserve/sim/host_overhead.json`).
 The shipped `host_overhead.json` holds one such run, with the CPU it ran on. A host is described
 by its single-thread speed relative to that machine (`HOST_CPU_PRESETS`, or --host-cpu-speed):
@@ -116,13 +119,27 @@ class HostOverhead:
     deliver_per_output_s: float = 0.0
     speed: float = 1.0           # the host's single-thread speed relative to the probe machine
     source: str = "none"
+    # The model runner's host side per step (the step's diffs and input tensors, before the
+    # forward), in CPU time: every device's runner does it, and the engine-loop terms above (the
+    # real scheduler with a null executor) leave it out. Added to them in apply(); 0 in a probe
+    # file written before it was measured.
+    runner_step_s: float = 0.0
+    runner_per_request_s: float = 0.0
+    runner_per_token_s: float = 0.0
+
+    @property
+    def engine_step_s(self) -> float:
+        """The engine loop's fixed part per step: scheduler + the runner's input preparation."""
+        return self.step_s + self.runner_step_s
 
     def for_profile(self, profile: str) -> "HostOverhead":
         if profile not in HOST_PROFILES:
             raise ValueError(f"host_profile: one of {HOST_PROFILES}, got {profile!r}")
         if profile == "pagedserve":
             return self
+        # vLLM's figure is its whole loop, input preparation included: no runner terms on top.
         return replace(self, step_s=VLLM_STEP_S, per_request_s=VLLM_PER_REQUEST_S, per_token_s=0.0,
+                       runner_step_s=0.0, runner_per_request_s=0.0, runner_per_token_s=0.0,
                        source=f"engine loop: vLLM v0.6.0 blog's 2 ms + 20 us/request; serving layer: {self.source}")
 
     def scaled(self, speed: float) -> "HostOverhead":
@@ -135,9 +152,9 @@ class HostOverhead:
         """Put the engine-loop terms into `params` (a CostParams) and, with `serving`, the
         serving layer's (`params.serving`); without it the serving layer is left out."""
         k = 1.0 / self.speed
-        params.step_overhead_s = self.step_s * k
-        params.per_request_overhead_s = self.per_request_s * k
-        params.per_token_overhead_s = self.per_token_s * k
+        params.step_overhead_s = (self.step_s + self.runner_step_s) * k
+        params.per_request_overhead_s = (self.per_request_s + self.runner_per_request_s) * k
+        params.per_token_overhead_s = (self.per_token_s + self.runner_per_token_s) * k
 
         note = f"{self.source}, host speed x{self.speed:g}"
         params.serving = ServingOverhead(self.admit_s * k, self.admit_per_prompt_token_s * k, self.deliver_s * k,

@@ -16,8 +16,17 @@
   (``deliver_s``: the event loop's turn, the chunk, the queue hop). These replace the
   micro-benchmarks' admission, which miss the HTTP layer.
 
-Medians of `repeats` runs; the machine and its load are recorded beside the fit. Torch is not
-needed: the executor is a stub and the tokenizer is the `tokenizers` one the server loads.
+* the model runner's host side (`--runner`, the default; needs torch): the real `ModelRunner` of the
+  built-in model, one thread, at decode batches of 1-64 with prompt chunks of 0-256 tokens beside
+  them; the CPU time (`time.thread_time`, so a loaded machine does not inflate it) of the step's
+  diffs and input tensors (`_apply_diffs`, `_prepare_inputs`: block tables, slots, positions, token
+  ids), fitted as ``runner_step_s + runner_per_request_s x R + runner_per_token_s x T``. Every device's
+  runner does this before its forward; the engine-loop probe's null executor skips it.
+  `--runner-only` measures this part alone and writes it into an existing `--out` file.
+
+Medians of `repeats` runs; the machine and its load are recorded beside the fit. Torch is needed
+only for the runner part: the engine loop's executor is a stub and the tokenizer is the
+`tokenizers` one the server loads.
 """
 from __future__ import annotations
 
@@ -186,13 +195,91 @@ def server_requests(prompt_lens=(16, 64, 200, 400, 800), per_len: int = 6, timeo
     return rows[len(prompt_lens):]
 
 
+def runner_steps(batches=(1, 8, 32, 64), chunks=(0, 64, 256), steps: int = 12,
+                 model_dir: str | Path | None = None) -> list[tuple[int, int, float]]:
+    """(requests, tokens, CPU seconds) of the model runner's host work before the forward, the
+    median over `steps` steps of each cell: `batch` requests decoding, and with `chunk` a prompt of
+    that many tokens arriving before every step (a mixed step)."""
+    import torch
+
+    from pagedserve import EngineConfig, SamplingParams
+    from pagedserve.default_model_path import DEFAULT_MODEL_DIR
+    from pagedserve.engine import Engine
+
+    torch.set_num_threads(1)
+    engine = Engine(EngineConfig(model=str(model_dir or DEFAULT_MODEL_DIR), dtype="float32", device="cpu",
+                                 max_num_seqs=max(batches) + 1, max_num_batched_tokens=max(batches) + max(chunks),
+                                 max_model_len=1024, kv_cache_memory="64MiB", enable_prefix_caching=False))
+    runner = engine.engine_core.executor
+    spent = [0.0]
+
+    def timed(fn):
+        def wrapper(*args):
+            t0 = time.thread_time()
+            try:
+                return fn(*args)
+            finally:
+                spent[0] += time.thread_time() - t0
+        return wrapper
+
+    runner._apply_diffs, runner._prepare_inputs = timed(runner._apply_diffs), timed(runner._prepare_inputs)
+    rows = []
+    k = 0
+    try:
+        for batch in batches:
+            for chunk in chunks:
+                for i in range(batch):
+                    engine.add_request(f"d{k}", [16 + (i * 7 + k) % 200] * 32,
+                                       SamplingParams(max_tokens=steps + 4, ignore_eos=True, temperature=0))
+                    k += 1
+                engine.step()  # the decoders' prompts
+                times = []
+                for _ in range(steps):
+                    if chunk:
+                        engine.add_request(f"p{k}", [17 + k % 200] * chunk,
+                                           SamplingParams(max_tokens=1, ignore_eos=True, temperature=0))
+                        k += 1
+                    spent[0] = 0.0
+                    engine.step()
+                    times.append(spent[0])
+                while engine.has_unfinished_requests():
+                    engine.step()
+                rows.append((batch + (1 if chunk else 0), batch + chunk, statistics.median(times[2:])))
+    finally:
+        if hasattr(engine, "shutdown"):
+            engine.shutdown()
+    return rows
+
+
+def fit_runner(rows: list[tuple[int, int, float]]) -> tuple[tuple[float, float, float], float]:
+    """(runner_step_s, runner_per_request_s, runner_per_token_s) by relative least squares, and
+    the fit's median |error|."""
+    import numpy as np
+
+    a = np.asarray([(1.0, r, t) for r, t, _ in rows])
+    y = np.asarray([max(s, 1e-9) for *_, s in rows])
+    c = _nnls(a / y[:, None], np.ones(len(y)))
+    return (float(c[0]), float(c[1]), float(c[2])), float(np.median(np.abs(a @ c / y - 1)))
+
+
 def _nnls(a, b):
     from pagedserve.sim.cost_model import _nnls as nnls
 
     return nnls(a, b)
 
 
-def probe(repeats: int = 3, server: bool = True) -> tuple[HostOverhead, dict]:
+def probe_runner(repeats: int = 3) -> tuple[tuple[float, float, float], dict]:
+    runs = [runner_steps() for _ in range(repeats)]
+    rows = [(r, t, statistics.median(run[i][2] for run in runs)) for i, (r, t, _) in enumerate(runs[0])]
+    terms, err = fit_runner(rows)
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
+    report = {"when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "load_average": load,
+              "clock": "thread CPU time", "steps": [{"requests": r, "tokens": t, "measured_s": s} for r, t, s in rows],
+              "median_abs_rel_error": err}
+    return terms, report
+
+
+def probe(repeats: int = 3, server: bool = True, runner: bool = True) -> tuple[HostOverhead, dict]:
     import numpy as np
 
     step_runs = [engine_steps() for _ in range(repeats)]
@@ -233,18 +320,21 @@ def probe(repeats: int = 3, server: bool = True) -> tuple[HostOverhead, dict]:
     except OSError:
         pass
     when = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+    runner_terms, runner_report = probe_runner(repeats) if runner else ((0.0, 0.0, 0.0), None)
     fit = HostOverhead(step_s=float(c[0]), per_request_s=float(c[1]), per_token_s=float(c[2]),
                        admit_s=float(ad[0]), admit_per_prompt_token_s=float(ad[1]), deliver_s=deliver_s,
                        deliver_per_output_s=float(per_output),
                        source=f"host_probe on {cpu} ({when}, load {load:.1f})" if load is not None else
-                       f"host_probe on {cpu} ({when})")
+                       f"host_probe on {cpu} ({when})",
+                       runner_step_s=runner_terms[0], runner_per_request_s=runner_terms[1],
+                       runner_per_token_s=runner_terms[2])
     pred = a @ c
     report = {"cpu": cpu, "when": when, "load_average": load, "python": platform.python_version(),
               "engine_steps": [{"requests": r, "tokens": t, "measured_s": s, "fitted_s": float(p)}
                                for (r, t, s), p in zip(steps, pred)],
               "engine_fit_median_abs_rel_error": float(np.median(np.abs(pred / y - 1))),
               "admission": [{"prompt_tokens": n, "measured_s": s} for n, s in adm],
-              "delivery_per_output_s": per_output, "server": served}
+              "delivery_per_output_s": per_output, "server": served, "runner": runner_report}
     return fit, report
 
 
@@ -254,8 +344,26 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--no-server", dest="server", action="store_false",
                     help="skip the live server (admission from the micro-benchmarks only)")
+    ap.add_argument("--no-runner", dest="runner", action="store_false",
+                    help="skip the model runner's host side (it needs torch)")
+    ap.add_argument("--runner-only", action="store_true",
+                    help="measure only the model runner's host side and write it into the existing --out file")
     args = ap.parse_args(argv)
-    fit, report = probe(args.repeats, args.server)
+    if args.runner_only:
+        data = json.loads(Path(args.out).read_text())
+        terms, runner_report = probe_runner(args.repeats)
+        data["fit"].update(runner_step_s=terms[0], runner_per_request_s=terms[1], runner_per_token_s=terms[2])
+        load = runner_report["load_average"]
+        source = data["fit"].get("source", "").split("; model runner")[0]
+        data["fit"]["source"] = (f"{source}; model runner {runner_report['when']}, CPU time"
+                                 + (f", load {load:.1f}" if load is not None else ""))
+        data.setdefault("report", {})["runner"] = runner_report
+        Path(args.out).write_text(json.dumps(data, indent=2) + "\n")
+        print(f"model runner, host side: {terms[0] * 1e6:.0f} us + {terms[1] * 1e6:.2f} us/request + "
+              f"{terms[2] * 1e6:.3f} us/token CPU time (median |error| {runner_report['median_abs_rel_error']:.1%}); "
+              f"wrote {args.out}")
+        return 0
+    fit, report = probe(args.repeats, args.server, args.runner)
     Path(args.out).write_text(json.dumps({"fit": fit.to_dict(), "report": report}, indent=2) + "\n")
     print(f"engine step: {fit.step_s * 1e6:.0f} us + {fit.per_request_s * 1e6:.1f} us/request + "
           f"{fit.per_token_s * 1e6:.2f} us/token (median |error| {report['engine_fit_median_abs_rel_error']:.1%})")

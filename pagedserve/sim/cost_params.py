@@ -1,0 +1,133 @@
+"""Every constant of the step-cost model (CostParams), the device defaults with their sources,
+and the KV dequantization default. Split out of cost_model.py; the model itself is described there."""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field, fields
+
+from pagedserve.sim.host_overhead import HostOverhead, default_host_overhead
+
+# ---------------------------------------------------------------------------------------
+# Default constants. Sources (numbers rounded, taken as typical rather than best case):
+#  * GEMM MFU 0.6: large bf16 GEMMs reach ~600-700 of H100-SXM's 989 dense TFLOP/s in
+#    cuBLAS; end-to-end prefill of 7-8B models in vLLM/TRT-LLM lands near 50-60 %.
+#  * GEMM MBU 0.7: Databricks, "LLM Inference Performance Engineering: Best Practices"
+#    (2023) measures ~60-70 % model bandwidth utilization for batch-1 decode on
+#    A100/H100; a vLLM A100 sweep of Llama-3.1-8B (johnmusgrave.com, "vLLM
+#    throughput-latency sweep on NVIDIA A100") reports 77 % of the memory roofline at C=1.
+#  * attention MFU 0.4: FlashAttention-2 forward reaches 50-73 % of A100 peak and
+#    ~35-50 % of H100 peak (Dao 2023; FlashAttention-3 paper, Shah et al. 2024, fig. 4).
+#  * attention MBU 0.6: paged decode attention reads scattered 16-token blocks; vLLM's
+#    paged-attention kernels run well below streaming bandwidth (Vidur, Agrawal et al.
+#    MLSys 2024, profiles attention separately for this reason).
+#  * link efficiency 0.7: NCCL all-reduce bus bandwidth on NVLink-4 H100 is ~360-480 GB/s
+#    of 450 GB/s per direction for large messages; small messages are latency-bound,
+#    hence ALLREDUCE_LATENCY_S (vLLM's custom all-reduce: a few microseconds).
+#  * CPU overhead 2 ms/step + 20 us/request: vLLM's v0.6 performance blog ("vLLM v0.6.0:
+#    2.7x throughput improvement", 2024) found CPU work (scheduling, input preparation,
+#    detokenization) of a few ms per step before overlap; V1 overlaps part of it.
+# ---------------------------------------------------------------------------------------
+GPU_EFFICIENCY = {
+    "gemm_mfu": 0.6, "gemm_mbu": 0.7, "attn_mfu": 0.4, "attn_mbu": 0.6,
+    "link_efficiency": 0.7, "host_link_efficiency": 0.8,
+}
+ALLREDUCE_LATENCY_S = 8e-6
+STEP_OVERHEAD_S = 2e-3
+PER_REQUEST_OVERHEAD_S = 20e-6
+
+# On a CPU there is no datasheet roofline worth trusting: the nominal peaks below only
+# set the scale, and `calibrate` fits the efficiencies against them.
+CPU_NOMINAL_FLOPS = 1e12
+CPU_NOMINAL_BANDWIDTH = 1e11
+
+# Dequantizing one K/V value: a convert and a multiply by its scale, on the GPU's vector units
+# (not its tensor cores): H100-SXM does 67 TFLOP/s of fp32 vector work against 989 of dense
+# bf16 tensor work (NVIDIA H100 datasheet), about 1/15, at the attention kernel's efficiency.
+KV_DEQUANT_OPS_PER_VALUE = 2.0
+VECTOR_SHARE_OF_PEAK_FLOPS = 1.0 / 15
+
+
+def default_kv_dequant_s_per_value(peak_flops: float, attn_mfu: float) -> float:
+    """Seconds to dequantize one K/V value when no measured figure is given."""
+    rate = peak_flops * VECTOR_SHARE_OF_PEAK_FLOPS * attn_mfu
+    return KV_DEQUANT_OPS_PER_VALUE / rate if rate > 0 else 0.0
+
+
+@dataclass
+class CostParams:
+    """Every constant of the model. JSON round-trips through to_dict / from_dict."""
+
+    peak_flops: float              # FLOP/s of one device (dense bf16)
+    mem_bandwidth: float           # bytes/s of one device
+    # FLOP/s of the device's fp8 tensor cores (dense); 0 = none. GEMMs of fp8 weights run at it
+    # (vLLM's fp8 W8A8 path on Hopper/Ada/Blackwell/MI300); without it they compute in bf16.
+    fp8_peak_flops: float = 0.0
+    gemm_mfu: float = GPU_EFFICIENCY["gemm_mfu"]
+    gemm_mbu: float = GPU_EFFICIENCY["gemm_mbu"]
+    attn_mfu: float = GPU_EFFICIENCY["attn_mfu"]
+    attn_mbu: float = GPU_EFFICIENCY["attn_mbu"]
+    link_bandwidth: float = 0.0    # bytes/s GPU-GPU, one direction
+    link_efficiency: float = GPU_EFFICIENCY["link_efficiency"]
+    allreduce_latency_s: float = ALLREDUCE_LATENCY_S
+    host_bandwidth: float = 0.0    # bytes/s GPU-host, one direction
+    host_link_efficiency: float = GPU_EFFICIENCY["host_link_efficiency"]
+    step_overhead_s: float = STEP_OVERHEAD_S
+    per_request_overhead_s: float = PER_REQUEST_OVERHEAD_S
+    per_prefill_overhead_s: float = 0.0  # per prompt chunk: backends that launch attention per chunk
+    # per scheduled token: the host's input preparation (positions, slot mappings) grows with it
+    per_token_overhead_s: float = 0.0
+    # per step that swaps: launching the block copies (index_select / cudaMemcpyAsync per block
+    # batch) costs a fixed time beside the bytes over the host link
+    swap_step_overhead_s: float = 0.0
+    # per token sampled: in a server the HTTP loop detokenizes and streams each one, and on a
+    # CPU with one interpreter that work holds the engine back (fitted from the wall clock)
+    per_output_overhead_s: float = 0.0
+    # How the attention backend lays a step out. "paged": work follows each request's own
+    # context (FlashAttention / paged-attention kernels, vLLM on GPU). "padded": pagedserve's
+    # torch reference backend (CPU): decodes are padded to the longest decode context in the
+    # step, and a chunk after a cached prefix computes its full chunk x context rectangle.
+    # attention_pad_share, when set, says it in a number (the share of that padding paid).
+    attention_layout: str = "paged"
+    attention_pad_share: float | None = None
+    combine: str = "max"           # "max": roofline (GPU); "sum": compute + memory time (CPU)
+    # Measured step time / model, by the step's token count (small counts only). A CPU
+    # picks GEMM kernels by shape: here 3 decode rows took 20% longer than 4. Vidur
+    # profiles every batch size for the same reason; `fit` fills this from the trace.
+    token_count_factors: dict = field(default_factory=dict)
+    # Seconds per K/V value a quantized cache's reads spend decoding (None: the GPU default,
+    # default_kv_dequant_s_per_value; on a CPU, benchmarks/kv_cache_dtype.py measures it).
+    kv_dequant_s_per_value: float | None = None
+    # The serving layer's own time (ServingOverhead.to_dict()); empty = not modelled.
+    serving: dict = field(default_factory=dict)
+    # The shapes the calibration trace held (simulate warns when a run goes beyond them).
+    coverage: dict = field(default_factory=dict)
+    source: str = "defaults"
+
+    @property
+    def pad_share(self) -> float:
+        if self.attention_pad_share is not None:
+            return self.attention_pad_share
+        return 1.0 if self.attention_layout == "padded" else 0.0
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "CostParams":
+        known = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in d.items() if k in known})
+
+    @classmethod
+    def for_gpu(cls, gpu, host: "HostOverhead | None" = None, serving_overhead: bool = True) -> "CostParams":
+        """Defaults for a `pagedserve.plan.gpus.GpuSpec` (datasheet peaks x stated efficiencies),
+        with the host CPU's share of every step and of every request (`HostOverhead`: measured on
+        pagedserve's own front-end and engine, scaled to the host). `serving_overhead=False`
+        leaves the serving layer out (the step's CPU terms stay): only when asked for.
+
+        The NVLink figure in the presets is aggregate bidirectional: one direction is half."""
+        host = host or default_host_overhead()
+        params = cls(peak_flops=gpu.bf16_tflops * 1e12, mem_bandwidth=gpu.hbm_bandwidth_gbps * 1e9,
+                     fp8_peak_flops=getattr(gpu, "fp8_tflops", 0.0) * 1e12,
+                     link_bandwidth=gpu.gpu_link_gbps * 1e9 / 2, host_bandwidth=gpu.host_link_gbps * 1e9,
+                     source=f"defaults for {gpu.name}")
+        host.apply(params, serving=serving_overhead)
+        return params

@@ -1,0 +1,138 @@
+"""The work of one step, from the model's shape and the step's tokens (ModelCost, StepFeatures,
+step_features): FLOPs and bytes per part, before any device prices them (cost_model.CostModel does).
+Split out of cost_model.py."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+from pagedserve.plan.kv_budget import QUANTIZED_KV_DTYPES, ModelShape, dtype_bytes, kv_bytes_per_token, kv_scale_bytes
+from pagedserve.plan.models import param_breakdown
+
+@dataclass(frozen=True)
+class ModelCost:
+    """Per-token and per-step quantities of one model on one TP rank."""
+
+    num_layers: int
+    hidden_size: int
+    q_heads_per_rank: int
+    head_dim: int
+    linear_params_per_rank: float   # decoder linear layers / TP (no embedding, no LM head)
+    lm_head_params_per_rank: float  # hidden x vocab / TP (vocab-parallel head)
+    weight_bytes_per_rank: float    # what one step reads: linear layers + LM head
+    kv_bytes_per_token: int         # one rank's share
+    act_bytes: float
+    tp: int
+    kv_values_per_token: int = 0    # K/V values per token a read must dequantize (0: a plain cache)
+    weight_bytes_per_param: float = 2.0  # 1: fp8/int8 weights (fp8 tensor cores where the device has them)
+
+    @classmethod
+    def from_shape(cls, shape: ModelShape, weight_dtype: str = "bfloat16", kv_dtype: str | None = None,
+                   tp: int = 1) -> "ModelCost":
+        parts = param_breakdown(shape)
+        w = dtype_bytes(weight_dtype)
+        act = 4 if w == 4 else 2
+        kv = dtype_bytes(kv_dtype) if kv_dtype else act
+        quantized = kv_dtype in QUANTIZED_KV_DTYPES
+        linear = (parts["attention"] + parts["mlp"]) / tp
+        if shape.is_moe:  # a token only visits its experts; weights read are (close to) all of them
+            routed = 3 * shape.hidden_size * shape.moe_intermediate_size
+            moe_layers = shape.num_layers - shape.first_dense_layers
+            active = parts["mlp"] - moe_layers * routed * (shape.num_experts - shape.num_experts_per_tok)
+            linear_flop_params = (parts["attention"] + active) / tp
+        else:
+            linear_flop_params = linear
+        lm_head = shape.hidden_size * shape.vocab_size / tp
+        heads = max(1, shape.num_attention_heads // tp)
+        head_dim = shape.head_dim
+        if shape.is_mla:  # attention computed in the latent: (kv_lora_rank + rope) wide keys
+            head_dim = (shape.kv_lora_rank or 0) + (shape.qk_rope_head_dim or 0)
+        return cls(
+            num_layers=shape.num_layers, hidden_size=shape.hidden_size, q_heads_per_rank=heads,
+            head_dim=head_dim, linear_params_per_rank=linear_flop_params, lm_head_params_per_rank=lm_head,
+            weight_bytes_per_rank=(linear + lm_head) * w,
+            kv_bytes_per_token=kv_bytes_per_token(shape, kv, tp, kv_scale_bytes(kv_dtype) if kv_dtype else 0),
+            act_bytes=act, tp=tp,
+            kv_values_per_token=kv_bytes_per_token(shape, 1, tp) if quantized else 0,
+            weight_bytes_per_param=w,
+        )
+
+
+@dataclass
+class StepFeatures:
+    """The work of one step. Attention is counted as a paged kernel does it (`attn_*`); what a
+    padded backend adds on top is kept apart (`attn_pad_*`), paid at the model's pad share."""
+
+    num_tokens: int
+    num_reqs: int
+    num_prefills: int
+    linear_flops: float
+    linear_bytes: float
+    attn_flops: float
+    attn_bytes: float
+    allreduce_bytes: float
+    num_allreduces: int
+    swap_bytes: float = 0.0
+    attn_pad_flops: float = 0.0
+    attn_pad_bytes: float = 0.0
+    num_outputs: int = 0
+    # the decodes' share of the attention terms above (the rest is the prompt chunks'): a mixed
+    # step runs them as separate work, each at its own bound (see CostModel.breakdown)
+    attn_decode_flops: float = 0.0
+    attn_decode_bytes: float = 0.0
+    attn_decode_pad_flops: float = 0.0
+    attn_decode_pad_bytes: float = 0.0
+
+
+def step_features(model: ModelCost, new_tokens: Sequence[int], context_lens: Sequence[int],
+                  num_swap_blocks: int = 0, block_size: int = 16, num_outputs: int | None = None) -> StepFeatures:
+    """The work of one step, O(batch): `new_tokens[i]` computed after `context_lens[i] - new_tokens[i]`.
+    `num_outputs`: requests that sample a token (default: every one whose chunk ends its prompt
+    is unknown here, so all of them)."""
+    num_tokens = 0
+    pairs = 0       # query-key pairs a paged kernel computes
+    kv_read = 0     # tokens of KV it reads
+    pad_pairs = 0   # what a padded backend computes on top
+    pad_read = 0
+    num_prefills = 0
+    num_decodes = 0
+    decode_ctx = 0
+    max_decode_ctx = 0
+    for n, c in zip(new_tokens, context_lens):
+        num_tokens += n
+        kv_read += c
+        if n == 1:
+            num_decodes += 1
+            decode_ctx += c
+            if c > max_decode_ctx:
+                max_decode_ctx = c
+            continue
+        num_prefills += 1
+        # causal: query k (0-based) sees c - n + k + 1 keys; a padded backend computes a
+        # chunk-after-prefix's whole n x c rectangle
+        causal = n * c - n * (n - 1) // 2
+        pairs += causal
+        if c > n:
+            pad_pairs += n * c - causal
+    pairs += decode_ctx
+    decode_pad = 0
+    if num_decodes:  # padded: every decode attends over the longest decode context
+        decode_pad = num_decodes * max_decode_ctx - decode_ctx
+        pad_pairs += decode_pad
+        pad_read += decode_pad
+    num_reqs = len(new_tokens)
+    linear_flops = 2.0 * num_tokens * model.linear_params_per_rank + 2.0 * num_reqs * model.lm_head_params_per_rank
+    linear_bytes = model.weight_bytes_per_rank if num_reqs else 0.0
+    per_pair = 4.0 * model.num_layers * model.q_heads_per_rank * model.head_dim
+    if model.tp > 1 and num_tokens:
+        allreduce_bytes = 2 * model.num_layers * num_tokens * model.hidden_size * model.act_bytes
+        num_allreduces = 2 * model.num_layers
+    else:
+        allreduce_bytes, num_allreduces = 0.0, 0
+    swap_bytes = float(num_swap_blocks * block_size * model.kv_bytes_per_token)
+    kvb = model.kv_bytes_per_token
+    return StepFeatures(num_tokens, num_reqs, num_prefills, linear_flops, linear_bytes, per_pair * pairs,
+                        float(kv_read * kvb), allreduce_bytes, num_allreduces, swap_bytes,
+                        per_pair * pad_pairs, float(pad_read * kvb),
+                        num_reqs if num_outputs is None else num_outputs,
+                        per_pair * decode_ctx, float(decode_ctx * kvb), per_pair * decode_pad, float(decode_pad * kvb))
