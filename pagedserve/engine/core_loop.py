@@ -72,8 +72,13 @@ class Inbox:
 
 def pool_layout(core) -> PoolLayout:
     kv = core.scheduler.kv
+
+    def held(name: str) -> int:
+        value = getattr(core.executor, name, 0)
+        return value if isinstance(value, int) else 0
+
     return PoolLayout(kv.num_total_blocks, kv.block_size, kv.host_pool.num_blocks if kv.host_pool is not None else 0,
-                      core.pool.bytes_per_token)
+                      core.pool.bytes_per_token, held("weight_bytes"), held("kv_cache_bytes"))
 
 
 class PoolView:

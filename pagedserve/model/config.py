@@ -791,6 +791,16 @@ def check_model_parallel(cfg: ModelConfig, tp: int, expert_parallel: bool = Fals
                          f"{moe.shared_intermediate_size}")
 
 
+def check_data_parallel(cfg: ModelConfig, dp: int, expert_parallel: bool = False) -> None:
+    """Refuse, with the numbers, DP attention + EP (-dp with --enable-expert-parallel) the
+    model's experts cannot be spread by: whole experts on each of the dp cores."""
+    if dp == 1 or not expert_parallel or cfg.moe is None:
+        return
+    if cfg.moe.num_experts % dp:
+        raise ValueError(f"enable_expert_parallel: the expert-parallel size {dp} (= data_parallel_size) does not "
+                         f"divide the model's {cfg.moe.num_experts} experts; use a divisor of {cfg.moe.num_experts}")
+
+
 def check_tensor_parallel(num_heads: int, num_kv_heads: int, intermediate_size: int, tp: int) -> None:
     """Refuse, with the numbers, a tensor_parallel_size the model cannot be split by."""
     if tp == 1:
