@@ -262,6 +262,9 @@ class EngineConfig:
                "data_parallel_rank", f"must be in [0, {self.data_parallel_size}), got {self.data_parallel_rank!r}")
         # Each DP core runs its model in its own process; ranks of its own (tp, pp) under it would
         # need process groups per core, and more CPU ranks than these machines run: refused, by name.
+        _check(self.data_parallel_size == 1 or self.device == "cpu", "data_parallel_size",
+               f"{self.data_parallel_size} on {self.device} is not implemented (each core would need a device of "
+               f"its own); -dp runs on CPU, over gloo")
         _check(self.data_parallel_size == 1 or world == 1, "data_parallel_size",
                f"{self.data_parallel_size} with tensor_parallel_size={self.tensor_parallel_size} and "
                f"pipeline_parallel_size={self.pipeline_parallel_size} is not implemented (each data-parallel "
