@@ -116,7 +116,9 @@ class DPCoreClient:
         self.clients: list[ProcessCoreClient] = []
         try:
             for rank in range(self.size):  # all started before any is waited for: under EP they meet while starting
-                rank_config = dataclasses.replace(config, data_parallel_rank=rank, data_parallel_master_port=port)
+                trace = f"{config.step_trace_path}.dp{rank}" if config.step_trace_path else None  # one file per core
+                rank_config = dataclasses.replace(config, data_parallel_rank=rank, data_parallel_master_port=port,
+                                                  step_trace_path=trace)
                 self.clients.append(ProcessCoreClient(rank_config, eos_token_ids, start_timeout, wait=False))
             for client in self.clients:
                 client.wait_ready()

@@ -17,6 +17,7 @@ Attention and the KV pool stay each core's own: only the MoE layers talk.
 from __future__ import annotations
 
 import datetime
+import time
 
 import torch
 import torch.distributed as dist
@@ -39,8 +40,14 @@ class DPLockstep:
 
     def agree(self, has_work: bool, stopping: bool) -> tuple[bool, bool]:
         """(does any core have work, is any core stopping)."""
+        from pagedserve.model.parallel import comm_observer
+
         flags = torch.tensor([int(has_work), int(stopping)], dtype=torch.int64)
+        observer = comm_observer()
+        t0 = time.perf_counter()
         dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        if observer is not None and flags[0]:  # a turn with work (idle turns wait for messages, not the link)
+            observer.record("dp_sync", time.perf_counter() - t0, flags.numel() * flags.element_size())
         return bool(flags[0]), bool(flags[1])
 
     @property
