@@ -18,6 +18,18 @@ this machine, in one run (issue 30).
    all-reduce line as its link, and the table puts the predicted mean step and
    communication per step beside the measured ones.
 
+4. Data parallelism (-dp 2, engine/dp_client.py): the same checkpoint behind two engine-core
+   processes, dense (each core the whole model, no communication but the placement) and
+   with --enable-expert-parallel (DP attention + EP: each core half the experts, tokens
+   exchanged in every MoE layer, the cores in lockstep). The prompts of a batch are spread
+   over the cores, so a core's steps are half the batch. Each core's step trace
+   (<trace>.dp<rank>) and its collectives (PAGEDSERVE_COMM_STATS, engine/core_proc.py) are
+   read back. The simulator runs one engine and refuses -dp ("simulate one replica and
+   multiply"); its column for these rows is that: one replica's steps priced by the
+   1-rank model, plus, for DP + EP, the fitted all-gather / all-reduce lines priced on the
+   calls and bytes the busiest core made (`line ms`; the simulator has no DP + EP
+   exchange term of its own).
+
 Measured communication per step is that of the rank with the most (its all-reduces
 include waiting for the slower rank; under pp=2 the last stage's receive is mostly waiting
 for stage 0: the bubble). The simulator's counterparts: TP all-reduce, EP all-to-all
@@ -156,6 +168,91 @@ def run_layout(path: Path, flags: dict, batches: list[int], prompt_len: int, new
     return rows
 
 
+DP_LAYOUTS = [("dp=2", dict(data_parallel_size=2)),
+              ("dp=2+EP", dict(data_parallel_size=2, enable_expert_parallel=True))]
+
+
+def run_dp_layout(path: Path, flags: dict, batches: list[int], prompt_len: int, new_tokens: int,
+                  trace: Path) -> list[dict]:
+    """The batches through AsyncLLM and the DP client (two engine-core processes)."""
+    import asyncio
+    import json
+
+    from pagedserve.config import EngineConfig
+    from pagedserve.engine.async_llm import AsyncLLM
+    from pagedserve.engine.dp_client import DPCoreClient
+    from pagedserve.engine.llm_engine import EngineFrontend
+    from pagedserve.engine.output_processor import OutputKind
+    from pagedserve.sampling import SamplingParams
+    from pagedserve.sim.cost_model import read_trace
+
+    comm_prefix = str(trace) + ".comm"
+    traces = [Path(f"{trace}.dp{r}") for r in range(2)]
+    stats_files = [Path(f"{comm_prefix}.dp{r}.json") for r in range(2)]
+    for f in traces + stats_files:
+        f.unlink(missing_ok=True)
+    os.environ["PAGEDSERVE_COMM_STATS"] = comm_prefix
+    config = EngineConfig(model=str(path), max_model_len=1024, kv_cache_memory="256MiB", max_num_seqs=max(batches),
+                          max_num_batched_tokens=2048, enable_prefix_caching=False, step_trace_path=str(trace), **flags)
+    frontend = EngineFrontend(config)
+    client = DPCoreClient(config, frontend.eos_token_ids)
+    del os.environ["PAGEDSERVE_COMM_STATS"]
+    rng = random.Random(0)
+    params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
+    ids = iter(range(10 ** 9))
+
+    def comm_now() -> list[dict]:
+        time.sleep(1.0)  # both cores idle (and so written) by now
+        return [json.loads(f.read_text()) if f.exists() else {"comm": {}, "num_forwards": 0} for f in stats_files]
+
+    async def generate(async_llm, prompts):
+        queues = [async_llm.submit([(str(next(ids)), None, p)], params, kind=OutputKind.FINAL_ONLY) for p in prompts]
+        outs = []
+        for queue in queues:
+            while True:
+                _, out = await queue.get()
+                if isinstance(out, BaseException):
+                    raise out
+                if out.finished:
+                    outs.append(list(out.outputs[0].token_ids))
+                    break
+        return outs
+
+    async def main() -> list[dict]:
+        async_llm = AsyncLLM(frontend, client=client, step_watchdog_timeout=0)
+        async_llm.start()
+        rows = []
+        try:
+            await generate(async_llm, [[rng.randrange(2, 4096) for _ in range(prompt_len)]] * 2)  # warm-up
+            for batch in batches:
+                prompts = [[rng.randrange(2, 4096) for _ in range(prompt_len)] for _ in range(batch)]
+                done = [len(read_trace(t)) if t.exists() else 0 for t in traces]
+                before = comm_now()
+                t0 = time.perf_counter()
+                outs = await generate(async_llm, prompts)
+                wall = time.perf_counter() - t0
+                after = comm_now()
+                steps = [read_trace(t)[d:] for t, d in zip(traces, done)]
+                comm_by_rank = [{k: {m: v[m] - b["comm"].get(k, {}).get(m, 0) for m in v} for k, v in a["comm"].items()}
+                                for a, b in zip(after, before)]
+                comm = [sum(v["seconds"] for v in c.values()) for c in comm_by_rank]
+                busiest = max(range(2), key=lambda r: comm[r])
+                num_steps = len(steps[busiest])
+                rows.append({"batch": batch, "wall_s": wall, "steps": steps[busiest], "num_steps": num_steps,
+                             "steps_by_rank": [len(s) for s in steps],
+                             "step_s": statistics.fmean(r.step_time for s in steps for r in s),
+                             "comm_s_per_step": comm[busiest] / max(1, len(steps[busiest])),
+                             "comm_by_rank": comm_by_rank, "busiest_rank_comm": comm_by_rank[busiest],
+                             "execute_s_per_step": [statistics.fmean(r.duration for r in s) if s else 0.0
+                                                    for s in steps],
+                             "tokens": outs})
+        finally:
+            async_llm.shutdown()
+        return rows
+
+    return asyncio.run(main())
+
+
 # -- 3. the prediction -------------------------------------------------------------------------
 def calibrate(path: Path, base_rows: list[dict], link: dict):
     from pagedserve.plan.models import load_model
@@ -173,7 +270,8 @@ def calibrate(path: Path, base_rows: list[dict], link: dict):
 
 
 FITTED_LINE = {"all_reduce": "all_reduce", "moe_combine": "all_reduce", "gather": "all_gather",
-               "pp_send": "send", "pp_recv": "send"}
+               "pp_send": "send", "pp_recv": "send", "ep_dispatch": "all_gather", "ep_combine": "all_reduce",
+               "dp_sync": "all_reduce"}
 
 
 def line_cost(comm: dict, fits: dict, num_steps: int) -> float:
@@ -190,8 +288,10 @@ def predict(shape, params, flags: dict, row: dict) -> dict:
     from pagedserve.plan.parallel import ParallelLayout
     from pagedserve.sim.parallel_cost import ParallelCostModel
 
+    dp = flags.get("data_parallel_size", 1)
+    # -dp: the simulator prices one replica (one core, the whole model, no EP of its own)
     layout = ParallelLayout(flags.get("tensor_parallel_size", 1), flags.get("pipeline_parallel_size", 1),
-                            enable_expert_parallel=flags.get("enable_expert_parallel", False))
+                            enable_expert_parallel=flags.get("enable_expert_parallel", False) and dp == 1)
     model = ParallelCostModel(shape, "float32", None, layout, params)
     parts = [model.breakdown(r.new_tokens, r.context_lens, r.num_swap_blocks, r.num_outputs) for r in row["steps"]]
     n = len(parts)
@@ -225,6 +325,9 @@ def main() -> None:
     measured = {label: run_layout(path, flags, args.batches, args.prompt_len, args.new_tokens,
                                   trace_dir / f"{label.replace('=', '').replace('+', '-').replace(' ', '')}.jsonl")
                 for label, flags in LAYOUTS}
+    measured |= {label: run_dp_layout(path, flags, args.batches, args.prompt_len, args.new_tokens,
+                                      trace_dir / f"{label.replace('=', '').replace('+', '-')}.jsonl")
+                 for label, flags in DP_LAYOUTS}
     shape, params, report = calibrate(path, measured["1 rank"], fits["all_reduce"])
     same = all(m["tokens"] == b["tokens"] for rows in measured.values()
                for m, b in zip(rows, measured["1 rank"]))
@@ -238,9 +341,13 @@ def main() -> None:
     print(f"{'layout':>9} {'batch':>5} {'steps':>5} | {'step ms':>8} {'comm ms':>8} {'share':>6} {'line ms':>7} | "
           f"{'sim step':>8} {'sim comm':>8} {'share':>6} | {'step ratio':>10} {'comm ratio':>10}")
     table = []
-    for label, flags in LAYOUTS:
+    for label, flags in LAYOUTS + DP_LAYOUTS:
         for row in measured[label]:
             sim = predict(shape, params, flags, row)
+            if flags.get("data_parallel_size", 1) > 1 and flags.get("enable_expert_parallel"):
+                exchange = line_cost(row["busiest_rank_comm"], fits, max(1, len(row["steps"])))
+                sim = sim | {"step_s": sim["step_s"] + exchange, "comm_s_per_step": exchange,
+                             "exchange_from_fitted_lines": True}
             share, sim_share = row["comm_s_per_step"] / row["step_s"], sim["comm_s_per_step"] / sim["step_s"]
             comm_ratio = row["comm_s_per_step"] / sim["comm_s_per_step"] if sim["comm_s_per_step"] > 0 else None
             line_s = line_cost(row["busiest_rank_comm"], fits, row["num_steps"])
@@ -251,11 +358,11 @@ def main() -> None:
             table.append({"layout": label, "flags": flags, "batch": row["batch"], "num_steps": row["num_steps"],
                           "measured": {k: row[k] for k in ("step_s", "comm_s_per_step", "execute_s_per_step",
                                                            "comm_by_rank", "wall_s")} | {"line_s_per_step": line_s},
-                          "simulated": sim})
+                          "simulated": sim} | ({"steps_by_rank": row["steps_by_rank"]} if "steps_by_rank" in row else {}))
     print("\nper step, by kind (each rank; the larger batch): calls, KiB handed to the call, ms; and ms per call "
           "beside the fitted line's for that payload (the excess: waiting for the other rank)")
     line = {kind: fits[op] for kind, op in FITTED_LINE.items()}
-    for label, _ in LAYOUTS[1:]:
+    for label, _ in LAYOUTS[1:] + DP_LAYOUTS:
         row = measured[label][-1]
         for rank, comm in enumerate(row["comm_by_rank"]):
             steps = row["num_steps"]

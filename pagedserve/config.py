@@ -177,6 +177,13 @@ class EngineConfig:
     pipeline_parallel_size: int = 1  # stages the decoder layers are split into (vLLM's -pp); ranks = tp x pp
     distributed_executor_backend: str | None = None  # None: mp when tp x pp > 1, else uni
     enable_expert_parallel: bool = False  # MoE: whole experts per TP rank instead of a slice of every expert
+    # vLLM's -dp: engine cores in one server, each its own process, scheduler and KV pool
+    # (engine/dp_client.py); with enable_expert_parallel on an MoE model, the experts are spread
+    # over the dp cores (DP attention + EP). data_parallel_rank: which core this config is (set
+    # by the DP client for each core's process; 0 otherwise).
+    data_parallel_size: int = 1
+    data_parallel_rank: int = 0
+    data_parallel_master_port: int = 0  # DP + EP: the cores' gloo rendezvous on 127.0.0.1 (set by the DP client)
     structured_outputs_cache_bytes: int | str = "64MiB"  # compiled grammars kept (estimated), besides 256 entries
     # vLLM's --kv-events-config (JSON text, a mapping, or a core.kv_events.KVEventsConfig);
     # None = no KV events.
@@ -249,6 +256,19 @@ class EngineConfig:
         _check(_is_int(self.pipeline_parallel_size) and self.pipeline_parallel_size >= 1, "pipeline_parallel_size",
                f"must be an integer >= 1, got {self.pipeline_parallel_size!r}")
         world = self.tensor_parallel_size * self.pipeline_parallel_size
+        _check(_is_int(self.data_parallel_size) and self.data_parallel_size >= 1, "data_parallel_size",
+               f"must be an integer >= 1, got {self.data_parallel_size!r}")
+        _check(_is_int(self.data_parallel_rank) and 0 <= self.data_parallel_rank < self.data_parallel_size,
+               "data_parallel_rank", f"must be in [0, {self.data_parallel_size}), got {self.data_parallel_rank!r}")
+        # Each DP core runs its model in its own process; ranks of its own (tp, pp) under it would
+        # need process groups per core, and more CPU ranks than these machines run: refused, by name.
+        _check(self.data_parallel_size == 1 or self.device == "cpu", "data_parallel_size",
+               f"{self.data_parallel_size} on {self.device} is not implemented (each core would need a device of "
+               f"its own); -dp runs on CPU, over gloo")
+        _check(self.data_parallel_size == 1 or world == 1, "data_parallel_size",
+               f"{self.data_parallel_size} with tensor_parallel_size={self.tensor_parallel_size} and "
+               f"pipeline_parallel_size={self.pipeline_parallel_size} is not implemented (each data-parallel "
+               f"core runs one rank); use -dp alone, or -tp / -pp without -dp")
         # A stage's TP collectives would need a process group of their own (today they use the
         # whole world's), and four CPU ranks are more than these tests run: refused, by name.
         _check(not (self.tensor_parallel_size > 1 and self.pipeline_parallel_size > 1), "pipeline_parallel_size",

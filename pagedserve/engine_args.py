@@ -48,6 +48,11 @@ _FLAGS: list[tuple[str, dict]] = [
     (("--pipeline-parallel-size", "-pp", "--pp"), dict(type=int, default=None,
                                                         help="stages the layers are split into (one process "
                                                              "each, times -tp)")),
+    (("--data-parallel-size", "-dp", "--dp"), dict(type=int, default=None,
+                                                    help="engine cores in this server, each its own process, "
+                                                         "scheduler and KV pool, behind a load balancer; with "
+                                                         "--enable-expert-parallel on an MoE model the experts "
+                                                         "are spread over them (DP attention + EP)")),
     ("--distributed-executor-backend", dict(choices=EXECUTOR_BACKENDS, default=None,
                                             help="how ranks run: uni (in the engine process, tp=1), mp (one "
                                                  "process per rank, the default for tp > 1), ray (Ray actors)")),

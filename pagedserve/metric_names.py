@@ -61,6 +61,10 @@ GRAMMAR_CACHE_BYTES = "grammar_cache_bytes"
 KV_EVENTS = "kv_events"                          # --kv-events-config: events published / dropped
 ENGINE_STALLS = "engine_stalls"                  # the step watchdog (engine/async_llm.py)
 ENGINE_STALLED = "engine_stalled"
+# -dp: each data-parallel engine core's own queues and pool (the unlabelled series are their sums)
+DP_ENGINE_REQUESTS_RUNNING = "dp_engine_num_requests_running"
+DP_ENGINE_REQUESTS_WAITING = "dp_engine_num_requests_waiting"
+DP_ENGINE_KV_CACHE_USAGE_PERC = "dp_engine_kv_cache_usage_perc"
 
 # Labels besides model_name.
 MODE_LABEL = "mode"                      # num_preemptions: recompute | swap
@@ -68,6 +72,7 @@ FINISHED_REASON_LABEL = "finished_reason"  # request_success: stop | length | ab
 DIRECTION_LABEL = "direction"            # swapped_blocks: out | in
 OUTCOME_LABEL = "outcome"                # kv_events: published | dropped
 CACHE_DTYPE_LABEL = "cache_dtype"        # cache_config_info: float32 | bfloat16 | fp8_e4m3 | int8 ... (vLLM's label)
+ENGINE_LABEL = "engine"                  # dp_engine_*: the data-parallel rank, as vLLM labels its DP engines
 DEVICE_LABEL = "device"                  # cache_config_info: cpu | cuda (`advise` spells knobs by it)
 # Labels that only say which engine or model a series came from; a normalised scrape adds over them.
 SOURCE_LABELS = ("model_name", "engine")
@@ -151,6 +156,13 @@ METRICS: tuple[MetricSpec, ...] = (
     MetricSpec(GRAMMAR_CACHE_ENTRIES, "gauge", "Compiled grammars in the API process's grammar cache."),
     MetricSpec(GRAMMAR_CACHE_BYTES, "gauge",
                "Estimated bytes of the compiled grammars in the API process's grammar cache."),
+    MetricSpec(DP_ENGINE_REQUESTS_RUNNING, "gauge", "Requests running on one data-parallel engine core (-dp).",
+               (ENGINE_LABEL,)),
+    MetricSpec(DP_ENGINE_REQUESTS_WAITING, "gauge",
+               "Requests waiting for one data-parallel engine core (-dp), sent but not yet taken in included.",
+               (ENGINE_LABEL,)),
+    MetricSpec(DP_ENGINE_KV_CACHE_USAGE_PERC, "gauge", "KV-cache usage of one data-parallel engine core (-dp).",
+               (ENGINE_LABEL,), ratio=True),
 )
 
 SPECS: dict[str, MetricSpec] = {spec.name: spec for spec in METRICS}

@@ -286,6 +286,13 @@ class EngineMetrics:
         self.kv_cache_total_tokens.set(total_blocks * block_size)
         self._state = dict(running=running, waiting=waiting, swapped=swapped, kv_usage=usage)
 
+    def set_engine_state(self, engine: int, running: int, waiting: int, kv_usage: float) -> None:
+        """One data-parallel engine core's queues and pool (-dp; `engine` is its rank, vLLM's label)."""
+        label = str(engine)
+        self._collectors[mn.DP_ENGINE_REQUESTS_RUNNING].labels(self.model_name, label).set(running)
+        self._collectors[mn.DP_ENGINE_REQUESTS_WAITING].labels(self.model_name, label).set(waiting)
+        self._collectors[mn.DP_ENGINE_KV_CACHE_USAGE_PERC].labels(self.model_name, label).set(kv_usage)
+
     def tick(self, now: float | None = None) -> None:
         """Close the busy-ratio window and write the periodic log line when their time has come."""
         now = time.monotonic() if now is None else now

@@ -36,6 +36,8 @@ EXPECTED = {
     "engine_step_seconds": "histogram",
     "structured_output_errors": "counter", "grammar_cache_entries": "gauge", "grammar_cache_bytes": "gauge",
     "engine_stalls": "counter", "engine_stalled": "gauge",
+    "dp_engine_num_requests_running": "gauge", "dp_engine_num_requests_waiting": "gauge",
+    "dp_engine_kv_cache_usage_perc": "gauge",
 }
 # Small pool on purpose: 8 blocks of 16, and one request may need 4 (max_model_len 64).
 CONFIG = dict(num_kv_blocks=8, block_size=16, max_model_len=64, max_num_seqs=4, enable_prefix_caching=True,

@@ -187,7 +187,11 @@ class ProcessCoreClient:
     PULL outputs back). Built synchronously: returns once the core has loaded the model and
     sized its pool, or raises what stopped it (a ValueError for a bad knob)."""
 
-    def __init__(self, config, eos_token_ids: frozenset[int], start_timeout: float = 900.0) -> None:
+    def __init__(self, config, eos_token_ids: frozenset[int], start_timeout: float = 900.0,
+                 wait: bool = True) -> None:
+        """`wait=False`: return once the process is started; `wait_ready()` then waits for it
+        (the data-parallel client starts all its cores before waiting for any: under DP + EP
+        they meet in one process group while they start)."""
         self.engine_core = None
         self._ctx = zmq.Context()
         base = os.path.join(tempfile.gettempdir(), f"pagedserve-{uuid.uuid4().hex[:12]}")
@@ -210,8 +214,14 @@ class ProcessCoreClient:
                                      args=(config, sorted(eos_token_ids), f"ipc://{self._paths[0]}",
                                            f"ipc://{self._paths[1]}"), daemon=False)
         self.process.start()
+        self._start_timeout = start_timeout
+        if wait:
+            self.wait_ready()
+
+    def wait_ready(self) -> None:
+        """Wait until the core has loaded the model and sized its pool (or raise what stopped it)."""
         try:
-            ready = self._wait_ready(start_timeout)
+            ready = self._wait_ready(self._start_timeout)
         except BaseException:
             self._stop_process(5.0)
             self._close_sockets()

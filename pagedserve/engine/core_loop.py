@@ -72,8 +72,13 @@ class Inbox:
 
 def pool_layout(core) -> PoolLayout:
     kv = core.scheduler.kv
+
+    def held(name: str) -> int:
+        value = getattr(core.executor, name, 0)
+        return value if isinstance(value, int) else 0
+
     return PoolLayout(kv.num_total_blocks, kv.block_size, kv.host_pool.num_blocks if kv.host_pool is not None else 0,
-                      core.pool.bytes_per_token)
+                      core.pool.bytes_per_token, held("weight_bytes"), held("kv_cache_bytes"))
 
 
 class PoolView:
@@ -124,6 +129,10 @@ class CoreLoop:
 
     def run(self) -> None:
         core = self.core
+        lockstep = getattr(core.executor, "dp_lockstep", None)
+        if lockstep is not None:  # DP attention + EP: this core steps with the others
+            self._run_lockstep(lockstep)
+            return
         check_health = core.executor.check_health  # a dead rank ends the loop before the next step
         while not self.stopped:
             idle = self.paused or not core.has_unfinished_requests()
@@ -143,6 +152,38 @@ class CoreLoop:
                     self.on_idle()
                 outputs = core.snapshot()  # idle: the gauges still refresh
             self.emit(OutputsMsg(core.observe(outputs), self.num_received))
+            self.pool_view.after_step(self.emit)
+
+    def _run_lockstep(self, lockstep) -> None:
+        """The loop of one of the data-parallel cores whose MoE layers exchange tokens
+        (worker/dp_lockstep.py): every turn the cores agree whether any has work (then each
+        steps, or runs a dummy pass where it has nothing to compute) and whether any stops
+        (then all do). A paused core takes part with no work of its own."""
+        core = self.core
+        anyone_busy = False
+        while True:
+            has_work = not self.paused and core.has_unfinished_requests()
+            wait = self.idle_wait if not (has_work or anyone_busy) else 0.0
+            for msg in self.inbox.take(wait, self.paused):
+                self._apply(msg)
+            has_work = not self.paused and core.has_unfinished_requests()
+            anyone_busy, stopping = lockstep.agree(has_work, self.stopped)
+            if stopping:
+                self.stopped = True
+                return
+            outputs = None
+            if has_work:
+                forwards = lockstep.num_forwards
+                outputs = core.step()
+                if lockstep.num_forwards == forwards:  # scheduled nothing this turn: the others still need our experts
+                    lockstep.dummy_step()
+            elif anyone_busy:
+                lockstep.dummy_step()
+            elif self.on_idle is not None:
+                self.on_idle()
+            if self.paused:
+                continue
+            self.emit(OutputsMsg(core.observe(outputs if outputs is not None else core.snapshot()), self.num_received))
             self.pool_view.after_step(self.emit)
 
     def _apply(self, msg) -> None:

@@ -11,6 +11,10 @@ two threads, which run while the executor computes (torch releases the GIL).
 Ends: ShutdownMsg or SIGTERM (clean: executor shut down, exit 0); a failed step or a dead
 rank (the error is sent as DeadMsg, the executor is shut down, exit 1); the API process
 gone (PR_SET_PDEATHSIG, and a parent check whenever the loop idles; exit 1).
+
+Benchmarks only: with PAGEDSERVE_COMM_STATS=<prefix> in the environment, the core times its
+model's collectives (model/parallel.py CommObserver) and, whenever its loop idles, writes
+their running totals and its forward count to <prefix>.dp<data-parallel rank>.json.
 """
 from __future__ import annotations
 
@@ -56,7 +60,7 @@ def run_engine_core(config, eos_token_ids: list[int], in_addr: str, out_addr: st
         os._exit(1)
     worker_pids = core.executor.worker_pids()
     out_sock.send(ENCODER.encode(ReadyMsg(core.snapshot(), os.getpid(), worker_pids, pool_layout(core))))
-    code = EngineCoreProcess(core, in_sock, out_sock).run()  # the I/O threads close their sockets first
+    code = EngineCoreProcess(core, in_sock, out_sock, config.data_parallel_rank).run()  # the I/O threads close their sockets first
     ctx.term()
     os._exit(code)
 
@@ -74,13 +78,14 @@ def _build_core(config, eos_token_ids: frozenset[int]):
 class EngineCoreProcess:
     """The loop and its two socket threads."""
 
-    def __init__(self, core, in_sock, out_sock) -> None:
+    def __init__(self, core, in_sock, out_sock, dp_rank: int = 0) -> None:
         self.core = core
         self.in_sock = in_sock
         self.out_sock = out_sock
         self.outbox: queue.Queue = queue.Queue()
         self._parent = os.getppid()
-        self.loop = CoreLoop(core, Inbox(), self.outbox.put, on_idle=self._check_parent)
+        self.loop = CoreLoop(core, Inbox(), self.outbox.put, on_idle=self._on_idle)
+        self._comm_stats = _CommStats.from_env(core, dp_rank)
         signal.signal(signal.SIGTERM, lambda *_: self.loop.request_stop())
 
     def run(self) -> int:
@@ -102,6 +107,11 @@ class EngineCoreProcess:
         self.core.shutdown()
         return code
 
+    def _on_idle(self) -> None:
+        self._check_parent()
+        if self._comm_stats is not None:
+            self._comm_stats.write()
+
     def _check_parent(self) -> None:
         if os.getppid() != self._parent:
             raise RuntimeError("the API process is gone")
@@ -122,3 +132,31 @@ class EngineCoreProcess:
                 self.out_sock.send(ENCODER.encode(msg), copy=False)
         finally:
             self.out_sock.close(linger=2000)
+
+
+class _CommStats:
+    """PAGEDSERVE_COMM_STATS (benchmarks): this core's collectives, written out when it idles."""
+
+    def __init__(self, core, path: str) -> None:
+        from pagedserve.model.parallel import CommObserver, set_comm_observer
+
+        self.core, self.path = core, path
+        self.observer = CommObserver()
+        set_comm_observer(self.observer)
+        self._written = None
+
+    @classmethod
+    def from_env(cls, core, dp_rank: int) -> "_CommStats | None":
+        prefix = os.environ.get("PAGEDSERVE_COMM_STATS")
+        return cls(core, f"{prefix}.dp{dp_rank}.json") if prefix else None
+
+    def write(self) -> None:
+        import json
+
+        state = {"comm": self.observer.summary(), "num_forwards": getattr(self.core.executor, "num_forwards", 0)}
+        if state != self._written:
+            tmp = self.path + ".tmp"
+            with open(tmp, "w") as f:
+                json.dump(state, f)
+            os.replace(tmp, self.path)
+            self._written = state

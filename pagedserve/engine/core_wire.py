@@ -55,6 +55,10 @@ class PoolLayout(msgspec.Struct, array_like=True):
     block_size: int
     num_host_blocks: int     # 0: no host swap pool
     bytes_per_token: int
+    # this process's model, when it runs here (a one-rank core; 0 when ranks of its own hold it):
+    # its weights as loaded and its device KV pool as allocated, `plan`'s per-GPU figures
+    weight_bytes: int = 0
+    kv_cache_bytes: int = 0
 
 
 class ReadyMsg(msgspec.Struct, tag="ready", array_like=True):

@@ -24,7 +24,7 @@ from pagedserve.core.request import RequestStatus
 from pagedserve.engine.input_processor import InputProcessor
 from pagedserve.engine.kv_events import make_kv_events_hook
 from pagedserve.engine.output_processor import OutputKind, OutputProcessor, make_core_requests
-from pagedserve.model.config import ModelConfig, check_model_parallel
+from pagedserve.model.config import ModelConfig, check_data_parallel, check_model_parallel
 from pagedserve.model.pipeline import check_pipeline_parallel
 from pagedserve.outputs import RequestOutput
 from pagedserve.plan.kv_budget import ModelShape, kv_cache_log_lines, kv_replication_warning
@@ -57,6 +57,7 @@ class EngineFrontend:
         # before any rank starts: a layout the model cannot be divided by is refused with the numbers
         check_model_parallel(self.model_config, config.tensor_parallel_size, config.enable_expert_parallel)
         check_pipeline_parallel(self.model_config.num_layers, config.pipeline_parallel_size)
+        check_data_parallel(self.model_config, config.data_parallel_size, config.enable_expert_parallel)
         self.dtype = resolve_dtype(config.dtype, self.model_config.checkpoint_dtype, config.device)
         self.kv_cache_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, self.dtype)
         self.tokenizer = tokenizer if tokenizer is not None else self._load_tokenizer()
@@ -144,6 +145,9 @@ class Engine(EngineFrontend):
     """The front-end with its engine core in process (LLM.generate, the in-thread server)."""
 
     def __init__(self, config: EngineConfig, executor=None, tokenizer=None) -> None:
+        if config.data_parallel_size > 1:
+            raise ValueError(f"data_parallel_size: {config.data_parallel_size} engine cores run in `pagedserve serve` "
+                             f"(each in its own process, engine/dp_client.py); LLM and Engine drive one core")
         super().__init__(config, tokenizer)
         self.engine_core = build_engine_core(config, self.model_config, self.dtype, self.eos_token_ids, executor,
                                              self.grammar_compiler)

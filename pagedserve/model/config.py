@@ -733,10 +733,19 @@ class TPShard:
     vocab_end: int          # exclusive, never past the real vocabulary
     # MoE: whole experts per rank (E / tp each) instead of 1/tp of every expert's intermediate dimension
     expert_parallel: bool = False
+    # DP attention + EP (-dp with --enable-expert-parallel): this rank is data-parallel core
+    # dp_rank of dp_size; everything but the routed experts is whole here, and the experts are
+    # spread over the tp x dp_size ranks (vLLM's EP group), E / (tp x dp_size) each.
+    dp_size: int = 1
+    dp_rank: int = 0
 
     @classmethod
-    def of(cls, cfg: ModelConfig, tp: int = 1, rank: int = 0, expert_parallel: bool = False) -> "TPShard":
+    def of(cls, cfg: ModelConfig, tp: int = 1, rank: int = 0, expert_parallel: bool = False,
+           dp_size: int = 1, dp_rank: int = 0) -> "TPShard":
         check_model_parallel(cfg, tp, expert_parallel)
+        ep_over_dp = expert_parallel and cfg.moe is not None and dp_size > 1
+        if ep_over_dp:
+            check_data_parallel(cfg, tp * dp_size, expert_parallel)
         heads = cfg.num_heads // tp
         if tp <= cfg.num_kv_heads:
             kv_heads, kv_start = cfg.num_kv_heads // tp, rank * (cfg.num_kv_heads // tp)
@@ -746,14 +755,21 @@ class TPShard:
         vocab = -(-cfg.vocab_size // tp)
         start = rank * vocab
         return cls(tp, rank, heads, rank * heads, kv_heads, kv_start, inter, rank * inter, vocab, start,
-                   min(start + vocab, cfg.vocab_size), expert_parallel and cfg.moe is not None)
+                   min(start + vocab, cfg.vocab_size), expert_parallel and cfg.moe is not None,
+                   dp_size if ep_over_dp else 1, dp_rank if ep_over_dp else 0)
+
+    @property
+    def ep_size(self) -> int:
+        """Ranks the routed experts are spread over (1: every rank holds a share of each)."""
+        return self.tp * self.dp_size if self.expert_parallel else 1
 
     def expert_range(self, num_experts: int) -> tuple[int, int]:
         """[first, end) of the routed experts this rank holds: all of them without EP."""
-        if not self.expert_parallel or self.tp == 1:
+        if self.ep_size == 1:
             return 0, num_experts
-        per_rank = num_experts // self.tp
-        return self.rank * per_rank, (self.rank + 1) * per_rank
+        per_rank = num_experts // self.ep_size
+        ep_rank = self.dp_rank * self.tp + self.rank
+        return ep_rank * per_rank, (ep_rank + 1) * per_rank
 
     def expert_intermediate_range(self, intermediate_size: int) -> tuple[int, int]:
         """(start, size) of each held expert's intermediate dimension: whole under EP."""
@@ -789,6 +805,16 @@ def check_model_parallel(cfg: ModelConfig, tp: int, expert_parallel: bool = Fals
     if moe.shared_intermediate_size % tp:
         raise ValueError(f"tensor_parallel_size: {tp} does not divide the shared experts' intermediate size "
                          f"{moe.shared_intermediate_size}")
+
+
+def check_data_parallel(cfg: ModelConfig, dp: int, expert_parallel: bool = False) -> None:
+    """Refuse, with the numbers, DP attention + EP (-dp with --enable-expert-parallel) the
+    model's experts cannot be spread by: whole experts on each of the dp cores."""
+    if dp == 1 or not expert_parallel or cfg.moe is None:
+        return
+    if cfg.moe.num_experts % dp:
+        raise ValueError(f"enable_expert_parallel: the expert-parallel size {dp} (= data_parallel_size) does not "
+                         f"divide the model's {cfg.moe.num_experts} experts; use a divisor of {cfg.moe.num_experts}")
 
 
 def check_tensor_parallel(num_heads: int, num_kv_heads: int, intermediate_size: int, tp: int) -> None:

@@ -33,6 +33,7 @@ from torch import nn
 from pagedserve.model.config import MoEConfig, TPShard
 from pagedserve.model.cpu import fused
 from pagedserve.model.layers import Linear
+from pagedserve.model import parallel
 from pagedserve.model.parallel import RowParallelLinear
 
 
@@ -147,6 +148,8 @@ class SparseMoeBlock(nn.Module):
         self.shared_expert_gate = Linear(hidden_size, 1, bias=False) if moe.shared_gate else None
         # sums the ranks' partial outputs (an all-reduce); None: one rank holds the whole MLP
         self.combine = combine
+        # DP attention + EP: this rank's tokens are its own; the experts' are exchanged
+        self.dp_experts = shard is not None and shard.dp_size > 1 and shard.expert_parallel
 
     def router_logits(self, x: torch.Tensor) -> torch.Tensor:
         if self.moe.router_fp32:  # HF keeps DeepSeek's router weight in fp32
@@ -156,6 +159,8 @@ class SparseMoeBlock(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bias = getattr(self.gate, "e_score_correction_bias", None)
         ids, weights = route(self.router_logits(x), self.moe, None if bias is None else bias.float())
+        if self.dp_experts:
+            return self._forward_dp(x, ids, weights)
         out = grouped_experts(x, ids, weights, self.experts.w13, self.experts.w2, self.first_expert)
         if self.shared_expert is not None:
             shared = self.shared_expert(x)   # this rank's partial sum of the shared expert
@@ -165,3 +170,30 @@ class SparseMoeBlock(nn.Module):
         if self.combine is not None and self.tp > 1:
             out = self.combine(out)
         return out
+
+    def _forward_dp(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """DP attention + EP: each data-parallel rank routes its own tokens; the tokens and
+        their routing go to every rank (all-gather), each computes its whole experts' share
+        for all of them, and the shares are summed back (all-reduce), each rank keeping its
+        own rows. The shared expert is whole on every rank and runs on its own tokens. A rank
+        with no tokens this step calls this with x of 0 rows: it still computes its experts
+        for the others' (the lockstep: worker/dp_lockstep.py)."""
+        routing = torch.cat([ids.to(torch.float32), weights.to(torch.float32)], dim=1)  # ids < 2^24: exact
+        x_all, routing_all, counts = parallel.ep_dispatch(x, routing)
+        k = ids.shape[1]
+        out_all = grouped_experts(x_all, routing_all[:, :k].to(torch.int64), routing_all[:, k:], self.experts.w13,
+                                  self.experts.w2, self.first_expert)
+        out = parallel.ep_combine(out_all, counts)
+        if self.shared_expert is not None and x.shape[0]:
+            shared = self.shared_expert(x)
+            if self.shared_expert_gate is not None:
+                shared = torch.sigmoid(self.shared_expert_gate(x)) * shared
+            out = out + shared
+        return out
+
+    def dummy(self, dtype: torch.dtype, device: torch.device) -> None:
+        """This layer's part of a step in which this rank has no tokens (DP + EP lockstep)."""
+        x = torch.empty(0, self.gate.weight.shape[1], dtype=dtype, device=device)
+        k = self.moe.top_k
+        self._forward_dp(x, torch.empty(0, k, dtype=torch.int64, device=device),
+                         torch.empty(0, k, dtype=torch.float32, device=device))

@@ -38,6 +38,7 @@ class CommObserver:
     """What one rank's communication cost, by kind: calls, seconds (wall, the call's own)
     and bytes this rank handed to the call. Kinds: "all_reduce" (attention / dense MLP /
     embedding), "moe_combine" (the MoE layer's all-reduce), "gather" (logits to rank 0),
+    "ep_dispatch" / "ep_combine" (DP attention + EP: an MoE layer's token exchange),
     "pp_send" (a send's call, and later waits on it), "pp_recv"."""
 
     def __init__(self) -> None:
@@ -90,6 +91,40 @@ def all_reduce(x: torch.Tensor, kind: str = "all_reduce") -> torch.Tensor:
 def moe_combine(x: torch.Tensor) -> torch.Tensor:
     """An MoE layer's combine (model/moe.py): an all-reduce, observed under its own kind."""
     return all_reduce(x, "moe_combine")
+
+
+def ep_dispatch(x: torch.Tensor, routing: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+    """DP attention + EP, an MoE layer's dispatch: every data-parallel rank's tokens (rows of
+    `x`) and their routing (rows of `routing`: expert ids and weights, fp32) on every rank,
+    in rank order, and each rank's row count. An all-gather of the counts, then of the rows
+    padded to the most any rank has (gloo's all-gather wants one shape)."""
+    observer = _observer
+    t0 = observed_clock(x) if observer is not None else 0.0
+    world = dist.get_world_size()
+    count = torch.tensor([x.shape[0]], dtype=torch.int64)
+    counts_t = [torch.zeros_like(count) for _ in range(world)]
+    dist.all_gather(counts_t, count)
+    counts = [int(c.item()) for c in counts_t]
+    most = max(counts)
+    gathered = []
+    for t in (x, routing):
+        padded = t if t.shape[0] == most else F.pad(t, (0, 0, 0, most - t.shape[0]))
+        parts = [torch.empty_like(padded) for _ in range(world)]
+        dist.all_gather(parts, padded.contiguous())
+        gathered.append(torch.cat([p[:n] for p, n in zip(parts, counts)]))
+    if observer is not None:
+        observer.record("ep_dispatch", observed_clock(x) - t0,
+                        most * (x.shape[1] * x.element_size() + routing.shape[1] * routing.element_size()), 3)
+    return gathered[0], gathered[1], counts
+
+
+def ep_combine(out: torch.Tensor, counts: list[int]) -> torch.Tensor:
+    """DP attention + EP, an MoE layer's combine: each rank's partial outputs (its experts')
+    for every rank's tokens, summed over the ranks; this rank keeps its own tokens' rows. An
+    all-reduce of the rows (gloo has no reduce-scatter of uneven parts; the sum is the same)."""
+    all_reduce(out, "ep_combine")
+    start = sum(counts[:dist.get_rank()])
+    return out[start:start + counts[dist.get_rank()]]
 
 
 def gather_on_rank0(x: torch.Tensor, shard: TPShard) -> torch.Tensor | None:

@@ -66,7 +66,12 @@ def build_server(config: EngineConfig, api_key: str | None = None, max_queue_len
     from pagedserve.engine.llm_engine import Engine, EngineFrontend
 
     mode = resolve_engine_core_mode(engine_core_mode, config.device)
-    if mode == "process":
+    if config.data_parallel_size > 1:  # each data-parallel core is its own process, whatever the mode says
+        from pagedserve.engine.dp_client import DPCoreClient
+
+        engine = EngineFrontend(config)
+        client = DPCoreClient(config, engine.eos_token_ids)
+    elif mode == "process":
         from pagedserve.engine.core_client import ProcessCoreClient
 
         engine = EngineFrontend(config)
@@ -84,6 +89,8 @@ def build_server(config: EngineConfig, api_key: str | None = None, max_queue_len
                              engine.config.device)
     if getattr(engine, "grammar_compiler", None) is not None:
         metrics.watch_grammar_cache(engine.grammar_compiler)
+    if hasattr(client, "metrics"):  # the data-parallel client's per-engine gauges
+        client.metrics = metrics
     async_engine = AsyncLLM(engine, metrics, max_queue_len=max_queue_len, client=client,
                             step_watchdog_timeout=step_watchdog_timeout)
     return build_app(async_engine, api_key=api_key, max_request_bytes=max_request_bytes,

@@ -39,7 +39,7 @@ def _add_workload_args(p: argparse.ArgumentParser) -> None:
 def _add_deployment_args(p: argparse.ArgumentParser, engine_flags: bool = True) -> None:
     if engine_flags:
         from pagedserve.engine_args import add_engine_args
-        add_engine_args(p, skip=("pipeline_parallel_size",))  # -pp below: the simulated stages
+        add_engine_args(p, skip=("pipeline_parallel_size", "data_parallel_size"))  # -pp below: the simulated stages
     g = p.add_argument_group("simulated hardware")
     g.add_argument("--gpu", default=None, help="GPU preset (H100-SXM, A100-80GB, H200, L40S, ...); omit with --device cpu")
     g.add_argument("--pipeline-parallel-size", "-pp", "--pp", dest="pp", type=int, default=1,

@@ -149,6 +149,8 @@ class ModelRunner:
         self.stage = stage or PipelineStage.of(model_config.num_layers)
         self.stage_config = stage_config(model_config, self.stage)  # its layers: the pool's shape
         self.num_micro_batches = 0  # pipelined steps' micro-batches (benchmarks read it)
+        self.num_forwards = 0       # model forwards run (the DP + EP lockstep counts them)
+        self.dp_lockstep = None     # worker/dp_lockstep.py, under DP attention + EP
         # the one rank that samples (and so keeps grammar matchers): the last stage's TP rank 0
         self.samples = self.stage.is_last and self.shard.rank == 0
         self.device = torch.device(device)
@@ -325,6 +327,7 @@ class ModelRunner:
         on the others (which send theirs on to the next stage's rank of the same TP index;
         `pending`: append the send there instead of waiting for it)."""
         stage, tp = self.stage, self.shard.tp
+        self.num_forwards += 1
         intermediate = None
         if not stage.is_first:
             intermediate = recv_intermediate(self.model.num_intermediate_tensors, input_ids.shape[0],
@@ -421,6 +424,15 @@ class ModelRunner:
             if lp is not None:
                 result.logprobs[state.request_id] = lp
 
+    @torch.inference_mode()
+    def dummy_moe_pass(self) -> None:
+        """DP attention + EP, a step with no tokens here: each MoE layer, in order, with none of
+        its own (it still computes its experts for the other cores' tokens)."""
+        from pagedserve.model.moe import SparseMoeBlock
+        for module in self.model.modules():
+            if isinstance(module, SparseMoeBlock):
+                module.dummy(self.dtype, self.device)
+
     @property
     def num_stage_layers(self) -> int:
         """Decoder layers this rank's pool holds (all of them, without pipeline parallelism)."""
@@ -492,6 +504,9 @@ class ModelRunner:
 
     def shutdown(self) -> None:
         self.requests.clear()
+        if self.dp_lockstep is not None:
+            self.dp_lockstep.shutdown()
+            self.dp_lockstep = None
 
 
 def prompt_tokens_scored(start_pos: int, context_len: int, num_prompt_tokens: int, num_done: int) -> tuple[int, int]:
