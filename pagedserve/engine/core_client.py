@@ -187,7 +187,8 @@ class ProcessCoreClient:
     PULL outputs back). Built synchronously: returns once the core has loaded the model and
     sized its pool, or raises what stopped it (a ValueError for a bad knob)."""
 
-    def __init__(self, config, eos_token_ids: frozenset[int], start_timeout: float = 900.0) -> None:
+    def __init__(self, settings, start_timeout: float = 900.0) -> None:
+        """`settings`: the front-end's ResolvedConfig, which the core is built from."""
         self.engine_core = None
         self._ctx = zmq.Context()
         base = os.path.join(tempfile.gettempdir(), f"pagedserve-{uuid.uuid4().hex[:12]}")
@@ -207,7 +208,7 @@ class ProcessCoreClient:
         self.worker_pids: list[int] = []
         spawn = torch_mp.get_context("spawn")
         self.process = spawn.Process(target=run_engine_core, name="pagedserve-engine-core",
-                                     args=(config, sorted(eos_token_ids), f"ipc://{self._paths[0]}",
+                                     args=(settings, f"ipc://{self._paths[0]}",
                                            f"ipc://{self._paths[1]}"), daemon=False)
         self.process.start()
         try:

@@ -156,14 +156,14 @@ class OpenAIServer:
             raise APIError(404, f"The model `{model}` does not exist.", "model")
 
     def logit_bias(self, body) -> dict[int, float] | None:
-        """OpenAI's {"token id": bias}: ids in the vocabulary, biases in [-100, 100], <= 300 entries."""
+        """OpenAI's {"token id": bias}: keys that are token ids, biases in [-100, 100], <= 300
+        entries (ids past the vocabulary: InputProcessor.validate, with every request check)."""
         if body.logit_bias is None:
             return None
-        vocab = self.engine.model_config.vocab_size
         bias = {}
         for key, value in body.logit_bias.items():
-            if not key.strip().isdigit() or int(key) >= vocab:
-                raise APIError(400, f"logit_bias: {key!r} is not a token id in [0, {vocab})", "logit_bias")
+            if not key.strip().isdigit():
+                raise APIError(400, f"logit_bias: {key!r} is not a token id", "logit_bias")
             bias[int(key)] = value
         return bias
 
@@ -214,9 +214,6 @@ class OpenAIServer:
                         prompt_logprobs: int | None = None) -> SamplingParams:
         if body.n > self.engine.config.max_num_seqs:
             raise APIError(400, f"n: at most max_num_seqs ({self.engine.config.max_num_seqs}), got {body.n}", "n")
-        vocab = self.engine.model_config.vocab_size
-        if body.stop_token_ids and any(t >= vocab for t in body.stop_token_ids):
-            raise APIError(400, f"stop_token_ids: token ids must be in [0, {vocab})", "stop_token_ids")
         if body.priority != 0 and str(getattr(self.engine.config.scheduling_policy, "value",
                                                   self.engine.config.scheduling_policy)) != "priority":
             raise APIError(400, "priority: the server schedules first come, first served; start it with "
@@ -272,6 +269,7 @@ class OpenAIServer:
                                     f"per request ({flag}); split it into smaller requests", param)
 
     def validate(self, prompts: list[_Prompt], params: SamplingParams) -> None:
+        """Every request check, in the one place they are written (InputProcessor.validate), as 400s."""
         for p in prompts:
             try:
                 self.engine.input_processor.validate(p.token_ids, params)
