@@ -35,7 +35,7 @@ class RayWorker:
     def __init__(self, spec: WorkerSpec, rank: int, world_size: int) -> None:
         logging.basicConfig(level=logging.INFO, format=f"%(levelname)s %(asctime)s rank{rank} %(name)s: %(message)s")
         self.worker = Worker(spec, rank, world_size)
-        self.device = "cpu" if spec.config.device == "cpu" else "cuda:0"  # Ray sets CUDA_VISIBLE_DEVICES
+        self.device = "cpu" if spec.settings.config.device == "cpu" else "cuda:0"  # Ray sets CUDA_VISIBLE_DEVICES
 
     def address(self) -> tuple[str, int]:
         import ray
