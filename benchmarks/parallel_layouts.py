@@ -195,7 +195,7 @@ def run_dp_layout(path: Path, flags: dict, batches: list[int], prompt_len: int, 
     config = EngineConfig(model=str(path), max_model_len=1024, kv_cache_memory="256MiB", max_num_seqs=max(batches),
                           max_num_batched_tokens=2048, enable_prefix_caching=False, step_trace_path=str(trace), **flags)
     frontend = EngineFrontend(config)
-    client = DPCoreClient(config, frontend.eos_token_ids)
+    client = DPCoreClient(frontend.settings)
     del os.environ["PAGEDSERVE_COMM_STATS"]
     rng = random.Random(0)
     params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)

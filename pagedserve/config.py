@@ -5,6 +5,7 @@ anything is allocated.
 """
 from __future__ import annotations
 
+import dataclasses
 import enum
 import json
 import logging
@@ -192,6 +193,20 @@ class EngineConfig:
     def __post_init__(self) -> None:
         self.validate()
 
+    def __setattr__(self, name: str, value: Any) -> None:
+        if self.__dict__.get("_read_only"):
+            raise AttributeError(f"{name}: this is an engine's resolved config, read-only once resolved "
+                                 f"(ResolvedConfig); set the knob on the EngineConfig you build an engine from")
+        object.__setattr__(self, name, value)
+
+    def resolved_copy(self, model_max_len: int) -> "EngineConfig":
+        """A read-only copy with the model-dependent defaults filled in (`resolve`); this config
+        is left as it was, so one config can build several engines."""
+        copy = dataclasses.replace(self)
+        copy.resolve(model_max_len)
+        object.__setattr__(copy, "_read_only", True)
+        return copy
+
     @classmethod
     def knob_names(cls) -> list[str]:
         return [f.name for f in fields(cls)]
@@ -299,3 +314,28 @@ class EngineConfig:
                    f"got {self.max_num_batched_tokens}")
         if self.kv_cache_memory is None and self.num_kv_blocks is None and self.device == "cpu":
             self.kv_cache_memory = DEFAULT_CPU_KV_CACHE_MEMORY
+
+
+@dataclass(frozen=True)
+class ResolvedConfig:
+    """What the engine derives from its knobs and its model, worked out once, before anything
+    is built (engine/resolve.py resolve_config), then handed down read-only: the front-end,
+    the engine core, the executor and every rank read these and never derive them again.
+    Plain data, so it crosses to the engine-core process and to the ranks as it is."""
+
+    config: EngineConfig          # read-only; max_model_len, max_num_batched_tokens, ... filled in
+    model_config: Any             # model/config.ModelConfig: the checkpoint's config, no weights
+    dtype: str                    # what the model computes in (resolve_dtype)
+    kv_cache_dtype: str           # what the KV pool stores (resolve_kv_cache_dtype)
+    eos_token_ids: frozenset[int]  # generation_config, config.json and the tokenizer's, together
+
+    @property
+    def vocab_size(self) -> int:
+        return self.model_config.vocab_size
+
+    def with_knobs(self, **knobs: Any) -> "ResolvedConfig":
+        """The same settings with a few per-process knobs changed, still read-only (a
+        data-parallel core's rank, its group's port, its own step-trace file)."""
+        config = dataclasses.replace(self.config, **knobs)
+        object.__setattr__(config, "_read_only", True)
+        return dataclasses.replace(self, config=config)

@@ -1,6 +1,7 @@
 """Engine behaviour: stops, aborts, n>1, bad input, start-up refusal, pool sizing."""
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -220,6 +221,27 @@ def test_refuses_to_start_when_one_request_cannot_fit(tiny_llama):
         LLM(str(tiny_llama), max_model_len=4096)  # beyond max_position_embeddings
     with pytest.raises(ValueError, match="max_num_batched_tokens"):
         LLM(str(tiny_llama), enable_chunked_prefill=False, max_num_batched_tokens=64)
+
+
+def test_an_engine_resolves_a_read_only_copy_and_leaves_its_config_unchanged(llm):
+    """The front-end resolves the config once (engine/resolve.py) into a read-only copy: the
+    caller's EngineConfig keeps its Nones (one config can build several engines), and nothing
+    built from the copy can rewrite a knob."""
+    from pagedserve.default_model_path import DEFAULT_MODEL_DIR
+    from pagedserve.engine.llm_engine import EngineFrontend
+    from pagedserve.model.config import read_model_config
+
+    config = EngineConfig(num_kv_blocks=64)
+    before = dataclasses.asdict(config)
+    frontend = EngineFrontend(config)  # resolves as Engine does, without loading weights
+    assert dataclasses.asdict(config) == before
+    resolved = frontend.config
+    assert resolved is not config and resolved.model == str(DEFAULT_MODEL_DIR)
+    assert resolved.max_model_len == read_model_config(DEFAULT_MODEL_DIR).max_model_len
+    assert resolved.max_num_batched_tokens == 2048 and frontend.settings.kv_cache_dtype == "float32"
+    with pytest.raises(AttributeError, match="^max_num_seqs: .*read-only"):
+        llm.engine.config.max_num_seqs = 1
+    assert llm.engine.config.max_num_seqs == 128 == llm.engine.scheduler.config.max_num_seqs
 
 
 def test_unknown_architecture_is_one_clear_error(tmp_path):

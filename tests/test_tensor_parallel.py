@@ -165,14 +165,14 @@ def test_llama_tp2_halves_kv_per_token_qwen2_replicates():
 def test_replicated_kv_heads_warn_like_plan(tmp_path, caplog):
     """tp > KV heads: the engine logs the very warning `plan` prints (checked without
     starting ranks: the pool sizing runs before any executor call that needs them)."""
-    from pagedserve.config import EngineConfig
+    from pagedserve.config import EngineConfig, ResolvedConfig
     from pagedserve.engine.llm_engine import build_engine_core
     from pagedserve.model.config import read_model_config
 
     path = make_checkpoint(tmp_path / "mqa", "qwen2", heads=4, kv_heads=1)
     config = EngineConfig(model=str(path), tensor_parallel_size=2, kv_cache_memory=KV_BYTES, max_model_len=512,
                           preemption_mode="recompute")
-    config.resolve(1024)
+    settings = ResolvedConfig(config.resolved_copy(1024), read_model_config(path), "float32", "float32", frozenset())
 
     class NoModel:  # the pool is sized before any rank is asked anything
         def initialize_cache(self, num_blocks: int, num_host_blocks: int) -> None:
@@ -182,7 +182,7 @@ def test_replicated_kv_heads_warn_like_plan(tmp_path, caplog):
             pass
 
     with caplog.at_level(logging.WARNING, logger="pagedserve.engine"):
-        build_engine_core(config, read_model_config(path), "float32", frozenset(), executor=NoModel())
+        build_engine_core(settings, executor=NoModel())
     warning = next(w for w in _plan(path, 2).warnings if "replicated" in w)
     assert warning in caplog.text
 

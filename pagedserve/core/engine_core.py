@@ -19,7 +19,7 @@ import time
 from dataclasses import asdict, dataclass, replace
 from typing import Callable, Iterable
 
-from pagedserve.config import EngineConfig, PreemptionMode, resolve_kv_cache_dtype
+from pagedserve.config import EngineConfig, PreemptionMode
 from pagedserve.core.executor import Executor
 from pagedserve.core.kv_events import KVEvent, KVEventLog, device_medium
 from pagedserve.core.outputs import EngineCoreOutputs, SchedulerStats
@@ -89,16 +89,18 @@ class StepTrace:
         return json.dumps(asdict(self))
 
 
-def size_pool(config: EngineConfig, shape: ModelShape, dtype: str) -> KVPoolSize:
+def size_pool(config: EngineConfig, shape: ModelShape, kv_dtype: str,
+              kv_cache_memory: int | None = None) -> KVPoolSize:
     """How many blocks each rank's pool gets: the very function `pagedserve plan` calls, with
-    kv_cache_memory as one rank's budget and one rank's bytes per token (its share of the KV
-    heads) in the KV dtype (`config.kv_cache_dtype` over the compute `dtype`), scales included.
-    An exact num_kv_blocks (tests, reproductions) wins over bytes."""
-    kv_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, dtype)
+    `kv_cache_memory` (default: the knob) as one rank's budget and one rank's bytes per token
+    (its share of the KV heads) in the resolved `kv_dtype`, scales included. An exact
+    num_kv_blocks (tests, reproductions) wins over bytes."""
+    if kv_cache_memory is None:
+        kv_cache_memory = config.kv_cache_memory or 0
     # Pipeline stages: each pool holds its stage's layers and all hold the same blocks (one
     # scheduler), so the stage with the fewest blocks in its budget, the one with the most
     # layers, sets them and its bytes per token are the pool's (plan's binding stage).
-    pool = min((size_kv_pool_for_dtype(replace(shape, num_layers=n), config.kv_cache_memory or 0, kv_dtype,
+    pool = min((size_kv_pool_for_dtype(replace(shape, num_layers=n), kv_cache_memory, kv_dtype,
                                        block_size=config.block_size, tp=config.tensor_parallel_size)
                 for n in stage_layer_counts(shape.num_layers, config.pipeline_parallel_size)),
                key=lambda p: p.num_blocks)

@@ -187,9 +187,9 @@ class ProcessCoreClient:
     PULL outputs back). Built synchronously: returns once the core has loaded the model and
     sized its pool, or raises what stopped it (a ValueError for a bad knob)."""
 
-    def __init__(self, config, eos_token_ids: frozenset[int], start_timeout: float = 900.0,
-                 wait: bool = True) -> None:
-        """`wait=False`: return once the process is started; `wait_ready()` then waits for it
+    def __init__(self, settings, start_timeout: float = 900.0, wait: bool = True) -> None:
+        """`settings`: the front-end's ResolvedConfig, which the core is built from.
+        `wait=False`: return once the process is started; `wait_ready()` then waits for it
         (the data-parallel client starts all its cores before waiting for any: under DP + EP
         they meet in one process group while they start)."""
         self.engine_core = None
@@ -211,7 +211,7 @@ class ProcessCoreClient:
         self.worker_pids: list[int] = []
         spawn = torch_mp.get_context("spawn")
         self.process = spawn.Process(target=run_engine_core, name="pagedserve-engine-core",
-                                     args=(config, sorted(eos_token_ids), f"ipc://{self._paths[0]}",
+                                     args=(settings, f"ipc://{self._paths[0]}",
                                            f"ipc://{self._paths[1]}"), daemon=False)
         self.process.start()
         self._start_timeout = start_timeout

@@ -26,13 +26,10 @@ import threading
 
 import zmq
 
-from pagedserve.config import resolve_dtype
+from pagedserve.config import ResolvedConfig
 from pagedserve.engine.core_loop import CoreLoop, Inbox, pool_layout
 from pagedserve.engine.core_wire import ENCODER, TO_CORE_DECODER, DeadMsg, ReadyMsg
 from pagedserve.engine.llm_engine import build_engine_core
-from pagedserve.model.config import read_model_config
-from pagedserve.structured.compiler import make_grammar_compiler
-from pagedserve.tokenizer import load_tokenizer
 from pagedserve.worker.worker import set_parent_death_signal
 
 logger = logging.getLogger("pagedserve.engine")
@@ -40,7 +37,9 @@ logger = logging.getLogger("pagedserve.engine")
 _STOP = object()
 
 
-def run_engine_core(config, eos_token_ids: list[int], in_addr: str, out_addr: str) -> None:
+def run_engine_core(settings: ResolvedConfig, in_addr: str, out_addr: str) -> None:
+    """The engine-core process's body, built from the API process's resolved config (it
+    resolves nothing again); a runner here builds its own grammar compiler."""
     set_parent_death_signal()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group; the server shuts us down
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(asctime)s engine-core %(name)s: %(message)s")
@@ -50,7 +49,7 @@ def run_engine_core(config, eos_token_ids: list[int], in_addr: str, out_addr: st
     in_sock = ctx.socket(zmq.PULL)
     in_sock.connect(in_addr)
     try:
-        core = _build_core(config, frozenset(eos_token_ids))
+        core = build_engine_core(settings, load_grammar_compiler=True)
     except BaseException as e:  # noqa: BLE001 - tell the API process why, then exit
         logger.exception("the engine core failed to start")
         out_sock.send(ENCODER.encode(DeadMsg(f"{e}" if isinstance(e, ValueError) else f"{type(e).__name__}: {e}",
@@ -60,19 +59,9 @@ def run_engine_core(config, eos_token_ids: list[int], in_addr: str, out_addr: st
         os._exit(1)
     worker_pids = core.executor.worker_pids()
     out_sock.send(ENCODER.encode(ReadyMsg(core.snapshot(), os.getpid(), worker_pids, pool_layout(core))))
-    code = EngineCoreProcess(core, in_sock, out_sock, config.data_parallel_rank).run()  # the I/O threads close their sockets first
+    code = EngineCoreProcess(core, in_sock, out_sock, settings.config.data_parallel_rank).run()  # the I/O threads close their sockets first
     ctx.term()
     os._exit(code)
-
-
-def _build_core(config, eos_token_ids: frozenset[int]):
-    model_config = read_model_config(config.model)
-    dtype = resolve_dtype(config.dtype, model_config.checkpoint_dtype, config.device)
-    grammar_compiler = None
-    if config.distributed_executor_backend == "uni":  # the model runs here; ranks build their own
-        grammar_compiler = make_grammar_compiler(load_tokenizer(config), model_config.vocab_size, eos_token_ids,
-                                                 config.structured_outputs_cache_bytes)
-    return build_engine_core(config, model_config, dtype, eos_token_ids, grammar_compiler=grammar_compiler)
 
 
 class EngineCoreProcess:

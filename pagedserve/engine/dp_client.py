@@ -108,7 +108,9 @@ def free_port() -> int:
 class DPCoreClient:
     """N engine-core processes behind the CoreClient protocol (engine/core_client.py)."""
 
-    def __init__(self, config, eos_token_ids: frozenset[int], start_timeout: float = 900.0) -> None:
+    def __init__(self, settings, start_timeout: float = 900.0) -> None:
+        """`settings`: the front-end's ResolvedConfig; each core gets it with its own rank."""
+        config = settings.config
         self.engine_core = None
         self.size = config.data_parallel_size
         self.metrics = None  # EngineMetrics, for the per-engine gauges (set by the server)
@@ -117,9 +119,9 @@ class DPCoreClient:
         try:
             for rank in range(self.size):  # all started before any is waited for: under EP they meet while starting
                 trace = f"{config.step_trace_path}.dp{rank}" if config.step_trace_path else None  # one file per core
-                rank_config = dataclasses.replace(config, data_parallel_rank=rank, data_parallel_master_port=port,
-                                                  step_trace_path=trace)
-                self.clients.append(ProcessCoreClient(rank_config, eos_token_ids, start_timeout, wait=False))
+                rank_settings = settings.with_knobs(data_parallel_rank=rank, data_parallel_master_port=port,
+                                                    step_trace_path=trace)
+                self.clients.append(ProcessCoreClient(rank_settings, start_timeout, wait=False))
             for client in self.clients:
                 client.wait_ready()
         except BaseException:

@@ -13,57 +13,39 @@ everything but the core: engine/core_client.py).
 from __future__ import annotations
 
 import itertools
-import json
 import logging
-from pathlib import Path
 from typing import Sequence
 
-from pagedserve.config import EngineConfig, resolve_dtype, resolve_kv_cache_dtype
+from pagedserve.config import EngineConfig, ResolvedConfig
 from pagedserve.core.engine_core import EngineCore, size_pool
 from pagedserve.core.request import RequestStatus
 from pagedserve.engine.input_processor import InputProcessor
 from pagedserve.engine.kv_events import make_kv_events_hook
 from pagedserve.engine.output_processor import OutputKind, OutputProcessor, make_core_requests
-from pagedserve.model.config import ModelConfig, check_data_parallel, check_model_parallel
-from pagedserve.model.pipeline import check_pipeline_parallel
+from pagedserve.engine.resolve import default_model_dir, resolve_config
 from pagedserve.outputs import RequestOutput
 from pagedserve.plan.kv_budget import ModelShape, kv_cache_log_lines, kv_replication_warning
 from pagedserve.sampling import SamplingParams
-from pagedserve.structured.compiler import make_grammar_compiler
-from pagedserve.tokenizer import load_tokenizer
+from pagedserve.tokenizer import grammar_compiler_for
 from pagedserve.worker.executors import make_executor
 
 logger = logging.getLogger("pagedserve.engine")
 
-
-def default_model_dir() -> str:
-    from pagedserve.default_model_path import DEFAULT_MODEL_DIR
-    return str(DEFAULT_MODEL_DIR)
+__all__ = ["Engine", "EngineFrontend", "build_engine_core", "default_model_dir"]
 
 
 class EngineFrontend:
-    """What a front-end holds: the resolved config, the model's config (no weights), the
-    tokenizer, and the input and output processors. The API process of a split server holds
-    only this; the engine core lives in another process (engine/core_client.py)."""
+    """What a front-end holds: the resolved config (engine/resolve.py; `config` is its
+    read-only knobs), the model's config (no weights), the tokenizer, and the input and
+    output processors. The API process of a split server holds only this; the engine core
+    lives in another process (engine/core_client.py), built from the same `settings`."""
 
     def __init__(self, config: EngineConfig, tokenizer=None) -> None:
-        from pagedserve.model.loader import read_model_config
-
-        if config.model is None:
-            config.model = default_model_dir()
-        self.config = config
-        self.model_config = read_model_config(config.model)
-        config.resolve(self.model_config.max_model_len)
-        # before any rank starts: a layout the model cannot be divided by is refused with the numbers
-        check_model_parallel(self.model_config, config.tensor_parallel_size, config.enable_expert_parallel)
-        check_pipeline_parallel(self.model_config.num_layers, config.pipeline_parallel_size)
-        check_data_parallel(self.model_config, config.data_parallel_size, config.enable_expert_parallel)
-        self.dtype = resolve_dtype(config.dtype, self.model_config.checkpoint_dtype, config.device)
-        self.kv_cache_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, self.dtype)
-        self.tokenizer = tokenizer if tokenizer is not None else self._load_tokenizer()
-        self.eos_token_ids = self._eos_token_ids()
-        self.grammar_compiler = self._grammar_compiler()
-        self.input_processor = InputProcessor(config, self.model_config.vocab_size, self.tokenizer,
+        self.settings, self.tokenizer = resolve_config(config, tokenizer)
+        self.config = self.settings.config
+        self.model_config = self.settings.model_config
+        self.grammar_compiler = grammar_compiler_for(self.settings, self.tokenizer)
+        self.input_processor = InputProcessor(self.config, self.model_config.vocab_size, self.tokenizer,
                                               self.grammar_compiler)
         self.output_processor = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
@@ -72,25 +54,17 @@ class EngineFrontend:
     def model_name(self) -> str:
         return self.config.served_model_name or self.model_config.name
 
-    # -- set-up helpers -------------------------------------------------------------------
-    def _load_tokenizer(self):
-        return load_tokenizer(self.config)
+    @property
+    def dtype(self) -> str:
+        return self.settings.dtype
 
-    def _grammar_compiler(self):
-        return make_grammar_compiler(self.tokenizer, self.model_config.vocab_size, self.eos_token_ids,
-                                     self.config.structured_outputs_cache_bytes)
+    @property
+    def kv_cache_dtype(self) -> str:
+        return self.settings.kv_cache_dtype
 
-    def _eos_token_ids(self) -> frozenset[int]:
-        ids: set[int] = set()
-        gen_cfg = Path(self.config.model) / "generation_config.json"
-        if gen_cfg.is_file():
-            eos = json.loads(gen_cfg.read_text()).get("eos_token_id")
-            ids.update(eos if isinstance(eos, list) else [eos] if eos is not None else [])
-        eos = self.model_config.hf_config.get("eos_token_id")
-        ids.update(eos if isinstance(eos, list) else [eos] if eos is not None else [])
-        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
-            ids.add(self.tokenizer.eos_token_id)
-        return frozenset(ids)
+    @property
+    def eos_token_ids(self) -> frozenset[int]:
+        return self.settings.eos_token_ids
 
     def tokenize(self, prompt: str) -> list[int]:
         return self.input_processor.tokenize(prompt)
@@ -99,26 +73,29 @@ class EngineFrontend:
         return str(next(self._ids))
 
 
-def build_engine_core(config: EngineConfig, model_config: ModelConfig, dtype: str,
-                      eos_token_ids: frozenset[int], executor=None, grammar_compiler=None) -> EngineCore:
-    """The executor config asks for (unless given), the pool sized as `plan` sizes it (per
+def build_engine_core(settings: ResolvedConfig, executor=None, grammar_compiler=None,
+                      load_grammar_compiler: bool = False) -> EngineCore:
+    """The executor the settings ask for (unless given), the pool sized as `plan` sizes it (per
     rank), and the core: what Engine builds in process and the engine-core process builds
     for a split server. `grammar_compiler`: structured outputs in an in-process executor
-    (tensor-parallel rank 0 builds its own from the tokenizer)."""
+    (the front-end's); `load_grammar_compiler`: the runner builds its own (the engine-core
+    process; tensor-parallel ranks always do)."""
+    config, model_config = settings.config, settings.model_config
     if executor is None:
-        executor = make_executor(config, model_config, dtype, eos_token_ids, grammar_compiler)
+        executor = make_executor(settings, grammar_compiler, load_grammar_compiler)
     elif getattr(executor, "grammar_compiler", False) is None:
         executor.grammar_compiler = grammar_compiler
     try:
-        if config.kv_cache_memory is None and config.num_kv_blocks is None:  # CUDA: measure, then subtract
-            config.kv_cache_memory = executor.profile_kv_budget(
+        kv_cache_memory = config.kv_cache_memory
+        if kv_cache_memory is None and config.num_kv_blocks is None:  # CUDA: measure, then subtract
+            kv_cache_memory = executor.profile_kv_budget(
                 config.gpu_memory_utilization, config.max_num_batched_tokens, config.max_num_seqs)
         shape = ModelShape.from_hf_config(model_config.hf_config)
-        pool = size_pool(config, shape, dtype)
+        kv_dtype = settings.kv_cache_dtype
+        pool = size_pool(config, shape, kv_dtype, kv_cache_memory)
         tp = config.tensor_parallel_size
         if (replicated := kv_replication_warning(shape, tp)) is not None:
             logger.warning(replicated)
-        kv_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, dtype)
         for line in kv_cache_log_lines(pool, config.max_model_len, device=config.device.upper(), kv_dtype=kv_dtype):
             logger.info(line)
         pp = config.pipeline_parallel_size
@@ -149,8 +126,7 @@ class Engine(EngineFrontend):
             raise ValueError(f"data_parallel_size: {config.data_parallel_size} engine cores run in `pagedserve serve` "
                              f"(each in its own process, engine/dp_client.py); LLM and Engine drive one core")
         super().__init__(config, tokenizer)
-        self.engine_core = build_engine_core(config, self.model_config, self.dtype, self.eos_token_ids, executor,
-                                             self.grammar_compiler)
+        self.engine_core = build_engine_core(self.settings, executor, self.grammar_compiler)
         self.pool_sizing = self.engine_core.pool
 
     # -- looking inside (tests, benchmarks; the step never goes through these) -------------

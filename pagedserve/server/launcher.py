@@ -63,34 +63,33 @@ def build_server(config: EngineConfig, api_key: str | None = None, max_queue_len
     `max_seqs_per_request`: None = the defaults (resolve_admission), 0 = no limit.
     `step_watchdog_timeout`: see AsyncLLM (None = derived from measured steps, 0 = off)."""
     max_queue_len, max_seqs_per_request = resolve_admission(config, max_queue_len, max_seqs_per_request)
+    from pagedserve.engine.core_client import ProcessCoreClient, ThreadCoreClient
     from pagedserve.engine.llm_engine import Engine, EngineFrontend
 
-    mode = resolve_engine_core_mode(engine_core_mode, config.device)
+    # The front-end resolves the config once (engine/resolve.py); the core, in this process or
+    # its own, is built from those settings, and everything below reads them.
+    dp_client = None
     if config.data_parallel_size > 1:  # each data-parallel core is its own process, whatever the mode says
         from pagedserve.engine.dp_client import DPCoreClient
 
         engine = EngineFrontend(config)
-        client = DPCoreClient(config, engine.eos_token_ids)
-    elif mode == "process":
-        from pagedserve.engine.core_client import ProcessCoreClient
-
+        client = dp_client = DPCoreClient(engine.settings)
+    elif resolve_engine_core_mode(engine_core_mode, config.device) == "process":
         engine = EngineFrontend(config)
-        client = ProcessCoreClient(config, engine.eos_token_ids)
+        client = ProcessCoreClient(engine.settings)
     else:
-        engine, client = Engine(config), None
-    metrics = EngineMetrics(engine.model_name, engine.config.max_model_len, log_interval=log_interval,
-                            max_num_batched_tokens=engine.config.max_num_batched_tokens)
-    if client is None:
-        num_blocks, bytes_per_token = engine.pool_sizing.num_blocks, engine.pool_sizing.bytes_per_token
-    else:  # the core process sized the pool and said so when it was ready
-        layout = client.pool_layout()
-        num_blocks, bytes_per_token = layout.num_blocks, layout.bytes_per_token
-    metrics.set_cache_config(engine.kv_cache_dtype, engine.config.block_size, num_blocks, bytes_per_token,
-                             engine.config.device)
-    if getattr(engine, "grammar_compiler", None) is not None:
+        engine = Engine(config)
+        client = ThreadCoreClient(engine.engine_core)
+    settings = engine.settings
+    metrics = EngineMetrics(engine.model_name, settings.config.max_model_len, log_interval=log_interval,
+                            max_num_batched_tokens=settings.config.max_num_batched_tokens)
+    layout = client.pool_layout()  # the pool as the core sized it
+    metrics.set_cache_config(settings.kv_cache_dtype, layout.block_size, layout.num_blocks, layout.bytes_per_token,
+                             settings.config.device)
+    if engine.grammar_compiler is not None:
         metrics.watch_grammar_cache(engine.grammar_compiler)
-    if hasattr(client, "metrics"):  # the data-parallel client's per-engine gauges
-        client.metrics = metrics
+    if dp_client is not None:  # the data-parallel client's per-engine gauges
+        dp_client.metrics = metrics
     async_engine = AsyncLLM(engine, metrics, max_queue_len=max_queue_len, client=client,
                             step_watchdog_timeout=step_watchdog_timeout)
     return build_app(async_engine, api_key=api_key, max_request_bytes=max_request_bytes,

@@ -181,10 +181,10 @@ def build_deployment(config: EngineConfig, model: str, *, gpu: str | None = None
         config.device = "cpu"
         config.resolve(shape.max_position_embeddings or 8192)
         dtype = resolve_dtype(config.dtype, info.checkpoint_dtype, "cpu")
-        pool = size_pool(config, shape, dtype)
+        kv_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, dtype)
+        pool = size_pool(config, shape, kv_dtype)
         num_blocks = pool.num_blocks
         bytes_per_block = pool.bytes_per_block
-        kv_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, dtype)
         note = f"{num_blocks:,} blocks from engine.size_pool ({pool.bytes_per_token:,} bytes/token, KV {kv_dtype})"
         if cost_params is None:
             raise ValueError("cost_model: on --device cpu give --cost-model COST.json "

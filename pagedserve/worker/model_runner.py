@@ -39,6 +39,7 @@ import torch
 
 from pagedserve.attention import backend_for_cache, build_metadata
 from pagedserve.attention.kv_quant import QuantizedKVCache, kv_format
+from pagedserve.config import ResolvedConfig
 from pagedserve.core.outputs import StepResult, TokenLogprobs
 from pagedserve.core.scheduler import NewRequestData, ScheduledRequest, SchedulerOutput
 from pagedserve.sampling import SamplingParams
@@ -47,11 +48,13 @@ from pagedserve.model.loader import TORCH_DTYPES, ModelConfig, load_model
 from pagedserve.model.pipeline import (PipelineStage, micro_batch_bounds, recv_intermediate,
                                        send_intermediate, stage_config, wait_sends)
 from pagedserve.structured.compiler import GrammarCompiler, GrammarMatcher
+from pagedserve.tokenizer import grammar_compiler_for, load_tokenizer
 from pagedserve.worker.sampler import Sampler
 
 logger = logging.getLogger("pagedserve.worker")
 
 # Prompt rows scored per logits matmul: bounds the [rows, vocab] float32 scratch.
+LOAD_GRAMMAR_COMPILER = "load"  # ModelRunner.for_rank: the sampling rank builds its own compiler
 PROMPT_LOGPROBS_ROWS_PER_PASS = 512
 
 
@@ -174,6 +177,27 @@ class ModelRunner:
         self.kv_cache = self.host_cache = None
         self.requests: dict[str, CachedRequestState] = {}
         self.grammar_compiler = grammar_compiler
+
+    @classmethod
+    def for_rank(cls, settings: ResolvedConfig, device: str, rank: int = 0,
+                 grammar_compiler: GrammarCompiler | None | str = LOAD_GRAMMAR_COMPILER) -> "ModelRunner":
+        """The one way the engine makes a runner: rank `rank` (pp_rank * tp + tp_rank) of the
+        layout `settings` name, its shard of its stage's layers in the resolved dtypes (each
+        pool its share of the KV heads at the KV dtype's bytes). Only the sampling rank needs
+        structured outputs' masks: `grammar_compiler` is its compiler (the in-process
+        front-end's, sharing its cache), or LOAD_GRAMMAR_COMPILER to build its own."""
+        config, model_config = settings.config, settings.model_config
+        tp = config.tensor_parallel_size
+        dp_experts = config.data_parallel_size > 1 and config.enable_expert_parallel and model_config.moe is not None
+        dp = (config.data_parallel_size, config.data_parallel_rank) if dp_experts else (1, 0)  # DP attention + EP
+        shard = TPShard.of(model_config, tp, rank % tp, config.enable_expert_parallel, *dp)
+        stage = PipelineStage.of(model_config.num_layers, config.pipeline_parallel_size, rank // tp)
+        if grammar_compiler == LOAD_GRAMMAR_COMPILER:
+            samples = stage.is_last and shard.rank == 0
+            grammar_compiler = grammar_compiler_for(settings, load_tokenizer(config)) if samples else None
+        return cls(model_config, settings.dtype, device, config.block_size, settings.eos_token_ids, config.seed,
+                   grammar_compiler=grammar_compiler, shard=shard, kv_cache_dtype=settings.kv_cache_dtype,
+                   stage=stage)
 
     def initialize_cache(self, num_blocks: int, num_host_blocks: int = 0) -> None:
         """The device pool, and swap space in the same layout in host memory (pinned on

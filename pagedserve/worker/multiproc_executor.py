@@ -38,7 +38,7 @@ import threading
 import time
 from multiprocessing.connection import wait
 
-from pagedserve.config import EngineConfig
+from pagedserve.config import ResolvedConfig
 from pagedserve.core.outputs import StepResult
 from pagedserve.core.scheduler import SchedulerOutput
 from pagedserve.worker.worker import (ENCODER, REPLY_DECODER, CallMsg, ExecuteMsg, RankCalls, Reply, ShutdownMsg,
@@ -113,10 +113,11 @@ class _Rank:
 
 
 class MultiprocExecutor(RankCalls):
-    def __init__(self, config: EngineConfig, dtype: str, eos_token_ids: frozenset[int]) -> None:
+    def __init__(self, settings: ResolvedConfig) -> None:
         import torch.multiprocessing as tmp
 
         leave_if_spawned_from_unguarded_main()
+        config = settings.config
         self.tp = config.tensor_parallel_size
         self.pp = config.pipeline_parallel_size
         self.world_size = self.tp * self.pp
@@ -129,7 +130,7 @@ class MultiprocExecutor(RankCalls):
         self._deaths: list[_Rank] = []  # in the order they were seen: the first is the cause
         self._reap_lock = threading.Lock()
         self._closing = False
-        spec = WorkerSpec(config, dtype, sorted(eos_token_ids), threads_per_rank(self.world_size))
+        spec = WorkerSpec(settings, threads_per_rank(self.world_size))
         ctx = tmp.get_context("spawn")
         port = free_port()
         self.ranks: list[_Rank] = []

@@ -17,7 +17,7 @@ import logging
 import os
 import time
 
-from pagedserve.config import EngineConfig
+from pagedserve.config import ResolvedConfig
 from pagedserve.core.outputs import StepResult
 from pagedserve.core.scheduler import SchedulerOutput
 from pagedserve.worker.multiproc_executor import WorkerDied
@@ -35,7 +35,7 @@ class RayWorker:
     def __init__(self, spec: WorkerSpec, rank: int, world_size: int) -> None:
         logging.basicConfig(level=logging.INFO, format=f"%(levelname)s %(asctime)s rank{rank} %(name)s: %(message)s")
         self.worker = Worker(spec, rank, world_size)
-        self.device = "cpu" if spec.config.device == "cpu" else "cuda:0"  # Ray sets CUDA_VISIBLE_DEVICES
+        self.device = "cpu" if spec.settings.config.device == "cpu" else "cuda:0"  # Ray sets CUDA_VISIBLE_DEVICES
 
     def address(self) -> tuple[str, int]:
         import ray
@@ -53,7 +53,8 @@ class RayWorker:
 
 
 class RayExecutor(RankCalls):
-    def __init__(self, config: EngineConfig, dtype: str, eos_token_ids: frozenset[int]) -> None:
+    def __init__(self, settings: ResolvedConfig) -> None:
+        config = settings.config
         try:
             import ray
             from ray.util.placement_group import placement_group
@@ -77,7 +78,7 @@ class RayExecutor(RankCalls):
             ray.util.remove_placement_group(self.placement_group)
             raise ValueError(f"tensor_parallel_size: Ray could not place {self.world_size} ranks of {bundle} within "
                              f"{PLACEMENT_TIMEOUT:.0f} s (cluster resources: {ray.cluster_resources()})")
-        spec = WorkerSpec(config, dtype, sorted(eos_token_ids), cpus)
+        spec = WorkerSpec(settings, cpus)
         actor = ray.remote(RayWorker)
         self.actors = [
             actor.options(num_cpus=cpus, num_gpus=1 if on_gpu else 0, name=None,

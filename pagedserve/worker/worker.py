@@ -33,7 +33,7 @@ from typing import Any
 
 import msgspec
 
-from pagedserve.config import EngineConfig
+from pagedserve.config import ResolvedConfig
 from pagedserve.core.outputs import StepResult
 from pagedserve.core.scheduler import SchedulerOutput
 
@@ -73,9 +73,7 @@ REPLY_DECODER = msgspec.msgpack.Decoder(Reply)
 class WorkerSpec:
     """What every rank is started with (picklable: it crosses spawn and Ray)."""
 
-    config: EngineConfig
-    dtype: str
-    eos_token_ids: list[int]
+    settings: ResolvedConfig
     num_threads: int   # torch intra-op threads of this rank (cores / ranks on one machine)
 
 
@@ -107,8 +105,8 @@ class Worker:
         self.spec = spec
         self.rank = rank
         self.world_size = world_size
-        self.tp = spec.config.tensor_parallel_size
-        self.pp = spec.config.pipeline_parallel_size
+        self.tp = spec.settings.config.tensor_parallel_size
+        self.pp = spec.settings.config.pipeline_parallel_size
         assert world_size == self.tp * self.pp, (world_size, self.tp, self.pp)
         self.tp_rank, self.pp_rank = rank % self.tp, rank // self.tp
         self.is_driver = rank == driver_rank(self.tp, self.pp)
@@ -129,27 +127,9 @@ class Worker:
                                 world_size=self.world_size, timeout=COLLECTIVE_TIMEOUT)
 
     def load(self, device: str) -> None:
-        from pagedserve.config import resolve_kv_cache_dtype
-        from pagedserve.model.config import TPShard, read_model_config
-        from pagedserve.model.pipeline import PipelineStage
         from pagedserve.worker.model_runner import ModelRunner
 
-        config = self.spec.config
-        model_config = read_model_config(config.model)
-        shard = TPShard.of(model_config, self.tp, self.tp_rank, config.enable_expert_parallel)
-        stage = PipelineStage.of(model_config.num_layers, self.pp, self.pp_rank)
-        eos = frozenset(self.spec.eos_token_ids)
-        grammar_compiler = None
-        if self.is_driver:  # only the driver samples, so only it needs structured outputs' masks
-            from pagedserve.structured.compiler import make_grammar_compiler
-            from pagedserve.tokenizer import load_tokenizer
-            grammar_compiler = make_grammar_compiler(load_tokenizer(config), model_config.vocab_size, eos,
-                                                     config.structured_outputs_cache_bytes)
-        # each rank's pool in the KV dtype: its share of the heads at the quantized bytes per token
-        kv_cache_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, self.spec.dtype)
-        self.runner = ModelRunner(model_config, self.spec.dtype, device, config.block_size, eos, config.seed,
-                                  grammar_compiler=grammar_compiler, shard=shard, kv_cache_dtype=kv_cache_dtype,
-                                  stage=stage)
+        self.runner = ModelRunner.for_rank(self.spec.settings, device, self.rank)
 
     def stats(self) -> dict:
         """Step counts and times; with a comm observer installed (`set_comm_observer`) also
@@ -211,7 +191,7 @@ def run_worker_process(spec: WorkerSpec, rank: int, world_size: int, master_port
     set_parent_death_signal()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group; the server shuts us down
     logging.basicConfig(level=logging.INFO, format=f"%(levelname)s %(asctime)s rank{rank} %(name)s: %(message)s")
-    config = spec.config
+    config = spec.settings.config
     device = config.device if config.device == "cpu" else f"cuda:{rank}"
     worker = Worker(spec, rank, world_size)
     try:
