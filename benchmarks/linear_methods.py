@@ -5,6 +5,7 @@ transformers in the same dtype.
 
     python benchmarks/linear_methods.py                      # 8 and 32 sequences, 128 + 128 tokens
     python benchmarks/linear_methods.py --batches 8 --new-tokens 64 --reps 1
+    python benchmarks/linear_methods.py --configs 6,7   # bf16: prepacked oneDNN vs our AVX512-BF16 GEMM
 
 Workload (as shared/peers/bench_pagedserve.py): 128-token prompts of fixed random ids, 128 new
 tokens, greedy, EOS ignored, prefix caching off; every configuration runs once per repetition,
@@ -36,6 +37,8 @@ CONFIGS = [  # (label, dtype, PAGEDSERVE_LINEAR_METHOD)
     ("fp32 onednn (forced)", "float32", "onednn"),
     ("fp32 torch-t (forced)", "float32", "torch-t"),
     ("bf16 torch (forced)", "bfloat16", "torch"),
+    ("bf16 onednn (forced)", "bfloat16", "onednn"),  # the bf16 rule before the AVX512-BF16 kernel
+    ("bf16 cpp (forced)", "bfloat16", "cpp"),
 ]
 
 

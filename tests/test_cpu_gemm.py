@@ -86,3 +86,52 @@ def test_pack_refuses_what_it_cannot_hold():
         gemm.linear(torch.randn(2, 9), packed, None)
     with pytest.raises(ValueError, match="does not fit"):
         gemm.linear(torch.randn(2, 8, dtype=torch.float64), packed, None)
+
+
+def run_bf16(lib, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, threads: int) -> torch.Tensor:
+    nr = lib.ps_gemm_bf16_panel_width()
+    n, k = weight.shape
+    packed = torch.empty(n // nr, k, nr, dtype=torch.bfloat16)
+    lib.ps_gemm_bf16_pack(weight.data_ptr(), weight.stride(0), n, k, packed.data_ptr())
+    out = torch.full((x.shape[0], n), float("nan"), dtype=torch.bfloat16)
+    lib.ps_gemm_bf16(x.data_ptr(), x.stride(0), x.shape[0], k, packed.data_ptr(), n,
+                     bias.data_ptr() if bias is not None else None, out.data_ptr(), n, threads)
+    return out
+
+
+@pytest.mark.parametrize("m", [1, 2, 7, 8, 9, 33, 300])
+@pytest.mark.parametrize("k", [1, 2, 3, 19, 256, 2048])
+def test_bf16_matches_fp32_matmul_of_the_same_bf16_values(lib, m, k):
+    """The AVX512-BF16 kernel against an fp32 matmul of the same bf16 x, W and bias: fp32
+    accumulation, then one rounding to bf16, so |error| <= 2^-8 |exact| (bf16's half ulp,
+    with room for a tie) + the fp32 summation bound. Covers every row remainder of the 8-row
+    kernel, odd K (the last k step stored alone), the one-row kernel's 4-way k-pair split, a
+    tall x swept in row blocks, strided rows, bias, one and two threads. Builds without the
+    kernel (AVX2, portable, or a CPU without AVX512-BF16) report a panel width of 0."""
+    nr = lib.ps_gemm_bf16_panel_width()
+    if not nr:
+        assert not (cpu_features().avx512_bf16 and lib is gemm.load_gemm())
+        return
+    n = 3 * nr
+    gen = torch.Generator().manual_seed(m * 1000 + k)
+    weight = torch.randn(n, k, generator=gen).bfloat16()
+    bias = torch.randn(n, generator=gen).bfloat16()
+    x = torch.randn(m, 2 * k + 6, generator=gen).bfloat16()[:, :k]
+    for b in (None, bias):
+        want = F.linear(x.double(), weight.double(), None if b is None else b.double())
+        scale = F.linear(x.double().abs(), weight.double().abs(), None if b is None else b.double().abs())
+        for threads in (1, 2):
+            got = run_bf16(lib, x, weight, b, threads).double()
+            bound = 2.0 ** -8 * want.abs() + 2 * (k + 1) * 2.0 ** -24 * scale + 1e-30
+            assert ((got - want).abs() <= bound).all(), ((got - want).abs() / bound).max().item()
+
+
+def test_bf16_linear_refuses_mixed_dtypes():
+    if not gemm.panel_width(torch.bfloat16):
+        pytest.skip("no AVX512-BF16 kernel in this build")
+    packed = gemm.pack(torch.randn(32, 8).bfloat16())
+    assert packed.dtype == torch.bfloat16 and packed.shape == (1, 8, 32)
+    with pytest.raises(ValueError, match="does not fit"):
+        gemm.linear(torch.randn(2, 8), packed, None)  # fp32 x, bf16 weight
+    with pytest.raises(ValueError, match="does not fit"):
+        gemm.linear(torch.randn(2, 8).bfloat16(), packed, torch.randn(32))  # fp32 bias

@@ -103,21 +103,27 @@ class OneDNNPackedLinear(LinearMethod):
 
 
 class CppPackedLinear(LinearMethod):
-    """pagedserve's own fp32 GEMM (model/cpu/gemm.cpp): the weight packed once into panels of
-    output columns that one pass streams linearly while up to 8 rows of x reuse every load from
+    """pagedserve's own GEMM (model/cpu/gemm.cpp): the weight packed once into panels of output
+    columns that one pass streams linearly while up to 8 rows of x reuse every load from
     registers. Made for decode batches (M = 1-64), where MKL and oneDNN leave most of the
-    core idle; 0.8-1.0x them at prefill sizes (benchmarks/cpu_gemm.py)."""
+    core idle; 0.8-1.0x them at prefill sizes (benchmarks/cpu_gemm.py). fp32 everywhere; bf16
+    (vdpbf16ps, fp32 accumulation) only where the CPU reports AVX512-BF16 at run time and the
+    library, built with -march=native, has the kernel."""
 
     name = "cpp"
 
     def available(self, dtype, device) -> bool:
-        if device.type != "cpu" or dtype != torch.float32:
+        if device.type != "cpu":
             return False
-        return _cpp_gemm_panel_width() > 0
+        if dtype == torch.bfloat16:
+            return cpu_features().avx512_bf16 and _cpp_gemm_panel_width(torch.bfloat16) > 0
+        return dtype == torch.float32 and _cpp_gemm_panel_width() > 0
 
     def supports(self, shape) -> bool:
+        # One shape rule for both dtypes: where the bf16 kernel exists its panels are as wide.
         width = _cpp_gemm_panel_width()
-        return width > 0 and shape[0] % width == 0
+        bf16_width = _cpp_gemm_panel_width(torch.bfloat16)
+        return width > 0 and shape[0] % width == 0 and (not bf16_width or shape[0] % bf16_width == 0)
 
     def pack(self, weight):
         return gemm.pack(weight.detach().contiguous())
@@ -127,13 +133,14 @@ class CppPackedLinear(LinearMethod):
 
 
 @functools.cache
-def _cpp_gemm_panel_width() -> int:
-    """The compiled GEMM's panel width, or 0 (with one warning) where it cannot build here."""
+def _cpp_gemm_panel_width(dtype: torch.dtype = torch.float32) -> int:
+    """The compiled GEMM's panel width for `dtype`, or 0 (with one warning) where it cannot build here."""
 
     try:
-        return gemm.panel_width()
+        return gemm.panel_width(dtype)
     except NativeUnavailable as e:
-        logger.warning("CPU GEMM kernel unavailable, linear layers use torch/oneDNN: %s", e)
+        if dtype == torch.float32:
+            logger.warning("CPU GEMM kernel unavailable, linear layers use torch/oneDNN: %s", e)
         return 0
 
 
@@ -163,7 +170,13 @@ class Linear(nn.Module):
         self.method = method
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.method.apply(x, self.weight, self.bias)
+        # The weight and bias read from their dicts: `self.weight` on a registered buffer or
+        # parameter first fails the ordinary lookup (an AttributeError built and dropped), then
+        # runs nn.Module.__getattr__ — ~0.6 µs, 17 times a step on a 4-layer model.
+        weight = self._buffers.get("weight")
+        if weight is None:
+            weight = self._parameters["weight"]
+        return self.method.apply(x, weight, self._parameters.get("bias"))
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, " \
@@ -201,16 +214,19 @@ def requested_method() -> str:
 SMALL_IN_FEATURES = 768
 
 
-def rule_method(shape: tuple[int, int], dtype: torch.dtype, names: list[str]) -> str:
+def rule_method(shape: tuple[int, int], dtype: torch.dtype, names: list[str], amx: bool = False) -> str:
     """What the survey found fastest on CPU (benchmarks/README.md, "GEMM survey"), among `names`
     (the methods that can run this shape here):
-    bf16: prepacked oneDNN (AMX / AVX512-BF16 kernels reading a pre-blocked weight) at every M;
+    bf16: pagedserve's packed-panel kernel where it has its AVX512-BF16 path (1.2-2.8x prepacked
+    oneDNN at M = 1-8, 0.95-3.2x at 32, 0.88-1.16x at 256: benchmarks/README.md, "bf16 GEMM"),
+    except on an AMX CPU (`amx`; not measured here: oneDNN's tiles do 16x the work per
+    instruction), else prepacked oneDNN (AMX / AVX512-BF16 kernels on a pre-blocked weight);
     fp32: pagedserve's packed-panel kernel (1.1-2.4x oneDNN and MKL at M = 8-32, about equal at
     M = 256, 0.8-1.0x at M = 1); where it cannot build or the shape does not fit its panels, a
     column-major weight for small in-features (MKL reads B untransposed; 1.1-1.6x on K=256/688)
     and prepacked oneDNN for the rest."""
     _, in_features = shape
-    if dtype == torch.float32 and "cpp" in names:
+    if (dtype == torch.float32 or (dtype == torch.bfloat16 and not amx)) and "cpp" in names:
         return "cpp"
     if dtype == torch.float32 and in_features <= SMALL_IN_FEATURES and "torch-t" in names:
         return "torch-t"
@@ -269,9 +285,11 @@ def choose_linear_methods(shapes: list[tuple[int, int]], dtype: torch.dtype, dev
         return LinearChoice(methods, reason)
     if device.type != "cpu" or len(names) == 1:
         return LinearChoice({s: "torch" for s in shapes}, f"{device.type}: the only method")
-    where = f"{str(dtype).removeprefix('torch.')} on {(features or cpu_features()).describe()}"
+    features = features or cpu_features()
+    amx = features.amx_bf16 and features.amx_tile
+    where = f"{str(dtype).removeprefix('torch.')} on {features.describe()}"
     if requested == "auto":
-        return LinearChoice({s: rule_method(s, dtype, fits[s]) for s in shapes}, f"{where}, by rule")
+        return LinearChoice({s: rule_method(s, dtype, fits[s], amx) for s in shapes}, f"{where}, by rule")
     start = time.perf_counter()
     methods = {shape: probe_methods(shape, dtype, fits[shape], timer)[0] for shape in shapes}
     return LinearChoice(methods, f"{where}, fastest of {'/'.join(names)} at M={'/'.join(map(str, PROBE_ROWS))} "

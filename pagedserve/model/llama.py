@@ -165,11 +165,20 @@ class LlamaForCausalLM(nn.Module):
         # computed per step rather than cached per position: cheap next to one layer, and
         # no table of max_position_embeddings rows (128 MB for a 128k-context model)
         cos, sin = self.rotary(positions, prompt_lens)
-        for i, layer in enumerate(self.layers):
-            h, residual = layer(h, residual, cos, sin, kv_cache[i, 0], kv_cache[i, 1], meta)
+        for layer, (k_cache, v_cache) in zip(self.layers, self._layer_caches(kv_cache)):
+            h, residual = layer(h, residual, cos, sin, k_cache, v_cache, meta)
         if self.norm is None:  # not the last pipeline stage
             return h, residual
         return self.norm(h) if residual is None else self.norm.add_and_norm(h, residual)[0]
+
+    def _layer_caches(self, kv_cache: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Each layer's (K, V) views of the pool, made once per pool tensor: indexing them
+        afresh was 2 x layers select ops in every step (the pool is allocated once)."""
+        views = self.__dict__.get("_kv_views")
+        if views is None or views[0] is not kv_cache:
+            views = self.__dict__["_kv_views"] = (kv_cache, [(kv_cache[i, 0], kv_cache[i, 1])
+                                                             for i in range(len(self.layers))])
+        return views[1]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """fp32 logits over the whole vocabulary; under TP every rank must call this (it

@@ -138,7 +138,7 @@ class StepInputs:
     prompt_lens: torch.Tensor | None
     states: list[CachedRequestState]      # per scheduled request, in row order
     scheduled: list[ScheduledRequest]     # the same order
-    last_rows: torch.Tensor               # row of each sampling request's last token
+    last_rows: torch.Tensor | None        # row of each sampling request's last token; None: every row, in order
     sampling: list[CachedRequestState]    # the requests that sample this step, in that order
 
 
@@ -416,14 +416,18 @@ class ModelRunner:
                                   [sched[i].num_new_tokens for i in order])
             prompt_lens = torch.from_numpy(per_token.astype(np.int64)).to(self.device)
         # Only requests that reach their last token this step produce a token.
-        ends = np.cumsum([sched[i].num_new_tokens for i in order]) - 1
         sample_rows = [k for k, i in enumerate(order) if sched[i].sample]
+        if not prefills and len(sample_rows) == len(order):
+            last_rows = None  # decode-only, every request samples: the rows are the hidden states as they are
+        else:
+            ends = np.cumsum([sched[i].num_new_tokens for i in order]) - 1
+            last_rows = torch.from_numpy(ends[sample_rows]).to(self.device)
         return StepInputs(
             input_ids=torch.from_numpy(token_ids).to(self.device),
             positions=torch.from_numpy(positions).to(self.device),
             meta=meta, prompt_lens=prompt_lens,
             states=[states[i] for i in order], scheduled=[sched[i] for i in order],
-            last_rows=torch.from_numpy(ends[sample_rows]).to(self.device),
+            last_rows=last_rows,
             sampling=[states[order[k]] for k in sample_rows])
 
     def _sample(self, hidden: torch.Tensor, inputs: StepInputs, result: StepResult) -> None:
@@ -431,7 +435,7 @@ class ModelRunner:
         sampling = inputs.sampling
         if not sampling:
             return
-        logits = self.model.compute_logits(hidden[inputs.last_rows])
+        logits = self.model.compute_logits(hidden if inputs.last_rows is None else hidden[inputs.last_rows])
         if logits is None:  # a tensor-parallel rank other than 0: the gathered logits are on rank 0
             return
         sync_grammars(sampling)

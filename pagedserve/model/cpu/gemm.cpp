@@ -33,7 +33,7 @@
 
 namespace {
 
-constexpr int kAbiVersion = 1;
+constexpr int kAbiVersion = 2;
 
 #if defined(__AVX512F__)
 constexpr int VW = 16;
@@ -163,6 +163,129 @@ constexpr auto make_table(std::integer_sequence<int, Rs...>) {
 
 const auto kKernels = make_table(std::make_integer_sequence<int, MR>{});
 
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+// ---- bf16 weights and activations, fp32 accumulation: AVX512-BF16's vdpbf16ps ----
+// One vdpbf16ps multiplies 16 pairs of bf16 and adds each pair's two products to one fp32
+// lane: 32 multiply-adds per instruction against 16 for an fp32 FMA, and half the weight bytes
+// to stream, which is what a decode step is bound by.
+//
+// Packed bf16 layout, same [N/NR, K, NR] shape as fp32 (so N and K read off the tensor alike):
+// within panel p, k steps pair up as (k, k+1) for even k < K - K % 2, and element (k, c) lies
+// at p*K*NR + (k/2)*2*NR + 2*c + k%2 (each lane's pair adjacent, as vdpbf16ps reads it); an
+// odd K's last step is stored alone at p*K*NR + (K-1)*NR + c and widened to (w, 0) pairs.
+//
+// Numerics: x and W are bf16 values (exactly representable in fp32), each output is bias +
+// the sum over k-pairs in increasing order of (x[k]w[k] + x[k+1]w[k+1]) accumulated in fp32,
+// then rounded once to bf16 (round to nearest even). Against an fp32 matmul of the same bf16
+// values that is the output's half-ulp of bf16 (2^-9 relative) plus fp32 summation error.
+namespace bf16k {
+
+constexpr int NV = 2, MR = 8, NR = NV * 16;
+constexpr int kPrefetchPairs = 32;  // 4 KB ahead in a panel (128 bytes per k pair)
+
+inline __m512 bias_load(const uint16_t* b) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b))), 16));
+}
+inline void store_bf16(uint16_t* out, __m512 v) {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(v)));
+}
+inline __m512bh pair_of(const uint16_t* x, int64_t k) {
+    uint32_t pair;
+    __builtin_memcpy(&pair, x + k, 4);
+    return reinterpret_cast<__m512bh>(_mm512_set1_epi32(int(pair)));
+}
+inline __m512bh widened(const uint16_t* row) {  // 16 bf16 -> 16 (w, 0) pairs
+    return reinterpret_cast<__m512bh>(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row))));
+}
+inline __m512bh wload(const uint16_t* p) { return reinterpret_cast<__m512bh>(_mm512_loadu_si512(p)); }
+
+template <int R>
+inline void micro_kernel(const uint16_t* x, int64_t ldx, const uint16_t* panel, int64_t K, const uint16_t* bias,
+                         uint16_t* out, int64_t ldo, Prefetch pf) {
+    __m512 acc[R][NV];
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r)
+#pragma GCC unroll 2
+        for (int j = 0; j < NV; ++j) acc[r][j] = bias ? bias_load(bias + j * 16) : _mm512_setzero_ps();
+    const int64_t pairs = K / 2;
+    for (int64_t q = 0; q < pairs; ++q) {
+        const uint16_t* b = panel + q * 2 * NR;
+        for (int line = 0; line < pf.lines; ++line) __builtin_prefetch(pf.base + q * pf.step + line * 64, 0, 3);
+        __m512bh w[NV];
+#pragma GCC unroll 2
+        for (int j = 0; j < NV; ++j) w[j] = wload(b + j * 32);
+#pragma GCC unroll 8
+        for (int r = 0; r < R; ++r) {
+            const __m512bh a = pair_of(x + r * ldx, 2 * q);
+#pragma GCC unroll 2
+            for (int j = 0; j < NV; ++j) acc[r][j] = _mm512_dpbf16_ps(acc[r][j], a, w[j]);
+        }
+    }
+    if (K % 2) {
+        const uint16_t* b = panel + (K - 1) * NR;
+        __m512bh w[NV];
+        for (int j = 0; j < NV; ++j) w[j] = widened(b + j * 16);
+        for (int r = 0; r < R; ++r) {
+            const __m512bh a = reinterpret_cast<__m512bh>(_mm512_set1_epi32(int(x[r * ldx + K - 1])));
+            for (int j = 0; j < NV; ++j) acc[r][j] = _mm512_dpbf16_ps(acc[r][j], a, w[j]);
+        }
+    }
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r)
+#pragma GCC unroll 2
+        for (int j = 0; j < NV; ++j) store_bf16(out + r * ldo + j * 16, acc[r][j]);
+}
+
+// One row: four interleaved partial sums over k pairs (q mod 4), as the fp32 one-row kernel.
+template <>
+inline void micro_kernel<1>(const uint16_t* x, int64_t, const uint16_t* panel, int64_t K, const uint16_t* bias,
+                            uint16_t* out, int64_t, Prefetch pf) {
+    constexpr int S = 4;
+    __m512 acc[S][NV];
+#pragma GCC unroll 4
+    for (int s = 0; s < S; ++s)
+#pragma GCC unroll 2
+        for (int j = 0; j < NV; ++j) acc[s][j] = s == 0 && bias ? bias_load(bias + j * 16) : _mm512_setzero_ps();
+    const int64_t pairs = K / 2;
+    int64_t q = 0;
+    for (; q + S <= pairs; q += S) {
+#pragma GCC unroll 4
+        for (int s = 0; s < S; ++s) {
+            for (int line = 0; line < pf.lines; ++line) __builtin_prefetch(pf.base + (q + s) * pf.step + line * 64, 0, 3);
+            const __m512bh a = pair_of(x, 2 * (q + s));
+            const uint16_t* b = panel + (q + s) * 2 * NR;
+#pragma GCC unroll 2
+            for (int j = 0; j < NV; ++j) acc[s][j] = _mm512_dpbf16_ps(acc[s][j], a, wload(b + j * 32));
+        }
+    }
+    for (; q < pairs; ++q) {
+        const __m512bh a = pair_of(x, 2 * q);
+        for (int j = 0; j < NV; ++j) acc[0][j] = _mm512_dpbf16_ps(acc[0][j], a, wload(panel + q * 2 * NR + j * 32));
+    }
+    if (K % 2) {
+        const __m512bh a = reinterpret_cast<__m512bh>(_mm512_set1_epi32(int(x[K - 1])));
+        for (int j = 0; j < NV; ++j) acc[0][j] = _mm512_dpbf16_ps(acc[0][j], a, widened(panel + (K - 1) * NR + j * 16));
+    }
+#pragma GCC unroll 2
+    for (int j = 0; j < NV; ++j)
+        store_bf16(out + j * 16, _mm512_add_ps(_mm512_add_ps(acc[0][j], acc[1][j]), _mm512_add_ps(acc[2][j], acc[3][j])));
+}
+
+using MicroKernel = void (*)(const uint16_t*, int64_t, const uint16_t*, int64_t, const uint16_t*, uint16_t*, int64_t, Prefetch);
+
+template <int... Rs>
+constexpr auto make_table(std::integer_sequence<int, Rs...>) {
+    return std::array<MicroKernel, sizeof...(Rs)>{&micro_kernel<Rs + 1>...};
+}
+
+const auto kKernels = make_table(std::make_integer_sequence<int, MR>{});
+
+}  // namespace bf16k
+#define PS_HAVE_BF16 1
+#else
+#define PS_HAVE_BF16 0
+#endif
+
 }  // namespace
 
 extern "C" {
@@ -219,6 +342,68 @@ void ps_gemm(const float* x, int64_t ldx, int64_t M, int64_t K, const float* pac
             }
         }
     }
+}
+
+// The bf16 GEMM's panel width, or 0 where this build has no AVX512-BF16 (the compiler decided
+// from -march=native: the CPU it was built for lacks it).
+int ps_gemm_bf16_panel_width() { return PS_HAVE_BF16 ? 32 : 0; }
+
+// w: [N, K] bf16 (as uint16) with row stride ldw; N a multiple of 32. packed: N * K bf16.
+void ps_gemm_bf16_pack(const uint16_t* w, int64_t ldw, int64_t N, int64_t K, uint16_t* packed) {
+#if PS_HAVE_BF16
+    constexpr int64_t NRB = bf16k::NR;
+    const int64_t panels = N / NRB, even = K - K % 2;
+#pragma omp parallel for schedule(static)
+    for (int64_t p = 0; p < panels; ++p) {
+        uint16_t* dst = packed + p * K * NRB;
+        for (int64_t c = 0; c < NRB; ++c) {
+            const uint16_t* src = w + (p * NRB + c) * ldw;
+            for (int64_t k = 0; k < even; ++k) dst[(k / 2) * 2 * NRB + 2 * c + k % 2] = src[k];
+            if (K % 2) dst[(K - 1) * NRB + c] = src[K - 1];
+        }
+    }
+#else
+    (void)w, (void)ldw, (void)N, (void)K, (void)packed;
+#endif
+}
+
+// x: [M, K] bf16 with row stride ldx; packed from ps_gemm_bf16_pack; bias: [N] bf16 or null;
+// out: [M, N] bf16 with row stride ldo. Threads split the panels, as in ps_gemm.
+void ps_gemm_bf16(const uint16_t* x, int64_t ldx, int64_t M, int64_t K, const uint16_t* packed, int64_t N,
+                  const uint16_t* bias, uint16_t* out, int64_t ldo, int num_threads) {
+#if PS_HAVE_BF16
+    constexpr int64_t NRB = bf16k::NR, MRB = bf16k::MR;
+    const int64_t panels = N / NRB;
+    // Row blocks of ~512 KB of x (half the fp32 rows' bytes: the same rows per block as fp32).
+    const int64_t mc_rows = std::max<int64_t>(MRB, ((int64_t(1) << 18) / std::max<int64_t>(K, 1)) / MRB * MRB);
+    const bool parallel = num_threads > 1 && panels > 1 && M * N * K >= (int64_t(1) << 18);
+    const int64_t panel_bytes = K * NRB * 2, pair_bytes = 2 * NRB * 2;
+#pragma omp parallel num_threads(num_threads) if (parallel)
+    for (int64_t m0 = 0; m0 < M; m0 += mc_rows) {
+        const int64_t m1 = std::min(M, m0 + mc_rows);
+#pragma omp for schedule(static)
+        for (int64_t p = 0; p < panels; ++p) {
+            const uint16_t* panel = packed + p * K * NRB;
+            const uint16_t* panel_bias = bias ? bias + p * NRB : nullptr;
+            const char* next = reinterpret_cast<const char*>(panel) + panel_bytes;
+            const int64_t pairs = std::max<int64_t>(K / 2, 1);
+            for (int64_t m = m0; m < m1; m += MRB) {
+                const int rows = int(std::min<int64_t>(MRB, m1 - m));
+                const int64_t pass = (m - m0) / MRB;
+                // As in ps_gemm: the first pass prefetches ahead in its own panel; passes 1 and 2
+                // bring the next panel (panel_bytes / 64 lines) into L2, about one line per pair.
+                const int64_t half = (panel_bytes / 64 + 1) / 2;
+                const Prefetch pf =
+                    pass == 0   ? Prefetch{reinterpret_cast<const char*>(panel) + bf16k::kPrefetchPairs * pair_bytes, pair_bytes, int(pair_bytes / 64)}
+                    : pass <= 2 ? Prefetch{next + (pass - 1) * half * 64, 64 * ((half + pairs - 1) / pairs), 1}
+                                : Prefetch{nullptr, 0, 0};
+                bf16k::kKernels[rows - 1](x + m * ldx, ldx, panel, K, panel_bias, out + m * ldo + p * NRB, ldo, pf);
+            }
+        }
+    }
+#else
+    (void)x, (void)ldx, (void)M, (void)K, (void)packed, (void)N, (void)bias, (void)out, (void)ldo, (void)num_threads;
+#endif
 }
 
 }  // extern "C"

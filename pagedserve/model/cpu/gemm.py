@@ -1,8 +1,10 @@
-"""ctypes binding of gemm.cpp, the packed-panel fp32 GEMM for decode-sized batches on CPU.
+"""ctypes binding of gemm.cpp, the packed-panel GEMM for decode-sized batches on CPU: fp32, and
+bf16 (AVX512-BF16 dot products, fp32 accumulation) where the library was built for a CPU with it.
 
-Invariant: a packed weight is a [N / NR, K, NR] fp32 tensor (NR = the library's panel width,
-fixed by the ISA it was built for), so N = size(0) * size(2) and K = size(1); `linear` refuses
-anything else rather than reading memory it does not own.
+Invariant: a packed weight is a [N / NR, K, NR] tensor of the weight's dtype (NR = the
+library's panel width for that dtype, fixed by the ISA it was built for), so N = size(0) *
+size(2) and K = size(1); `linear` refuses anything else rather than reading memory it does not
+own. A bf16 panel's inner order pairs up k steps (gemm.cpp); only gemm.cpp reads it.
 """
 from __future__ import annotations
 
@@ -16,7 +18,7 @@ import torch
 from pagedserve import native
 
 SOURCE = Path(__file__).with_name("gemm.cpp")
-ABI_VERSION = 1
+ABI_VERSION = 2
 
 
 def bind(lib: ctypes.CDLL) -> None:
@@ -26,6 +28,11 @@ def bind(lib: ctypes.CDLL) -> None:
     lib.ps_gemm_pack.restype = None
     lib.ps_gemm.argtypes = [ptr, c_i64, c_i64, c_i64, ptr, c_i64, ptr, ptr, c_i64, c_int]
     lib.ps_gemm.restype = None
+    lib.ps_gemm_bf16_panel_width.restype = c_int
+    lib.ps_gemm_bf16_pack.argtypes = [ptr, c_i64, c_i64, c_i64, ptr]
+    lib.ps_gemm_bf16_pack.restype = None
+    lib.ps_gemm_bf16.argtypes = [ptr, c_i64, c_i64, c_i64, ptr, c_i64, ptr, ptr, c_i64, c_int]
+    lib.ps_gemm_bf16.restype = None
 
 
 @cache
@@ -34,20 +41,27 @@ def load_gemm() -> ctypes.CDLL:
     return native.load_library(SOURCE, ABI_VERSION, bind, "CPU GEMM kernel")
 
 
-def panel_width() -> int:
-    return load_gemm().ps_gemm_panel_width()
+def panel_width(dtype: torch.dtype = torch.float32) -> int:
+    """Output columns per packed panel for `dtype`; 0 for bf16 where the library was built
+    without AVX512-BF16 (the CPU it was compiled for, by -march=native, lacks it)."""
+    if dtype == torch.bfloat16:
+        return load_gemm().ps_gemm_bf16_panel_width()
+    return load_gemm().ps_gemm_panel_width() if dtype == torch.float32 else 0
 
 
 def pack(weight: torch.Tensor) -> torch.Tensor:
-    """[N, K] fp32 weight -> [N / NR, K, NR] panels."""
+    """[N, K] fp32 or bf16 weight -> [N / NR, K, NR] panels of the same dtype."""
     n, k = weight.shape
-    nr = panel_width()
-    if weight.dtype != torch.float32 or n % nr or weight.stride(1) != 1:
-        raise ValueError(f"gemm.pack: needs an fp32 [N, K] weight with K contiguous and N a multiple of {nr}, "
+    nr = panel_width(weight.dtype)
+    if not nr or n % nr or weight.stride(1) != 1:
+        raise ValueError(f"gemm.pack: needs an fp32 (or, with AVX512-BF16, bf16) [N, K] weight with K contiguous "
+                         f"and N a multiple of {nr or 'the panel width'}, "
                          f"got {tuple(weight.shape)} {weight.dtype} strides {weight.stride()}")
-    packed = torch.empty(n // nr, k, nr, dtype=torch.float32)
+    packed = torch.empty(n // nr, k, nr, dtype=weight.dtype)
     advise_huge_pages(packed)  # before the pack writes it: first touch then maps 2 MB pages
-    load_gemm().ps_gemm_pack(weight.data_ptr(), weight.stride(0), n, k, packed.data_ptr())
+    lib = load_gemm()
+    pack_fn = lib.ps_gemm_bf16_pack if weight.dtype == torch.bfloat16 else lib.ps_gemm_pack
+    pack_fn(weight.data_ptr(), weight.stride(0), n, k, packed.data_ptr())
     return packed
 
 
@@ -82,19 +96,25 @@ def advise_huge_pages(t: torch.Tensor) -> None:
 
 
 def linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """x [..., K] @ W^T (+ bias) with W given packed; fp32 CPU tensors. Lean on purpose: a small
-    decode layer's whole GEMM takes ~10 µs, so every Python step here shows in tok/s."""
+    """x [..., K] @ W^T (+ bias) with W given packed; CPU tensors, x and bias of the packed
+    weight's dtype (fp32, or bf16: fp32 accumulation, the output rounded once to bf16). Lean on
+    purpose: a small decode layer's whole GEMM takes ~10 µs, so every Python step here shows."""
     panels, k, nr = packed.shape
     n = panels * nr
     if x.dim() != 2:
         return linear(x.reshape(-1, x.shape[-1]), packed, bias).reshape(*x.shape[:-1], n)
     m, kx = x.shape
-    if kx != k or x.dtype != torch.float32 or (bias is not None and bias.shape != (n,)):
-        raise ValueError(f"gemm.linear: x {tuple(x.shape)} {x.dtype} does not fit a packed [{n}, {k}] fp32 weight")
+    dtype = packed.dtype
+    if kx != k or x.dtype != dtype or (bias is not None and (bias.shape != (n,) or bias.dtype != dtype)):
+        raise ValueError(f"gemm.linear: x {tuple(x.shape)} {x.dtype} does not fit a packed [{n}, {k}] {dtype} weight")
     if x.stride(1) != 1:
         x = x.contiguous()
-    out = torch.empty(m, n, dtype=torch.float32)
+    if bias is not None and not bias.is_contiguous():
+        bias = bias.contiguous()
+    out = torch.empty(m, n, dtype=dtype)
     if m:
-        load_gemm().ps_gemm(x.data_ptr(), x.stride(0), m, k, packed.data_ptr(), n,
-                       bias.data_ptr() if bias is not None else None, out.data_ptr(), n, torch.get_num_threads())
+        lib = load_gemm()
+        fn = lib.ps_gemm if dtype == torch.float32 else lib.ps_gemm_bf16
+        fn(x.data_ptr(), x.stride(0), m, k, packed.data_ptr(), n,
+           bias.data_ptr() if bias is not None else None, out.data_ptr(), n, torch.get_num_threads())
     return out
