@@ -9,7 +9,10 @@ Invariants this module keeps:
 - a call that cannot be satisfied returns None and changes nothing (no partial allocation);
 - a swapped request holds host blocks only (one per device block it gave up), a running one
   device blocks only; a finished one nothing;
-- a block's ref_cnt equals the number of tables holding it (the pool keeps the free queue).
+- a block's ref_cnt equals the number of tables holding it (the pool keeps the free queue);
+- with a host tier (core/kv_tier.py): cached blocks the pool evicts move there, and a lookup
+  that runs out of device hits goes on in the tier; each step's copies (offloads device ->
+  host, loads host -> device) ride the swap lists of that step's SchedulerOutput.
 
 Prefix cache keys: a full block's key is SHA-256 over its parent's key and its content (its
 token ids packed as int64, and for a request's first block the request's extra keys: what
@@ -28,6 +31,7 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from pagedserve.core.block_pool import BlockPool, KVBlock
+from pagedserve.core.kv_tier import HostTier, TierEntry
 from pagedserve.core.request import Request
 
 ROOT_HASH = bytes(32)  # the "parent" of a request's first block
@@ -99,7 +103,17 @@ class KVCacheView:
 
     @property
     def num_host_used_blocks(self) -> int:
+        """Swap and the host tier together (they share the host pool)."""
         return self._kv.host_pool.num_used_blocks if self._kv.host_pool is not None else 0
+
+    @property
+    def num_tier_blocks(self) -> int:
+        """The host tier's capacity in blocks; 0: no tier."""
+        return self._kv.tier.capacity if self._kv.tier is not None else 0
+
+    @property
+    def num_tier_used_blocks(self) -> int:
+        return self._kv.tier.num_blocks if self._kv.tier is not None else 0
 
     def device_table(self, request_id: str) -> TableRows | None:
         table = self._kv.block_tables.get(request_id)
@@ -119,10 +133,16 @@ class KVCacheView:
 
 class KVCacheManager:
     def __init__(self, pool: BlockPool, block_size: int, host_pool: BlockPool | None = None,
-                 extra_keys_for: Callable[[Request], bytes] | None = None) -> None:
+                 extra_keys_for: Callable[[Request], bytes] | None = None, tier: HostTier | None = None) -> None:
         self.pool = pool
         self.block_size = block_size
-        self.host_pool = host_pool                     # swap space; None = recompute only
+        self.host_pool = host_pool                     # swap space (and the tier's blocks); None = neither
+        self.tier = tier                               # the host KV tier; None = evicted prefixes are lost
+        if tier is not None:
+            if not pool.enable_caching or tier.host_pool is not host_pool:
+                raise ValueError("kv_offloading_size: the host tier needs prefix caching and the host pool")
+            pool.on_evict = tier.offer
+        self._loads: list[tuple[int, int]] = []        # (host, device) tier loads this step
         self.block_tables: dict[str, list[KVBlock]] = {}
         self.host_tables: dict[str, list[KVBlock]] = {}
         # What a request's KV depends on besides its tokens (b"" when nothing): keys its first block.
@@ -187,6 +207,19 @@ class KVCacheManager:
             found.append(block)
         return [b.block_id for b in found], len(found) * self.block_size
 
+    def get_tier_hits(self, request: Request, num_device_hit_blocks: int) -> list[TierEntry]:
+        """The host tier's run of blocks right after the device pool's hits (the last token is
+        never served, as above). Looks only: nothing moves until allocate_slots."""
+        if self.tier is None:
+            return []
+        num_full = (request.num_tokens - 1) // self.block_size
+        if num_full <= num_device_hit_blocks:
+            return []
+        chain = self._chain(request, num_full)
+        i = num_device_hit_blocks
+        return self.tier.lookup(chain.hashes[i:num_full], chain.contents[i:num_full],
+                                chain.hashes[i - 1] if i else None)
+
     def record_prefix_lookup(self, num_query_tokens: int, num_hit_tokens: int) -> None:
         self.prefix_queries += num_query_tokens
         self.prefix_hits += num_hit_tokens
@@ -209,13 +242,17 @@ class KVCacheManager:
             stands = self.pool.cache(table[i], chain.hashes[i], chain.contents[i], parent, parent_epoch,
                                      request.all_token_ids[i * self.block_size:(i + 1) * self.block_size])
             chain.published.append(None if stands is None else (stands, stands.epoch))
+            if stands is not None and self.tier is not None:
+                self.tier.discard(chain.hashes[i])  # a key lives in one tier at a time
 
     # -- allocation ---------------------------------------------------------------------
     def allocate_slots(self, request: Request, num_new_tokens: int, num_new_computed_tokens: int = 0,
-                       new_computed_block_ids: Sequence[int] = ()) -> list[int] | None:
+                       new_computed_block_ids: Sequence[int] = (),
+                       tier_hits: Sequence[TierEntry] = ()) -> list[int] | None:
         """Room for `num_new_tokens` tokens after the request's computed ones and the
         `num_new_computed_tokens` that the blocks `new_computed_block_ids` (prefix-cache hits
-        from get_computed_blocks, for a request holding nothing yet) bring along.
+        from get_computed_blocks, for a request holding nothing yet) and `tier_hits` (from
+        get_tier_hits: loaded into fresh device blocks, right after the device hits) bring along.
 
         Returns the ids of the blocks appended to its table (hits first), or None and changes
         nothing when the pool cannot supply them.
@@ -234,9 +271,26 @@ class KVCacheManager:
             table = self.block_tables[request.request_id] = []
         for block in new_computed_blocks:
             self.pool.touch(block)
-        appended = list(new_computed_blocks) + (self.pool.allocate(needed) if needed else [])
+        # Out of the tier before allocating: the evictions that allocation causes may not push them out.
+        sources = self.tier.take(list(tier_hits)) if tier_hits else []
+        fresh = self.pool.allocate(needed) if needed else []
+        self._loads.extend((h.block_id, d.block_id) for h, d in zip(sources, fresh))
+        appended = list(new_computed_blocks) + fresh
         table.extend(appended)
         return [b.block_id for b in appended]
+
+    # -- the step's copies -----------------------------------------------------------------
+    def begin_step(self) -> None:
+        """A new step: host blocks the previous step's copies read may be reused."""
+        if self.tier is not None:
+            self.tier.begin_step()
+
+    def take_tier_copies(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+        """This step's tier copies: (device, host) offloads and (host, device) loads."""
+        if self.tier is None:
+            return [], []
+        loads, self._loads = self._loads, []
+        return self.tier.take_offloads(), loads
 
     def free(self, request: Request) -> None:
         """Return all of the request's blocks, device and host. Reversed, so that when prefix
@@ -255,8 +309,12 @@ class KVCacheManager:
 
     # -- swap ---------------------------------------------------------------------------
     def can_swap_out(self, request: Request) -> bool:
-        """Whether the host pool has room for all of the request's device blocks."""
-        return self.host_pool is not None and self.host_pool.num_free_blocks >= self.num_blocks_held(request.request_id)
+        """Whether the host pool has room for all of the request's device blocks (the tier's
+        entries yield to a swap)."""
+        if self.host_pool is None:
+            return False
+        room = self.host_pool.num_free_blocks + (self.tier.num_blocks if self.tier is not None else 0)
+        return room >= self.num_blocks_held(request.request_id)
 
     def swap_out(self, request: Request) -> list[tuple[int, int]]:
         """Move the request's blocks to the host pool; returns (device, host) copy pairs. The
@@ -265,6 +323,8 @@ class KVCacheManager:
             raise RuntimeError(f"no host room to swap out {request.request_id}")
         device = self.block_tables.pop(request.request_id, [])
         self._forget_hashes(request.request_id)
+        if self.tier is not None:
+            self.tier.make_room(len(device))
         host = self.host_pool.allocate(len(device))
         self.host_tables[request.request_id] = host
         self.pool.free(list(reversed(device)))
@@ -280,5 +340,8 @@ class KVCacheManager:
         device = self.pool.allocate(needed)
         self.block_tables[request.request_id] = device
         del self.host_tables[request.request_id]
-        self.host_pool.free(host)
+        if self.tier is not None:
+            self.tier.release_after_step(host)  # this step's offloads must not land on them
+        else:
+            self.host_pool.free(host)
         return [(h.block_id, d.block_id) for h, d in zip(host, device)]

@@ -1,0 +1,351 @@
+"""The host KV tier (--kv-offloading-size): prefix blocks the device pool evicts are kept in
+host memory and loaded back on a later hit instead of being computed again.
+
+Two kinds of check:
+- a slot-checking executor (no model) that keeps, for every device and host block slot, the
+  token whose KV it holds, moves them exactly as the worker's swap copy moves KV (every
+  device -> host copy, then every host -> device copy), and before each forward asserts that
+  every position a request attends to holds that request's own token. It is the oracle for
+  the scheduler, the tier and the copy ordering, independent of both;
+- the real engine on a tiny checkpoint: greedy output equals HF transformers' (fp32) with the
+  tier on, under forced preemption in each mode, and with fp8 KV equals the same engine
+  without the tier.
+"""
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from checkpoints import HFGreedyReference
+from pagedserve.config import EngineConfig
+from pagedserve.core.block_pool import BlockPool
+from pagedserve.core.kv_cache import KVCacheManager
+from pagedserve.core.kv_events import BlockRemoved, BlockStored, KVEventLog
+from pagedserve.core.kv_tier import HostTier
+from pagedserve.core.outputs import StepResult
+from pagedserve.core.request import Request
+from pagedserve.default_model_path import DEFAULT_MODEL_DIR
+from pagedserve.sampling import SamplingParams
+from pagedserve.sim.instant_executor import InstantExecutor
+
+DEFAULT_MODEL_BYTES_PER_BLOCK = 65536  # the built-in model, 16-token blocks (asserted below)
+
+
+def tier_gib(num_blocks: int, bytes_per_block: int = DEFAULT_MODEL_BYTES_PER_BLOCK) -> float:
+    return num_blocks * bytes_per_block / 2**30
+
+
+class SlotCheckingExecutor(InstantExecutor):
+    """Tracks which token's KV each slot holds; fails the step that would read a wrong one.
+    Samples a token that depends on the whole context as read from the slots, so a wrong
+    slot would also change the output."""
+
+    def __init__(self, block_size: int = 16) -> None:
+        super().__init__(4096)
+        self.bs = block_size
+        self.device: dict[int, list] = {}
+        self.host: dict[int, list] = {}
+        self.tables: dict[str, list[int]] = {}
+        self.tokens: dict[str, list[int]] = {}
+        self.prefill_tokens = 0               # tokens computed that were not a decode
+        self.sampled_by: dict[str, list[int]] = {}
+
+    def execute(self, out) -> StepResult:
+        for rid in out.finished_ids:
+            self.tables.pop(rid, None)
+            self.tokens.pop(rid, None)
+        for data in out.new_requests:
+            self.tokens[data.request_id] = list(data.prompt_token_ids)
+        moved_out = {d: list(self.device.get(d, [None] * self.bs)) for d, _ in out.blocks_to_swap_out}
+        for d, h in out.blocks_to_swap_out:
+            self.host[h] = moved_out[d]
+        moved_in = {h: list(self.host.get(h, [None] * self.bs)) for h, _ in out.blocks_to_swap_in}
+        for h, d in out.blocks_to_swap_in:
+            self.device[d] = moved_in[h]
+        sampled = {}
+        for sr in out.scheduled:
+            table = self.tables.setdefault(sr.request_id, [])
+            if sr.resumed:
+                table[:] = sr.new_block_ids
+            else:
+                table.extend(sr.new_block_ids)
+            tokens = self.tokens[sr.request_id]
+            for p in range(sr.start_pos):
+                held = self.device.get(table[p // self.bs], [None] * self.bs)[p % self.bs]
+                assert held == tokens[p], (f"{sr.request_id}: position {p} of block {table[p // self.bs]} "
+                                           f"holds {held}, want {tokens[p]}")
+            for j, tok in enumerate(sr.token_ids):
+                p = sr.start_pos + j
+                self.device.setdefault(table[p // self.bs], [None] * self.bs)[p % self.bs] = tok
+            if sr.num_new_tokens > 1 or sr.start_pos < len(tokens) - 1:
+                self.prefill_tokens += sr.num_new_tokens
+            if sr.sample:
+                ctx = [self.device[table[p // self.bs]][p % self.bs] for p in range(sr.context_len)]
+                tok = 16 + hash(tuple(ctx)) % 4000
+                sampled[sr.request_id] = tok
+                tokens.append(tok)
+                self.sampled_by.setdefault(sr.request_id, []).append(tok)
+        return StepResult(sampled=sampled)
+
+
+def run_chats(config: EngineConfig, seed: int = 0, num_chats: int = 5, turns: int = 3, concurrent: int = 3,
+              max_tokens: int = 6):
+    """Multi-turn chats (each turn: the previous prompt + its answer + a new question), a few at
+    a time, through the engine on the slot-checking executor. Returns (executor, engine, outputs)."""
+    from pagedserve.engine import Engine
+
+    executor = SlotCheckingExecutor(config.block_size)
+    engine = Engine(config, executor=executor)
+    rng = random.Random(seed)
+    histories = [[rng.randrange(16, 4000) for _ in range(rng.randrange(20, 40))] for _ in range(num_chats)]
+    outputs, n = [], 0
+    for _ in range(turns):
+        for start in range(0, num_chats, concurrent):
+            ids = []
+            for h in histories[start:start + concurrent]:
+                ids.append(f"r{n}")
+                engine.add_request(f"r{n}", list(h), SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+                n += 1
+            while engine.has_unfinished_requests():
+                engine.step()
+            for rid, h in zip(ids, histories[start:start + concurrent]):
+                answer = executor.sampled_by[rid]
+                assert len(answer) == max_tokens
+                outputs.append(answer)
+                h.extend(answer + [rng.randrange(16, 4000) for _ in range(20)])
+    return executor, engine, outputs
+
+
+def small_engine(**overrides) -> EngineConfig:
+    """A pool of 12 blocks: the chats' histories outgrow it within a turn or two."""
+    knobs = dict(model=DEFAULT_MODEL_DIR, num_kv_blocks=12, max_model_len=192, max_num_seqs=3, block_size=16)
+    knobs.update(overrides)
+    return EngineConfig(**knobs)
+
+
+def check_no_block_lost(engine) -> None:
+    kv = engine.engine_core.scheduler.kv
+    assert kv.pool.num_free_blocks == kv.pool.num_blocks
+    if kv.host_pool is not None:
+        kv.begin_step()  # the last step's copies are done
+        held = kv.tier.num_blocks if kv.tier is not None else 0
+        assert kv.host_pool.num_used_blocks == held, (kv.host_pool.num_used_blocks, held)
+
+
+# -- the tier's decisions, against the slot oracle --------------------------------------------
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_multi_turn_chats_hit_the_tier_and_every_slot_read_is_right(mode):
+    """A history that outgrew the pool comes back from the tier: loads happen, fewer prompt
+    tokens are computed than without the tier, and every position every step attends to
+    holds its own token (the oracle), with preemption in the mix."""
+    base, on = (run_chats(small_engine(preemption_mode=mode, kv_offloading_size=size))
+                for size in (None, tier_gib(64)))
+    ex_off, eng_off, out_off = base
+    ex_on, eng_on, out_on = on
+    assert eng_on.engine_core.pool.bytes_per_block == DEFAULT_MODEL_BYTES_PER_BLOCK
+    sched = eng_on.engine_core.scheduler
+    assert sched.kv.tier.capacity == 64
+    counters = sched.kv.tier.counters
+    assert counters.loaded > 0 and counters.hits == counters.loaded
+    assert ex_on.prefill_tokens < ex_off.prefill_tokens, (ex_on.prefill_tokens, ex_off.prefill_tokens)
+    assert sched.total_preemptions > 0  # the pool is short: preemption is in the mix
+    assert out_on == out_off
+    check_no_block_lost(eng_on)
+    check_no_block_lost(eng_off)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_a_full_tier_evicts_and_never_fails_a_request(seed):
+    """A tier of 3 blocks for chats that evict dozens: it evicts its oldest, keeps at most its
+    capacity, every request finishes with the tokens the tier-less engine gives, and swap
+    (sharing the host pool) still gets its blocks."""
+    _, eng_off, out_off = run_chats(small_engine(preemption_mode="swap"), seed, concurrent=3)
+    ex, eng, out = run_chats(small_engine(preemption_mode="swap", swap_space="2MiB",
+                                          kv_offloading_size=tier_gib(3)), seed, concurrent=3)
+    tier = eng.engine_core.scheduler.kv.tier
+    assert tier.capacity == 3 and tier.num_blocks <= 3
+    assert tier.counters.evicted > 0 and tier.counters.stored > 3
+    assert out == out_off
+    check_no_block_lost(eng)
+
+
+def test_swap_takes_the_tiers_blocks_when_the_host_pool_is_full():
+    """No swap space at all: a swap-out finds the host pool held by the tier, which yields."""
+    ex, eng, out = run_chats(small_engine(preemption_mode="swap", swap_space=0, kv_offloading_size=tier_gib(8)),
+                             concurrent=3)
+    sched = eng.engine_core.scheduler
+    assert sched.total_preemptions_by_mode["swap"] > 0 and sched.kv.tier.counters.evicted > 0
+    _, _, out_off = run_chats(small_engine(preemption_mode="swap", swap_space=0), concurrent=3)
+    assert out == out_off
+    check_no_block_lost(eng)
+
+
+# -- KV events: one ordered stream for pool and tier -------------------------------------------
+def replay(cached: set[int], events) -> None:
+    for e in events:
+        if isinstance(e, BlockStored):
+            cached.update(e.block_hashes)
+        elif isinstance(e, BlockRemoved):
+            cached.difference_update(e.block_hashes)
+        else:
+            cached.clear()
+
+
+def test_events_rebuild_pool_and_tier_after_every_step():
+    """With the tier on, the events (the tier's with medium "CPU") replayed after each step
+    give exactly the keys the pool and the tier can serve, and the tier's events say CPU."""
+    from pagedserve.engine import Engine
+
+    config = small_engine(preemption_mode="swap", kv_offloading_size=tier_gib(6), device="cpu")
+    executor = SlotCheckingExecutor()
+    engine = Engine(config, executor=executor)
+    core = engine.engine_core
+    core.record_kv_events()
+    rng = random.Random(3)
+    stems = [[rng.randrange(16, 4000) for _ in range(40)] for _ in range(3)]
+    cached: set[int] = set()
+    media = set()
+    for i in range(24):
+        engine.add_request(f"r{i}", rng.choice(stems) + [rng.randrange(16, 4000) for _ in range(rng.randrange(1, 30))],
+                           SamplingParams(max_tokens=4, ignore_eos=True))
+        while engine.has_unfinished_requests():
+            engine.step()
+            events = core.take_kv_events()
+            media.update(e.medium for e in events if isinstance(e, (BlockStored, BlockRemoved)))
+            replay(cached, events)
+            assert cached == core.cached_block_hashes()
+        if i == 16:
+            assert engine.reset_prefix_cache()
+            replay(cached, core.take_kv_events())
+            assert cached == core.cached_block_hashes() == set()
+    tier = core.scheduler.kv.tier
+    assert tier.counters.loaded > 0 and tier.counters.evicted > 0 and media == {"CPU"}
+
+
+def test_the_tier_names_its_events_cpu_beside_a_gpu_pool():
+    """On a CUDA engine the pool's events say GPU; the tier's say CPU (vLLM's media)."""
+    bs = 2
+    pool = BlockPool(4, enable_caching=True)
+    host = BlockPool(4, reuse_recent_first=True)
+    tier = HostTier(host, 4, bs)
+    pool.events = tier.events = KVEventLog(bs, "GPU")
+    kv = KVCacheManager(pool, bs, host, tier=tier)
+    first = Request("a", [1, 2, 3, 4, 5], SamplingParams(max_tokens=1))
+    assert kv.allocate_slots(first, 5) is not None
+    first.num_computed_tokens = 5
+    kv.cache_blocks(first, 5)
+    kv.free(first)
+    other = Request("b", [9, 8, 7, 6, 5, 4, 3], SamplingParams(max_tokens=1))
+    assert kv.allocate_slots(other, 7) is not None  # takes all 4 blocks: the 2 cached ones move to the tier
+    events = pool.events.take()
+    kinds = [(type(e).__name__, e.medium) for e in events]
+    # Each key leaves the pool, then enters the tier, block by block: the order replay needs.
+    assert kinds == [("BlockStored", "GPU")] + [("BlockRemoved", "GPU"), ("BlockStored", "CPU")] * 2, kinds
+    assert sorted(events[0].block_hashes) == sorted(events[1].block_hashes + events[3].block_hashes)
+    assert events[2].block_hashes == events[1].block_hashes and events[4].block_hashes == events[3].block_hashes
+    offloads, loads = kv.take_tier_copies()
+    assert len(offloads) == 2 and loads == []
+    # The first prompt again, after the second is gone: served by the tier, loaded into fresh blocks.
+    kv.free(other)
+    again = Request("c", [1, 2, 3, 4, 5], SamplingParams(max_tokens=1))
+    hits, n = kv.get_computed_blocks(again)
+    assert (hits, n) == ([], 0)
+    entries = kv.get_tier_hits(again, 0)
+    assert len(entries) == 2
+    assert kv.allocate_slots(again, 1, 4, [], entries) is not None
+    offloads, loads = kv.take_tier_copies()
+    assert [h for h, _ in loads] == [e.host_block.block_id for e in entries]
+    assert [type(e).__name__ for e in pool.events.take()][-1] == "BlockRemoved" and tier.num_blocks == 0
+
+
+# -- configuration and start-up ------------------------------------------------------------------
+def test_a_tier_larger_than_free_host_memory_is_refused_at_start_up_with_the_numbers():
+    from pagedserve.engine import Engine
+
+    with pytest.raises(ValueError, match=r"kv_offloading_size: the host KV tier needs 100000\.00 GiB .* "
+                                         r"GiB of host memory is available"):
+        Engine(small_engine(kv_offloading_size=100000), executor=InstantExecutor(4096))
+    with pytest.raises(ValueError, match="kv_offloading_size: .* holds no KV block"):
+        Engine(small_engine(kv_offloading_size=1e-9), executor=InstantExecutor(4096))
+
+
+@pytest.mark.parametrize("knobs, field", [
+    (dict(kv_offloading_size=-1), "kv_offloading_size"),
+    (dict(kv_offloading_size="lots"), "kv_offloading_size"),
+    (dict(kv_offloading_size=1, enable_prefix_caching=False), "kv_offloading_size"),
+    (dict(kv_offloading_size=1, kv_offloading_backend="lmcache"), "kv_offloading_backend"),
+    (dict(kv_offloading_backend="native"), "kv_offloading_backend"),
+])
+def test_bad_tier_settings_are_refused_by_name(knobs, field):
+    with pytest.raises(ValueError, match=f"^{field}"):
+        EngineConfig(**knobs)
+
+
+def test_the_flags_are_vllms():
+    import argparse
+
+    from pagedserve.engine_args import add_engine_args, engine_config_from_args
+
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    config = engine_config_from_args(parser.parse_args(["--kv-offloading-backend", "native",
+                                                        "--kv-offloading-size", "0.5"]))
+    assert config.kv_offloading_size == 0.5 and config.kv_offloading_backend == "native"
+
+
+# -- the real engine: greedy text equals HF's with the tier on ------------------------------------
+def engine_chats(llm, turns: int = 2, seed: int = 0, max_tokens: int = 5):
+    """Four chats at once (the pool preempts), two turns; returns (prompts, outputs)."""
+    rng = random.Random(seed)
+    histories = [[rng.randrange(5, 380) for _ in range(rng.randrange(30, 50))] for _ in range(4)]
+    prompts, outputs = [], []
+    for _ in range(turns):
+        params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+        results = llm.generate([list(h) for h in histories], params, use_tqdm=False)
+        for h, r in zip(histories, results):
+            prompts.append(list(h))
+            outputs.append(r.outputs[0].token_ids)
+            h.extend(r.outputs[0].token_ids + [rng.randrange(5, 380) for _ in range(20)])
+    pool = llm.engine.block_pool
+    assert pool.num_free_blocks == pool.num_blocks
+    return prompts, outputs
+
+
+TINY_BYTES_PER_BLOCK = 16 * 2 * 2 * 2 * 16 * 4  # tokens x layers x K/V x kv heads x head dim x fp32
+
+
+@pytest.fixture(scope="module")
+def hf_reference(tiny_llama):
+    return HFGreedyReference(tiny_llama)
+
+
+@pytest.mark.parametrize("mode", ["swap", "recompute"])
+def test_greedy_text_equals_hf_with_the_tier_under_forced_preemption(tiny_llama, hf_reference, mode):
+    from pagedserve import LLM
+
+    with LLM(str(tiny_llama), num_kv_blocks=12, max_model_len=192, max_num_seqs=4, preemption_mode=mode,
+             swap_space="1MiB", kv_offloading_size=tier_gib(48, TINY_BYTES_PER_BLOCK)) as llm:
+        assert llm.engine.engine_core.pool.bytes_per_block == TINY_BYTES_PER_BLOCK
+        prompts, outputs = engine_chats(llm)
+        sched = llm.engine.engine_core.scheduler
+        assert sched.total_preemptions_by_mode[mode] > 0
+        assert sched.kv.tier.counters.loaded > 0
+    hf_reference.assert_greedy(prompts, outputs, [5] * len(outputs), f"{mode}: ")
+
+
+def test_fp8_kv_moves_through_the_tier_as_it_is(tiny_llama):
+    """fp8 KV (values and their scale): the same tokens with the tier as without it."""
+    from pagedserve import LLM
+
+    results = {}
+    for size in (None, tier_gib(48, TINY_BYTES_PER_BLOCK // 4)):
+        # A small swap space: the default 4 GiB of 2 KiB fp8 blocks is two million host blocks to set up.
+        with LLM(str(tiny_llama), num_kv_blocks=12, max_model_len=192, max_num_seqs=4, kv_cache_dtype="fp8",
+                 preemption_mode="swap", swap_space="1MiB", kv_offloading_size=size) as llm:
+            results[size] = engine_chats(llm)
+            sched = llm.engine.engine_core.scheduler
+            assert sched.total_preemptions_by_mode["swap"] > 0
+            if size:
+                assert sched.kv.tier.counters.loaded > 0
+    assert results[None] == results[tier_gib(48, TINY_BYTES_PER_BLOCK // 4)]
