@@ -97,6 +97,14 @@ def run_chats(config: EngineConfig, seed: int = 0, num_chats: int = 5, turns: in
 
     executor = SlotCheckingExecutor(config.block_size)
     engine = Engine(config, executor=executor)
+    sched = engine.engine_core.scheduler
+    schedule, executor.evicted_hits = sched.schedule, 0
+
+    def counting_schedule():
+        out = schedule()
+        executor.evicted_hits += out.stats.prefix_cache_evicted_hits
+        return out
+    sched.schedule = counting_schedule
     rng = random.Random(seed)
     histories = [[rng.randrange(16, 4000) for _ in range(rng.randrange(20, 40))] for _ in range(num_chats)]
     outputs, n = [], 0
@@ -153,6 +161,34 @@ def test_multi_turn_chats_hit_the_tier_and_every_slot_read_is_right(mode):
     assert out_on == out_off
     check_no_block_lost(eng_on)
     check_no_block_lost(eng_off)
+    # What `advise` reads: without the tier, returning histories missed on prefixes the pool had
+    # evicted; the tier served most of those.
+    assert ex_off.evicted_hits > 0 and ex_on.evicted_hits < ex_off.evicted_hits
+
+
+def test_advise_suggests_a_tier_when_reused_prefixes_are_evicted():
+    from pagedserve.bench.prom import parse_metrics
+    from pagedserve.tune.advisor import Thresholds, advise, observe
+
+    from test_advise import load_pair
+
+    t = Thresholds()
+    for tier_queries, direction in ((None, "add"), (500.0, "raise")):
+        a, b = load_pair("balanced", "pagedserve")
+        prompt = b.counters["prompt_tokens"] - a.counters["prompt_tokens"]
+        a.counters["prefix_cache_evicted_hits"], b.counters["prefix_cache_evicted_hits"] = 0.0, 0.3 * prompt
+        if tier_queries is not None:
+            a.counters["external_prefix_cache_queries"] = 0.0
+            b.counters["external_prefix_cache_queries"] = tier_queries
+        report = advise(observe(a, b, [a, b], 30.0, t, gauges_sampled=False), t)
+        assert [f.rule for f in report.findings] == ["evicted_prefixes"]
+        finding = report.findings[0]
+        assert (finding.knob, finding.direction) == ("kv_offloading_size", direction)
+        assert "--kv-offloading-size" in finding.action and "30%" in finding.symptom
+    a, b = load_pair("balanced", "pagedserve")  # below the share: nothing to say
+    prompt = b.counters["prompt_tokens"] - a.counters["prompt_tokens"]
+    a.counters["prefix_cache_evicted_hits"], b.counters["prefix_cache_evicted_hits"] = 0.0, 0.05 * prompt
+    assert advise(observe(a, b, [a, b], 30.0, t, gauges_sampled=False), t).verdict == "balanced"
 
 
 @pytest.mark.parametrize("seed", range(3))

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import hashlib
 from array import array
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
@@ -142,7 +143,15 @@ class KVCacheManager:
             if not pool.enable_caching or tier.host_pool is not host_pool:
                 raise ValueError("kv_offloading_size: the host tier needs prefix caching and the host pool")
             pool.on_evict = tier.offer
+            tier.on_evict = self._remember_evicted
+        elif pool.enable_caching:
+            pool.on_evict = lambda block: self._remember_evicted(block.block_hash)
         self._loads: list[tuple[int, int]] = []        # (host, device) tier loads this step
+        # Keys the cache lost for room (the pool's, or the tier's when there is one), newest
+        # last, a bounded few per pool block: a later prompt that misses on one of them shows a
+        # reused prefix was evicted, which a (larger) host tier would have served (`advise`).
+        self._evicted: OrderedDict[bytes, None] = OrderedDict()
+        self._evicted_capacity = 4 * (pool.num_blocks + (tier.capacity if tier is not None else 0))
         self.block_tables: dict[str, list[KVBlock]] = {}
         self.host_tables: dict[str, list[KVBlock]] = {}
         # What a request's KV depends on besides its tokens (b"" when nothing): keys its first block.
@@ -219,6 +228,26 @@ class KVCacheManager:
         i = num_device_hit_blocks
         return self.tier.lookup(chain.hashes[i:num_full], chain.contents[i:num_full],
                                 chain.hashes[i - 1] if i else None)
+
+    def _remember_evicted(self, key: bytes) -> None:
+        self._evicted[key] = None
+        self._evicted.move_to_end(key)
+        if len(self._evicted) > self._evicted_capacity:
+            self._evicted.popitem(last=False)
+
+    def count_evicted_hits(self, request: Request, num_hit_blocks: int) -> int:
+        """Tokens of the prompt's blocks right after its hits (device and tier) that the cache
+        held once and evicted: what it would have served with more room."""
+        if not self._evicted:
+            return 0
+        num_full = (request.num_tokens - 1) // self.block_size
+        chain = self._chain(request, num_full)
+        n = 0
+        for key in chain.hashes[num_hit_blocks:num_full]:
+            if key not in self._evicted:
+                break
+            n += 1
+        return n * self.block_size
 
     def record_prefix_lookup(self, num_query_tokens: int, num_hit_tokens: int) -> None:
         self.prefix_queries += num_query_tokens

@@ -25,6 +25,7 @@ Invariants this module keeps:
 from __future__ import annotations
 
 from array import array
+from collections.abc import Callable
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -66,6 +67,7 @@ class HostTier:
         self.counters = TierCounters()
         self._offloads: list[tuple[int, int]] = []  # (device, host) copies this step
         self._release: list[KVBlock] = []           # host blocks read this step: free next step
+        self.on_evict: Callable[[bytes], None] | None = None  # a key the tier drops for room (LRU, swap)
 
     # -- state --------------------------------------------------------------------------
     @property
@@ -173,6 +175,8 @@ class HostTier:
         _, entry = self.entries.popitem(last=False)
         self.counters.evicted += 1
         self._drop(entry)
+        if self.on_evict is not None:
+            self.on_evict(entry.key)
         return True
 
     def _drop(self, entry: TierEntry) -> None:

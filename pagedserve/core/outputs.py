@@ -66,6 +66,8 @@ class SchedulerStats(Struct, array_like=True):
     # The host KV tier (--kv-offloading-size): prompt tokens of requests that looked past the
     # device pool, tokens loaded from the tier instead of computed (vLLM's
     # external_prefix_cache_queries / _hits), blocks copied out and in, and its state after the step.
+    # Prompt tokens that missed (pool and tier) on a prefix the cache had held and evicted.
+    prefix_cache_evicted_hits: int = 0
     tier_queries: int = 0
     tier_hits: int = 0
     num_blocks_offloaded: int = 0

@@ -343,6 +343,8 @@ class Scheduler:
                 self.kv.record_prefix_lookup(req.num_tokens, num_hit_tokens)
                 stats.prefix_cache_queries += req.num_tokens
                 stats.prefix_cache_hits += num_hit_tokens
+                stats.prefix_cache_evicted_hits += self.kv.count_evicted_hits(
+                    req, (num_hit_tokens + num_tier_tokens) // self.kv.block_size)
                 if self.kv.tier is not None:
                     self.kv.tier.count_hits(len(tier_hits))
                     stats.tier_queries += req.num_tokens
