@@ -256,9 +256,11 @@ class EngineMetrics:
             self.prefix_cache_hits.inc(stats.prefix_cache_hits)
             self._log_queries += stats.prefix_cache_queries
             self._log_hits += stats.prefix_cache_hits
-        if stats.prefix_cache_evicted_hits:
-            self.prefix_cache_evicted_hits.inc(stats.prefix_cache_evicted_hits)
-        if stats.tier_total_blocks:
+        # Older senders (a replayed trace's stats) may lack the tier's fields.
+        evicted = getattr(stats, "prefix_cache_evicted_hits", 0)
+        if evicted:
+            self.prefix_cache_evicted_hits.inc(evicted)
+        if getattr(stats, "tier_total_blocks", 0):
             self._record_tier(stats)
         if num_batched_tokens:
             self.iteration_tokens.observe(num_batched_tokens)

@@ -385,3 +385,18 @@ def test_fp8_kv_moves_through_the_tier_as_it_is(tiny_llama):
             if size:
                 assert sched.kv.tier.counters.loaded > 0
     assert results[None] == results[tier_gib(48, TINY_BYTES_PER_BLOCK // 4)]
+
+
+def test_the_pool_view_shows_the_tier_beside_the_swap_pool():
+    """The dashboard's snapshot: the tier's host blocks are the host runs' cached free ones, the
+    swapped requests' blocks are the held ones, and the counts say which is which."""
+    from pagedserve.core.snapshot import decode_runs, take_snapshot
+
+    _, engine, _ = run_chats(small_engine(preemption_mode="swap", kv_offloading_size=tier_gib(8)), turns=2)
+    sched = engine.engine_core.scheduler
+    snap = take_snapshot(sched)
+    host = decode_runs(snap.host_runs, snap.num_host_blocks)
+    assert snap.num_tier_blocks == 8 and 0 < snap.num_tier_used_blocks == sched.kv.tier.num_blocks
+    assert sum(1 for b in host if b[0] == -1 and b[3]) == snap.num_tier_used_blocks
+    assert snap.num_host_used_blocks == sum(1 for b in host if b[2] > 0) == 0  # nobody swapped at the end
+    assert snap.to_dict()["num_tier_used_blocks"] == snap.num_tier_used_blocks

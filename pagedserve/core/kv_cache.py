@@ -116,6 +116,16 @@ class KVCacheView:
     def num_tier_used_blocks(self) -> int:
         return self._kv.tier.num_blocks if self._kv.tier is not None else 0
 
+    @property
+    def num_host_swap_blocks(self) -> int:
+        """Host blocks held by swapped-out requests (the rest of the used ones: the tier's)."""
+        return sum(len(t) for t in self._kv.host_tables.values())
+
+    def tier_host_block_ids(self) -> list[int]:
+        """Host blocks holding the tier's prefixes; [] without a tier."""
+        tier = self._kv.tier
+        return [e.host_block.block_id for e in tier.entries.values()] if tier is not None else []
+
     def device_table(self, request_id: str) -> TableRows | None:
         table = self._kv.block_tables.get(request_id)
         return _rows(table) if table else None
