@@ -57,6 +57,12 @@ class SlotCheckingExecutor(InstantExecutor):
             self.tokens.pop(rid, None)
         for data in out.new_requests:
             self.tokens[data.request_id] = list(data.prompt_token_ids)
+        # One destination per copy list: two copies onto one block in a step would race
+        # (index_copy_ with repeated indices keeps either).
+        hosts_written = [h for _, h in out.blocks_to_swap_out]
+        devices_written = [d for _, d in out.blocks_to_swap_in]
+        assert len(set(hosts_written)) == len(hosts_written), f"host block written twice: {hosts_written}"
+        assert len(set(devices_written)) == len(devices_written), f"device block written twice: {devices_written}"
         moved_out = {d: list(self.device.get(d, [None] * self.bs)) for d, _ in out.blocks_to_swap_out}
         for d, h in out.blocks_to_swap_out:
             self.host[h] = moved_out[d]
@@ -90,12 +96,12 @@ class SlotCheckingExecutor(InstantExecutor):
 
 
 def run_chats(config: EngineConfig, seed: int = 0, num_chats: int = 5, turns: int = 3, concurrent: int = 3,
-              max_tokens: int = 6):
+              max_tokens: int = 6, executor: "SlotCheckingExecutor | None" = None):
     """Multi-turn chats (each turn: the previous prompt + its answer + a new question), a few at
     a time, through the engine on the slot-checking executor. Returns (executor, engine, outputs)."""
     from pagedserve.engine import Engine
 
-    executor = SlotCheckingExecutor(config.block_size)
+    executor = executor or SlotCheckingExecutor(config.block_size)
     engine = Engine(config, executor=executor)
     sched = engine.engine_core.scheduler
     schedule, executor.evicted_hits = sched.schedule, 0
@@ -204,6 +210,50 @@ def test_a_full_tier_evicts_and_never_fails_a_request(seed):
     assert tier.counters.evicted > 0 and tier.counters.stored > 3
     assert out == out_off
     check_no_block_lost(eng)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_churn_with_swap_and_a_tiny_tier_reads_every_slot_right(seed):
+    """Arrivals between steps, shared stems, a 10-block pool, 3 tier blocks, swap preemption:
+    swap-ins, loads, offloads and tier evictions meet in the same steps, where a host block
+    reused before its copy ran (or written twice) would show in the slot oracle."""
+    from pagedserve.engine import Engine
+
+    config = small_engine(preemption_mode="swap", kv_offloading_size=tier_gib(3), swap_space="1MiB",
+                          num_kv_blocks=10, max_num_seqs=4, max_model_len=160)
+    engine = Engine(config, executor=SlotCheckingExecutor())
+    rng = random.Random(seed)
+    stems = [[rng.randrange(16, 4000) for _ in range(rng.randrange(16, 64))] for _ in range(4)]
+    for i in range(60):
+        engine.add_request(f"r{i}", rng.choice(stems) + [rng.randrange(16, 4000) for _ in range(rng.randrange(1, 40))],
+                           SamplingParams(max_tokens=rng.randrange(1, 30), ignore_eos=True))
+        for _ in range(rng.randrange(0, 4)):
+            if engine.has_unfinished_requests():
+                engine.step()
+    while engine.has_unfinished_requests():
+        engine.step()
+    sched = engine.engine_core.scheduler
+    assert sched.total_preemptions_by_mode["swap"] > 0 and sched.kv.tier.counters.evicted > 0
+    check_no_block_lost(engine)
+
+
+def test_a_load_slower_than_the_prefill_it_saves_is_not_made():
+    """The cost rule: with a host link this slow, computing the prefix again is cheaper, so the
+    tier stores evicted blocks but the scheduler recomputes instead of loading them."""
+    class SlowHostLink(SlotCheckingExecutor):
+        def measure_host_bandwidth(self) -> float:
+            return 1e3  # bytes/s: a 64 KiB block takes a minute; its 16 tokens 160 us to compute
+
+    config = small_engine(preemption_mode="recompute", kv_offloading_size=tier_gib(64))
+    _, fast, out_fast = run_chats(config)
+    assert fast.engine_core.scheduler.kv.tier.counters.loaded > 0
+    _, slow, out_slow = run_chats(small_engine(preemption_mode="recompute", kv_offloading_size=tier_gib(64)),
+                                  executor=SlowHostLink())
+    costs = slow.engine_core.scheduler.costs
+    assert costs.load_seconds(1) > costs.recompute_seconds(16)
+    tier = slow.engine_core.scheduler.kv.tier
+    assert tier.counters.stored > 0 and tier.counters.hits == tier.counters.loaded == 0
+    assert out_slow == out_fast
 
 
 def test_swap_takes_the_tiers_blocks_when_the_host_pool_is_full():
@@ -400,3 +450,43 @@ def test_the_pool_view_shows_the_tier_beside_the_swap_pool():
     assert sum(1 for b in host if b[0] == -1 and b[3]) == snap.num_tier_used_blocks
     assert snap.num_host_used_blocks == sum(1 for b in host if b[2] > 0) == 0  # nobody swapped at the end
     assert snap.to_dict()["num_tier_used_blocks"] == snap.num_tier_used_blocks
+
+
+def test_a_block_computed_again_leaves_the_tier():
+    """The last prompt token is never served from a cache, so a prompt ending on a block the
+    tier holds computes that block again: once the pool publishes it, the tier drops its copy
+    (a key in one place at a time), and the events say so."""
+    bs = 2
+    pool = BlockPool(4, enable_caching=True)
+    host = BlockPool(4, reuse_recent_first=True)
+    tier = HostTier(host, 4, bs)
+    pool.events = tier.events = KVEventLog(bs, "GPU")
+    kv = KVCacheManager(pool, bs, host, tier=tier)
+
+    def compute(rid, tokens):
+        req = Request(rid, tokens, SamplingParams(max_tokens=1))
+        hits, n = kv.get_computed_blocks(req)
+        entries = kv.get_tier_hits(req, len(hits))
+        assert kv.allocate_slots(req, len(tokens) - n - bs * len(entries), n + bs * len(entries), hits, entries)
+        req.num_computed_tokens = len(tokens)
+        kv.cache_blocks(req, len(tokens))
+        return req, entries
+
+    first, _ = compute("a", [1, 2, 3, 4])
+    kv.free(first)
+    other, _ = compute("b", [9, 8, 7, 6, 5, 4, 3, 2])  # all 4 blocks: [1,2] and [3,4] move to the tier
+    kv.free(other)
+    assert tier.num_blocks == 2
+    again, loaded = compute("c", [1, 2, 3, 4])  # [1,2] loaded; [3,4] holds the last token: computed
+    assert len(loaded) == 1
+    cached: set[int] = set()
+    replay(cached, pool.events.take())
+    from pagedserve.core.kv_cache import block_content, chain_hash
+
+    k12 = chain_hash(None, block_content([1, 2]))
+    k34 = chain_hash(k12, block_content([3, 4]))
+    assert k12 in pool.hash_to_block and k34 in pool.hash_to_block  # loaded, and computed again
+    assert k12 not in tier.entries and k34 not in tier.entries
+    assert tier.num_blocks == 2  # what took the pool's blocks for "c": two of "b"'s, evicted to the tier
+    assert cached == pool.cached_block_hashes() | tier.block_hashes()
+    assert not pool.cached_block_hashes() & tier.block_hashes()

@@ -278,11 +278,13 @@ class KVCacheManager:
                 chain.published.append(None)
                 continue
             parent, parent_epoch = before
+            if self.tier is not None:
+                # A key lives in one place at a time; the tier's copy goes first, so its
+                # BlockRemoved precedes the pool's BlockStored (a replay keeps the key).
+                self.tier.discard(chain.hashes[i])
             stands = self.pool.cache(table[i], chain.hashes[i], chain.contents[i], parent, parent_epoch,
                                      request.all_token_ids[i * self.block_size:(i + 1) * self.block_size])
             chain.published.append(None if stands is None else (stands, stands.epoch))
-            if stands is not None and self.tier is not None:
-                self.tier.discard(chain.hashes[i])  # a key lives in one tier at a time
 
     # -- allocation ---------------------------------------------------------------------
     def allocate_slots(self, request: Request, num_new_tokens: int, num_new_computed_tokens: int = 0,
