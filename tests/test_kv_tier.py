@@ -490,3 +490,47 @@ def test_a_block_computed_again_leaves_the_tier():
     assert tier.num_blocks == 2  # what took the pool's blocks for "c": two of "b"'s, evicted to the tier
     assert cached == pool.cached_block_hashes() | tier.block_hashes()
     assert not pool.cached_block_hashes() & tier.block_hashes()
+
+
+def test_simulate_prices_the_tier_with_the_engines_own_decisions():
+    """The simulator drives the same core: on a GPU preset, conversations that outgrow the pool
+    hit the tier, fewer prompt tokens are computed, and the report carries the hits and what the
+    copies cost against the prefill they saved."""
+    from pagedserve.bench.workloads import WorkloadRequest
+    from pagedserve.sim.simulator import build_deployment, simulate
+
+    rng = random.Random(0)
+    convs = [[rng.randrange(16, 30000) for _ in range(300)] for _ in range(6)]
+    work, t = [], 0.0
+    for _ in range(3):
+        for c in convs:
+            work.append(WorkloadRequest(list(c), None, len(c), 8, arrival_time=t))
+            t += 0.05
+            c.extend(rng.randrange(16, 30000) for _ in range(48))
+    results = {}
+    for size in (None, 1.0):
+        config = EngineConfig(num_kv_blocks=96, kv_offloading_size=size, max_model_len=1024, swap_space="64MiB")
+        results[size] = simulate(build_deployment(config, "meta-llama/Llama-3.1-8B", gpu="H100-SXM"), work)
+    off, on = results[None], results[1.0]
+    assert off.host_tier == {} and on.host_tier["blocks_loaded"] > 0 and 0 < on.host_tier["hit_rate"] <= 1
+    assert on.host_tier["load_seconds"] < on.host_tier["recompute_seconds_saved"]
+    assert on.server_view()["external_prefix_cache_hits_total"] == on.host_tier["hit_tokens"]
+    assert sum(r.ttft for r in on.records) < sum(r.ttft for r in off.records)
+
+
+def test_plan_says_how_many_prefix_tokens_the_tier_keeps(capsys):
+    import json
+
+    from pagedserve.plan.cli import main
+
+    # llama-3.1-8b in bf16: 128 KiB a token, 2 MiB a 16-token block, 1 MiB per rank at TP 2:
+    # 8 GiB over both ranks = 4096 blocks per rank (and 4096 of 2 MiB at TP 1)
+    assert main(["--model", "llama-3.1-8b", "--gpu", "H100-SXM", "-tp", "2", "--kv-offloading-size", "8",
+                 "--json"]) == 0
+    kv = json.loads(capsys.readouterr().out)["kv"]
+    assert kv["bytes_per_block"] == 1 << 20  # one rank's half of the KV heads
+    assert kv["host_tier_blocks"] == 4096 and kv["host_tier_tokens"] == 4096 * 16
+    assert main(["--model", "llama-3.1-8b", "--gpu", "H100-SXM", "--kv-offloading-size", "8"]) == 0
+    assert "host KV tier           4,096 blocks per rank = 65,536 prefix tokens" in capsys.readouterr().out
+    assert main(["--model", "llama-3.1-8b", "--gpu", "H100-SXM"]) == 0
+    assert "host KV tier" not in capsys.readouterr().out
