@@ -534,3 +534,31 @@ def test_plan_says_how_many_prefix_tokens_the_tier_keeps(capsys):
     assert "host KV tier           4,096 blocks per rank = 65,536 prefix tokens" in capsys.readouterr().out
     assert main(["--model", "llama-3.1-8b", "--gpu", "H100-SXM"]) == 0
     assert "host KV tier" not in capsys.readouterr().out
+
+
+@pytest.mark.slow  # two rank processes
+def test_tp2_ranks_move_their_own_shards_through_the_tier(tiny_llama, hf_reference):
+    """Two TP ranks (one KV head each): the tier's copies ride the step's swap lists, so each
+    rank copies its own shard of the same blocks; greedy text equals HF's."""
+    from pagedserve import LLM
+
+    with LLM(str(tiny_llama), tensor_parallel_size=2, num_kv_blocks=12, max_model_len=192, max_num_seqs=4,
+             preemption_mode="swap", swap_space="1MiB", kv_offloading_size=tier_gib(48, TINY_BYTES_PER_BLOCK)) as llm:
+        prompts, outputs = engine_chats(llm)
+        sched = llm.engine.engine_core.scheduler
+        assert sched.kv.tier.counters.loaded > 0 and sched.total_preemptions_by_mode["swap"] > 0
+    hf_reference.assert_greedy(prompts, outputs, [5] * len(outputs), "tp2: ")
+
+
+def test_an_mla_pool_moves_through_the_tier_as_it_is(tmp_path):
+    """DeepSeek-V3 MLA (one compressed latent per token instead of K and V heads): greedy text
+    equals HF's with the tier loading the latents back."""
+    from checkpoints import make_checkpoint
+    from pagedserve import LLM
+
+    path = make_checkpoint(tmp_path / "mla", "deepseek_v3")
+    with LLM(str(path), num_kv_blocks=12, max_model_len=192, max_num_seqs=4, preemption_mode="recompute",
+             kv_offloading_size=0.01) as llm:
+        prompts, outputs = engine_chats(llm)
+        assert llm.engine.engine_core.scheduler.kv.tier.counters.loaded > 0
+    HFGreedyReference(path).assert_greedy(prompts, outputs, [5] * len(outputs), "mla: ")
