@@ -133,7 +133,8 @@ def run_chats(config: EngineConfig, seed: int = 0, num_chats: int = 5, turns: in
 
 def small_engine(**overrides) -> EngineConfig:
     """A pool of 12 blocks: the chats' histories outgrow it within a turn or two."""
-    knobs = dict(model=DEFAULT_MODEL_DIR, num_kv_blocks=12, max_model_len=192, max_num_seqs=3, block_size=16)
+    knobs = dict(model=DEFAULT_MODEL_DIR, num_kv_blocks=12, max_model_len=192, max_num_seqs=3, block_size=16,
+                 swap_space="16MiB")  # 256 host blocks: the default 4 GiB would be 65,536 to set up
     knobs.update(overrides)
     return EngineConfig(**knobs)
 
@@ -420,21 +421,23 @@ def test_greedy_text_equals_hf_with_the_tier_under_forced_preemption(tiny_llama,
     hf_reference.assert_greedy(prompts, outputs, [5] * len(outputs), f"{mode}: ")
 
 
-def test_fp8_kv_moves_through_the_tier_as_it_is(tiny_llama):
-    """fp8 KV (values and their scale): the same tokens with the tier as without it."""
+@pytest.mark.parametrize("kv_dtype", ["fp8", "int8"])
+def test_a_quantized_pool_moves_through_the_tier_as_it_is(tiny_llama, kv_dtype):
+    """fp8 (values and a per-layer scale) and int8 (values and per-token scales): the same
+    tokens with the tier as without it."""
     from pagedserve import LLM
 
     results = {}
-    for size in (None, tier_gib(48, TINY_BYTES_PER_BLOCK // 4)):
+    for size in (None, 0.001):
         # A small swap space: the default 4 GiB of 2 KiB fp8 blocks is two million host blocks to set up.
-        with LLM(str(tiny_llama), num_kv_blocks=12, max_model_len=192, max_num_seqs=4, kv_cache_dtype="fp8",
+        with LLM(str(tiny_llama), num_kv_blocks=12, max_model_len=192, max_num_seqs=4, kv_cache_dtype=kv_dtype,
                  preemption_mode="swap", swap_space="1MiB", kv_offloading_size=size) as llm:
             results[size] = engine_chats(llm)
             sched = llm.engine.engine_core.scheduler
             assert sched.total_preemptions_by_mode["swap"] > 0
             if size:
                 assert sched.kv.tier.counters.loaded > 0
-    assert results[None] == results[tier_gib(48, TINY_BYTES_PER_BLOCK // 4)]
+    assert results[None] == results[0.001]
 
 
 def test_the_pool_view_shows_the_tier_beside_the_swap_pool():
