@@ -565,3 +565,22 @@ def test_an_mla_pool_moves_through_the_tier_as_it_is(tmp_path):
         prompts, outputs = engine_chats(llm)
         assert llm.engine.engine_core.scheduler.kv.tier.counters.loaded > 0
     HFGreedyReference(path).assert_greedy(prompts, outputs, [5] * len(outputs), "mla: ")
+
+
+def test_metrics_carry_the_tiers_counts_under_vllms_names():
+    from pagedserve.core.outputs import SchedulerStats
+    from pagedserve.metrics import EngineMetrics
+
+    m = EngineMetrics("m", 128)
+    m.set_cache_config("float32", 16, 12, 512, "cpu")  # 8 KiB a block
+    for _ in range(2):
+        m.record_step(SchedulerStats(tier_queries=100, tier_hits=32, num_blocks_offloaded=3, num_blocks_loaded=2,
+                                     tier_used_blocks=5, tier_total_blocks=20, prefix_cache_evicted_hits=16),
+                      0.01, 0.01, 10)
+    value = lambda name, **labels: m.registry.get_sample_value("pagedserve:" + name, {"model_name": "m", **labels})
+    assert value("external_prefix_cache_queries_total") == 200 and value("external_prefix_cache_hits_total") == 64
+    assert value("kv_offload_total_bytes_total", transfer_type="GPU_to_CPU") == 6 * 8192
+    assert value("kv_offload_total_bytes_total", transfer_type="CPU_to_GPU") == 4 * 8192
+    assert value("kv_offload_blocks_total", transfer_type="CPU_to_GPU") == 4
+    assert value("kv_offload_cpu_cache_usage_perc") == 0.25
+    assert value("prefix_cache_evicted_hits_total") == 32
