@@ -169,6 +169,10 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.9
     preemption_mode: PreemptionMode | str = PreemptionMode.AUTO
     swap_space: int | str = "4GiB"  # vLLM's default host swap space
+    # vLLM's --kv-offloading-size: GiB of host memory (summed over ranks) for the host KV tier
+    # that keeps prefix blocks the device pool evicts (core/kv_tier.py); None = no tier.
+    kv_offloading_size: float | None = None
+    kv_offloading_backend: str | None = None  # vLLM's --kv-offloading-backend: only "native" here
     enable_prefix_caching: bool = True
     scheduling_policy: SchedulingPolicy | str = SchedulingPolicy.FCFS
     max_logprobs: int = 20
@@ -252,6 +256,17 @@ class EngineConfig:
         _check(self.swap_space >= 0, "swap_space", f"must be >= 0 bytes, got {self.swap_space}")
         _check(isinstance(self.enable_prefix_caching, bool), "enable_prefix_caching",
                f"must be true or false, got {self.enable_prefix_caching!r}")
+        if self.kv_offloading_size is not None:
+            _check(isinstance(self.kv_offloading_size, (int, float)) and not isinstance(self.kv_offloading_size, bool)
+                   and self.kv_offloading_size > 0, "kv_offloading_size",
+                   f"must be a number of GiB > 0, got {self.kv_offloading_size!r}")
+            _check(self.enable_prefix_caching, "kv_offloading_size",
+                   "the host KV tier keeps prefix-cache blocks: it needs enable_prefix_caching")
+        if self.kv_offloading_backend is not None:
+            _check(self.kv_offloading_backend == "native", "kv_offloading_backend",
+                   f"only 'native' (the built-in host tier) is implemented, got {self.kv_offloading_backend!r}")
+            _check(self.kv_offloading_size is not None, "kv_offloading_backend",
+                   "needs kv_offloading_size (GiB of host memory for the tier)")
         _check(self.scheduling_policy in SCHEDULING_POLICIES, "scheduling_policy",
                f"must be one of {SCHEDULING_POLICIES}, got {self.scheduling_policy!r}")
         self.scheduling_policy = SchedulingPolicy(self.scheduling_policy)

@@ -30,6 +30,10 @@ _FLAGS: list[tuple[str, dict]] = [
     ("--gpu-memory-utilization", dict(type=float, default=None)),
     ("--preemption-mode", dict(choices=PREEMPTION_MODES, default=None)),
     ("--swap-space", dict(default=None, help="host swap pool, e.g. 4GiB")),
+    ("--kv-offloading-size", dict(type=float, default=None,
+                                  help="GiB of host memory (over all ranks) for a KV tier that keeps prefix "
+                                       "blocks the pool evicts and loads them back on a hit")),
+    ("--kv-offloading-backend", dict(choices=("native",), default=None, help="the tier's backend (vLLM's flag)")),
     ("--enable-prefix-caching", dict(action=argparse.BooleanOptionalAction, default=None)),
     ("--scheduling-policy", dict(choices=SCHEDULING_POLICIES, default=None)),
     ("--max-logprobs", dict(type=int, default=None)),

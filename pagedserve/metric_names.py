@@ -59,6 +59,13 @@ STRUCTURED_OUTPUT_ERRORS = "structured_output_errors"
 GRAMMAR_CACHE_ENTRIES = "grammar_cache_entries"
 GRAMMAR_CACHE_BYTES = "grammar_cache_bytes"
 KV_EVENTS = "kv_events"                          # --kv-events-config: events published / dropped
+# The host KV tier (--kv-offloading-size), with vLLM's names for its offloading connector
+EXTERNAL_PREFIX_CACHE_QUERIES = "external_prefix_cache_queries"
+EXTERNAL_PREFIX_CACHE_HITS = "external_prefix_cache_hits"
+KV_OFFLOAD_BYTES = "kv_offload_total_bytes"
+KV_OFFLOAD_BLOCKS = "kv_offload_blocks"
+KV_OFFLOAD_CPU_CACHE_USAGE = "kv_offload_cpu_cache_usage_perc"
+PREFIX_CACHE_EVICTED_HITS = "prefix_cache_evicted_hits"  # misses on prefixes evicted for room (advise: a tier)
 ENGINE_STALLS = "engine_stalls"                  # the step watchdog (engine/async_llm.py)
 ENGINE_STALLED = "engine_stalled"
 # -dp: each data-parallel engine core's own queues and pool (the unlabelled series are their sums)
@@ -71,6 +78,7 @@ MODE_LABEL = "mode"                      # num_preemptions: recompute | swap
 FINISHED_REASON_LABEL = "finished_reason"  # request_success: stop | length | abort | error
 DIRECTION_LABEL = "direction"            # swapped_blocks: out | in
 OUTCOME_LABEL = "outcome"                # kv_events: published | dropped
+TRANSFER_TYPE_LABEL = "transfer_type"    # kv_offload_*: GPU_to_CPU (pool -> tier) | CPU_to_GPU (vLLM's values)
 CACHE_DTYPE_LABEL = "cache_dtype"        # cache_config_info: float32 | bfloat16 | fp8_e4m3 | int8 ... (vLLM's label)
 ENGINE_LABEL = "engine"                  # dp_engine_*: the data-parallel rank, as vLLM labels its DP engines
 DEVICE_LABEL = "device"                  # cache_config_info: cpu | cuda (`advise` spells knobs by it)
@@ -131,6 +139,22 @@ METRICS: tuple[MetricSpec, ...] = (
     MetricSpec(SWAPPED_BLOCKS, "counter", "KV blocks moved between device and host.", (DIRECTION_LABEL,)),
     MetricSpec(KV_EVENTS, "counter", "KV cache events (--kv-events-config) sent to subscribers, or dropped.",
                (OUTCOME_LABEL,)),
+    MetricSpec(EXTERNAL_PREFIX_CACHE_QUERIES, "counter",
+               "Prompt tokens of requests looked up in the host KV tier (--kv-offloading-size).",
+               vllm=EXTERNAL_PREFIX_CACHE_QUERIES),
+    MetricSpec(EXTERNAL_PREFIX_CACHE_HITS, "counter",
+               "Prompt tokens loaded from the host KV tier instead of computed.", vllm=EXTERNAL_PREFIX_CACHE_HITS),
+    MetricSpec(KV_OFFLOAD_BYTES, "counter",
+               "Bytes one rank copied between the KV pool and the host KV tier (GPU_to_CPU: stored, "
+               "CPU_to_GPU: loaded; the pool side is named GPU as vLLM names it, on CPU too).",
+               (TRANSFER_TYPE_LABEL,), vllm=KV_OFFLOAD_BYTES),
+    MetricSpec(KV_OFFLOAD_BLOCKS, "counter", "KV blocks copied between the KV pool and the host KV tier.",
+               (TRANSFER_TYPE_LABEL,)),
+    MetricSpec(PREFIX_CACHE_EVICTED_HITS, "counter",
+               "Prompt tokens that missed the prefix cache (and the host KV tier) on a prefix it had held and "
+               "evicted for room: what a larger pool or host tier would have served."),
+    MetricSpec(KV_OFFLOAD_CPU_CACHE_USAGE, "gauge", "Host KV tier usage. 1 means 100 percent usage.",
+               vllm=KV_OFFLOAD_CPU_CACHE_USAGE, ratio=True),
     MetricSpec(ENGINE_STALLS, "counter",
                "Times the step watchdog saw no engine step complete for longer than its bound while there was work."),
     MetricSpec(ENGINE_STALLED, "gauge", "1 while the engine is stalled (/health answers 503), else 0."),

@@ -174,6 +174,13 @@ class EngineMetrics:
         self.recomputed_tokens = self._unlabelled(mn.RECOMPUTED_TOKENS)
         self._swapped_blocks = self._collectors[mn.SWAPPED_BLOCKS]
         self._kv_events = self._collectors[mn.KV_EVENTS]
+        self.external_prefix_cache_queries = self._unlabelled(mn.EXTERNAL_PREFIX_CACHE_QUERIES)
+        self.external_prefix_cache_hits = self._unlabelled(mn.EXTERNAL_PREFIX_CACHE_HITS)
+        self._offload_bytes = self._collectors[mn.KV_OFFLOAD_BYTES]
+        self._offload_blocks = self._collectors[mn.KV_OFFLOAD_BLOCKS]
+        self.kv_offload_cpu_cache_usage = self._unlabelled(mn.KV_OFFLOAD_CPU_CACHE_USAGE)
+        self.prefix_cache_evicted_hits = self._unlabelled(mn.PREFIX_CACHE_EVICTED_HITS)
+        self._bytes_per_block = 0  # set_cache_config: one rank's
         self._kv_events_seen = {"published": 0, "dropped": 0}  # the core's cumulative counts so far
         self.engine_stalls = self._unlabelled(mn.ENGINE_STALLS)
         self.engine_stalled = self._unlabelled(mn.ENGINE_STALLED)
@@ -201,6 +208,9 @@ class EngineMetrics:
             self._swapped_blocks.labels(model_name, direction)
         for outcome in self._kv_events_seen:
             self._kv_events.labels(model_name, outcome)
+        for transfer in ("GPU_to_CPU", "CPU_to_GPU"):
+            self._offload_bytes.labels(model_name, transfer)
+            self._offload_blocks.labels(model_name, transfer)
 
         # engine_busy_ratio window, and the periodic log line's interval totals.
         self.busy_window = busy_window
@@ -246,10 +256,26 @@ class EngineMetrics:
             self.prefix_cache_hits.inc(stats.prefix_cache_hits)
             self._log_queries += stats.prefix_cache_queries
             self._log_hits += stats.prefix_cache_hits
+        # Older senders (a replayed trace's stats) may lack the tier's fields.
+        evicted = getattr(stats, "prefix_cache_evicted_hits", 0)
+        if evicted:
+            self.prefix_cache_evicted_hits.inc(evicted)
+        if getattr(stats, "tier_total_blocks", 0):
+            self._record_tier(stats)
         if num_batched_tokens:
             self.iteration_tokens.observe(num_batched_tokens)
         self.engine_step.observe(duration)
         self._window_forward += forward_time
+
+    def _record_tier(self, stats) -> None:
+        if stats.tier_queries:
+            self.external_prefix_cache_queries.inc(stats.tier_queries)
+            self.external_prefix_cache_hits.inc(stats.tier_hits)
+        for transfer, n in (("GPU_to_CPU", stats.num_blocks_offloaded), ("CPU_to_GPU", stats.num_blocks_loaded)):
+            if n:
+                self._offload_blocks.labels(self.model_name, transfer).inc(n)
+                self._offload_bytes.labels(self.model_name, transfer).inc(n * self._bytes_per_block)
+        self.kv_offload_cpu_cache_usage.set(stats.tier_used_blocks / stats.tier_total_blocks)
 
     def set_kv_events(self, published: int, dropped: int) -> None:
         """The engine-core loop's cumulative KV-event counts (they only grow while it lives)."""
@@ -273,6 +299,7 @@ class EngineMetrics:
         self._cache_config_info.clear()
         self._cache_config_info.labels(self.model_name, cache_dtype, str(block_size), str(num_blocks), device).set(1)
         self.kv_cache_bytes_per_token.set(bytes_per_token)
+        self._bytes_per_block = bytes_per_token * block_size
 
     def set_state(self, running: int, waiting: int, swapped: int, used_blocks: int, total_blocks: int,
                   block_size: int) -> None:

@@ -453,3 +453,40 @@ def test_extra_keys_travel_as_vllm_lays_them_out_one_entry_per_block():
     assert raw[1][0]["medium"] == "GPU" and raw[1][1]["parent_block_hash"] == 12
     decoded = DECODER.decode(payload)
     assert decoded.events[0].extra_keys == [(b"rope:9",), None] and decoded.events[1].extra_keys is None
+
+
+def test_with_the_host_tier_a_subscriber_still_rebuilds_the_engines_block_set(tiny_llama):
+    """--kv-offloading-size on: blocks the 12-block pool evicts move to the host tier, and back
+    on a hit. Decoded with vLLM's schema, the stream (live, and replayed from 0) rebuilds the
+    union of what the pool and the tier hold; the tier's blocks have medium CPU."""
+    from pagedserve import LLM
+
+    endpoint, replay_endpoint = f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}"
+    with LLM(str(tiny_llama), kv_events_config={"enable_kv_cache_events": True, "endpoint": endpoint,
+                                                 "replay_endpoint": replay_endpoint, "topic": "kv"},
+             kv_offloading_size=64 * 16 * 512 / 2**30, swap_space="1MiB", **ENGINE) as llm:
+        sub = Subscriber(endpoint)
+        try:
+            # One at a time: the shared-stem ones, then unrelated ones that push the weather
+            # prompt's blocks out of the 12-block pool, then the weather prompt again (tier hits).
+            others = [f"Unrelated text number {i} about {topic}, repeated to fill a few blocks. " * 2
+                      for i, topic in enumerate(("ships", "bread", "stars"))]
+            for prompt in PROMPTS + others + [PROMPTS[4]]:
+                llm.generate([prompt], SamplingParams(max_tokens=6, temperature=0, ignore_eos=True), use_tqdm=False)
+            frames = sub.drain()
+        finally:
+            sub.close()
+        core = llm.engine.engine_core
+        engine_set = core.cached_block_hashes()
+        tier = core.scheduler.kv.tier
+        assert tier.counters.stored > 0 and tier.counters.loaded > 0 and tier.num_blocks > 0
+        replayed = request_replay(replay_endpoint, 0)
+    check_layout(frames)
+    live: set[int] = set()
+    for f in frames:
+        apply(live, DECODER.decode(f[2]))
+    assert live == engine_set and tier.block_hashes() <= live
+    rebuilt: set[int] = set()
+    for _, payload in replayed:
+        apply(rebuilt, DECODER.decode(payload))
+    assert rebuilt == engine_set

@@ -38,6 +38,9 @@ EXPECTED = {
     "engine_stalls": "counter", "engine_stalled": "gauge",
     "dp_engine_num_requests_running": "gauge", "dp_engine_num_requests_waiting": "gauge",
     "dp_engine_kv_cache_usage_perc": "gauge",
+    "external_prefix_cache_queries": "counter", "external_prefix_cache_hits": "counter",
+    "kv_offload_total_bytes": "counter", "kv_offload_blocks": "counter", "kv_offload_cpu_cache_usage_perc": "gauge",
+    "prefix_cache_evicted_hits": "counter",
 }
 # Small pool on purpose: 8 blocks of 16, and one request may need 4 (max_model_len 64).
 CONFIG = dict(num_kv_blocks=8, block_size=16, max_model_len=64, max_num_seqs=4, enable_prefix_caching=True,

@@ -55,6 +55,7 @@ class Thresholds:
     queue_ttft_share: float = 0.5      # queue-time P99 at least this share of TTFT P99 also counts as queueing
     short_prompt_tokens: float = 256   # prompts below this (P90) are too short for prefill to block others
     gpu_memory_utilization_margin: float = 0.90  # the articles' safe top for gpu_memory_utilization
+    evicted_prefix_share: float = 0.1  # prompt tokens missed on evicted prefixes at or above this share: a tier pays
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -134,6 +135,9 @@ class Observations:
     demand_share: float | None = None       # share of samples with requests running or waiting (None: no gauges)
     utilisation_samples: int | None = None  # samples the busy-ratio mean is over (those with demand)
     kv_usage_mean_demand: float | None = None  # KV usage mean over the samples with demand
+    evicted_prefix_tokens: float | None = None  # prompt tokens missed on prefixes evicted for room (pagedserve)
+    prompt_tokens: float | None = None          # prompt tokens in the interval
+    tier_query_tokens: float | None = None      # looked up in a host KV tier (None: no tier metrics)
 
     @property
     def has_traffic(self) -> bool:
@@ -242,6 +246,7 @@ def observe(first: Snapshot, last: Snapshot, samples: list[Snapshot], interval_s
     finished = delta(mn.REQUEST_SUCCESS)
     if finished is None and e2e is not None:
         finished = e2e.count
+    evicted_prefix, prompt_tokens = delta(mn.PREFIX_CACHE_EVICTED_HITS), delta(mn.PROMPT_TOKENS)
 
     return Observations(
         naming=naming_label(first.naming | last.naming),
@@ -261,7 +266,7 @@ def observe(first: Snapshot, last: Snapshot, samples: list[Snapshot], interval_s
         swapped_mean=_mean(swapped),
         preemptions=preemptions,
         preemptions_per_min=None if preemptions is None else preemptions * 60.0 / interval_s,
-        prompt_tokens_per_s=rate(delta(mn.PROMPT_TOKENS)),
+        prompt_tokens_per_s=rate(prompt_tokens),
         generation_tokens_per_s=rate(delta(mn.GENERATION_TOKENS)),
         requests_per_s=rate(finished),
         ttft_p50_ms=_ms(quantile(ttft, 0.5)),
@@ -282,6 +287,9 @@ def observe(first: Snapshot, last: Snapshot, samples: list[Snapshot], interval_s
         demand_share=_share(known_demand, bool),
         utilisation_samples=len(busy) if source == mn.ENGINE_BUSY_RATIO else None,
         kv_usage_mean_demand=_mean(kv_demand),
+        evicted_prefix_tokens=evicted_prefix,
+        prompt_tokens=prompt_tokens,
+        tier_query_tokens=delta(mn.EXTERNAL_PREFIX_CACHE_QUERIES),
     )
 
 
@@ -529,6 +537,28 @@ def advise(obs: Observations, thresholds: Thresholds) -> Report:
             "ITL P99 under the SLO; throughput drops only a little; waiting should not grow",
             dict(itl_p99_ms=obs.itl_p99_ms, running_mean=obs.running_mean, utilisation=util),
             ("itl_p99_ms", "long_prompt_tokens", "util_high"))
+
+    # 9. Reused prefixes evicted for room → a host KV tier (or a larger one) would serve them.
+    evicted_share = (obs.evicted_prefix_tokens / obs.prompt_tokens
+                     if obs.evicted_prefix_tokens is not None and obs.prompt_tokens else None)
+    if evicted_share is not None and evicted_share >= t.evicted_prefix_share:
+        has_tier = bool(obs.tier_query_tokens)
+        tier_flag = ("--kv-offloading-backend native --kv-offloading-size GIB" if k.server == "vllm"
+                     else "--kv-offloading-size GIB")
+        add("evicted_prefixes", 9, "reused prefixes were evicted before they came back",
+            f"{obs.evicted_prefix_tokens:g} of {obs.prompt_tokens:g} prompt tokens ({_pct(evicted_share)}, ≥ "
+            f"evicted_prefix_share {_pct(t.evicted_prefix_share)}) missed the prefix cache on a prefix it had "
+            "held and evicted for room" + ("; the host KV tier is on and evicts them too" if has_tier else ""),
+            "the working set of reused prefixes (multi-turn histories, shared documents) outgrows the pool"
+            + (" and the host tier" if has_tier else "") + ": they are computed again on every return",
+            "kv_offloading_size", "raise" if has_tier else "add",
+            (f"raise {tier_flag}" if has_tier else f"add a host KV tier ({tier_flag}), sized with `pagedserve plan "
+             "--kv-offloading-size` to hold the histories") + f"; or {pool_up}",
+            "prefix_cache_evicted_hits falls; external_prefix_cache_hits rises; TTFT P50/P99 fall on returning "
+            "prompts",
+            dict(evicted_prefix_tokens=obs.evicted_prefix_tokens, prompt_tokens=obs.prompt_tokens,
+                 evicted_share=evicted_share, tier_query_tokens=obs.tier_query_tokens),
+            ("evicted_prefix_share",))
 
     findings.sort(key=lambda f: f.order)
     findings = _one_way_per_knob(findings, notes)

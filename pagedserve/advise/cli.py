@@ -57,11 +57,12 @@ def thresholds_from_args(args) -> Thresholds:
                    preemptions_per_min=args.preemptions_per_min, long_prompt_tokens=args.long_prompt_tokens,
                    queue_share=args.queue_share, queue_ttft_share=args.queue_ttft_share,
                    short_prompt_tokens=args.short_prompt_tokens,
-                   gpu_memory_utilization_margin=args.gpu_memory_utilization_margin)
+                   gpu_memory_utilization_margin=args.gpu_memory_utilization_margin,
+                   evicted_prefix_share=args.evicted_prefix_share)
     for name, value in parse_slo(args.slo or []).items():
         setattr(t, name, value)
     for name in ("kv_high", "kv_low", "kv_pinned_share", "util_low", "util_high", "queue_share", "queue_ttft_share",
-                 "gpu_memory_utilization_margin"):
+                 "gpu_memory_utilization_margin", "evicted_prefix_share"):
         value = getattr(t, name)
         if not 0.0 <= value <= 1.0:
             raise ValueError(f"--{name.replace('_', '-')} must be within [0, 1], got {value}")
@@ -175,6 +176,9 @@ def register(subparsers) -> argparse.ArgumentParser:
                    help="queue-time P99 at least this share of TTFT P99 also counts as queueing")
     p.add_argument("--short-prompt-tokens", type=float, default=d.short_prompt_tokens,
                    help="P90 prompt length below which prefill cannot be what blocks TTFT")
+    p.add_argument("--evicted-prefix-share", type=float, default=d.evicted_prefix_share,
+                   help="share of prompt tokens missed on prefixes the cache evicted for room at which a host "
+                        "KV tier (--kv-offloading-size) is suggested")
     p.add_argument("--device", choices=("auto", "cpu", "gpu"), default="auto",
                    help="the server's device, for how its knobs are spelled (auto: from its metrics where they "
                         "say, else both spellings)")

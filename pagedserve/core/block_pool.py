@@ -23,7 +23,7 @@ swapped out at once.
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from pagedserve.core.kv_events import KVEventLog, external_block_hash
@@ -38,6 +38,7 @@ class KVBlock:
     content: bytes | None = None       # set while cached: what the KV was computed from...
     parent: "KVBlock | None" = None    # ...after this cached block...
     parent_epoch: int = 0              # ...as it was at this epoch
+    parent_key: bytes | None = None    # ...whose prefix key this was (the host tier keeps it past eviction)
     # Intrusive free-list links: no allocation or search to move a block in or out.
     prev_free: "KVBlock | None" = None
     next_free: "KVBlock | None" = None
@@ -117,6 +118,9 @@ class BlockPool:
         self.free_queue = FreeBlockQueue(self.blocks[::-1] if reuse_recent_first else self.blocks)
         self.hash_to_block: dict[bytes, KVBlock] = {}
         self.events: KVEventLog | None = None  # KV events (--kv-events-config); None = not recorded
+        # Called with a cached block just before its key is dropped for new content (the
+        # host tier, core/kv_tier.py, copies it out then); None = the key is simply lost.
+        self.on_evict: Callable[[KVBlock], None] | None = None
 
     @property
     def num_free_blocks(self) -> int:
@@ -190,6 +194,7 @@ class BlockPool:
             return None  # cached under another key: its content is not this one
         block.block_hash = block_hash
         block.content, block.parent, block.parent_epoch = content, parent, parent_epoch
+        block.parent_key = parent.block_hash if parent is not None else None
         self.hash_to_block[block_hash] = block
         if self.events is not None:
             self.events.stored(block_hash, parent.block_hash if parent is not None else None, list(token_ids),
@@ -205,7 +210,7 @@ class BlockPool:
         for block in self.blocks:
             if block.block_hash is not None:
                 block.block_hash = None
-                block.content = block.parent = None
+                block.content = block.parent = block.parent_key = None
                 block.epoch += 1  # chains recorded against the old content must not match again
         self.hash_to_block.clear()
         if self.events is not None:
@@ -223,6 +228,8 @@ class BlockPool:
                 del self.hash_to_block[block.block_hash]
                 if self.events is not None:
                     self.events.removed(block.block_hash)
+                if self.on_evict is not None:  # after the removal: the key moves, in that order
+                    self.on_evict(block)
             block.block_hash = None
-            block.content = block.parent = None
+            block.content = block.parent = block.parent_key = None
         block.epoch += 1

@@ -139,6 +139,46 @@ def num_host_blocks_for(config: EngineConfig, pool: KVPoolSize) -> int:
     return int(config.swap_space // pool.bytes_per_block)
 
 
+def num_tier_blocks_for(config: EngineConfig, pool: KVPoolSize) -> int:
+    """The host KV tier: kv_offloading_size GiB over all ranks (vLLM's reading: the size is
+    the sum across ranks), each rank holding its share of every block."""
+    if not config.kv_offloading_size or not pool.bytes_per_block:
+        return 0
+    world = config.tensor_parallel_size * config.pipeline_parallel_size
+    return int(config.kv_offloading_size * 2**30 // (pool.bytes_per_block * world))
+
+
+def host_memory_available() -> int | None:
+    """MemAvailable from /proc/meminfo, in bytes; None where there is none (not Linux)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def check_tier_fits(config: EngineConfig, pool: KVPoolSize, num_tier_blocks: int,
+                    available: int | None = None) -> None:
+    """Refuse, with the numbers, a host tier larger than the host memory available now, or
+    too small to hold one block."""
+    if not config.kv_offloading_size:
+        return
+    world = config.tensor_parallel_size * config.pipeline_parallel_size
+    if num_tier_blocks < 1:
+        raise ValueError(f"kv_offloading_size: {config.kv_offloading_size:g} GiB holds no KV block "
+                         f"({pool.bytes_per_block * world:,} bytes per block over {world} rank(s)); raise it")
+    tier_bytes = num_tier_blocks * pool.bytes_per_block * world
+    available = host_memory_available() if available is None else available
+    if available is not None and tier_bytes > available:
+        raise ValueError(f"kv_offloading_size: the host KV tier needs {tier_bytes / 2**30:.2f} GiB "
+                         f"({num_tier_blocks:,} blocks x {pool.bytes_per_block / 2**10:,.0f} KiB x {world} rank(s)) "
+                         f"but only {available / 2**30:.2f} GiB of host memory is available (MemAvailable); "
+                         f"lower --kv-offloading-size")
+
+
 class EngineCore:
     def __init__(self, config: EngineConfig, scheduler: Scheduler, executor: Executor,
                  pool: KVPoolSize, trace_path: str | None = None,
@@ -158,21 +198,29 @@ class EngineCore:
     def build(cls, config: EngineConfig, executor: Executor, pool: KVPoolSize,
               clock: Callable[[], float] = time.monotonic,
               prefix_extra_keys: Callable[[Request], bytes] | None = None,
-              cpu_clock: Callable[[], float] | None = None) -> "EngineCore":
+              cpu_clock: Callable[[], float] | None = None,
+              host_memory: int | None = None) -> "EngineCore":
         """The one way to make a core: check the pool, allocate it (and the host pool),
         measure what auto preemption weighs, build the scheduler. `prefix_extra_keys` names
         what else a request's KV depends on (see core/kv_cache.py). `cpu_clock` times the
         step trace's cpu_time (default: this thread's CPU time; the simulator passes its
-        virtual clock)."""
+        virtual clock). `host_memory`: bytes the host tier may take (default: MemAvailable
+        now; the simulator passes its deployment's)."""
         check_pool_fits(pool, config)
         num_host_blocks = num_host_blocks_for(config, pool)
+        num_tier_blocks = num_tier_blocks_for(config, pool)
+        check_tier_fits(config, pool, num_tier_blocks, host_memory)
+        if num_tier_blocks:
+            logger.info("host KV tier: %d blocks x %.0f KiB = %.2f GiB per rank (%d prefix tokens)",
+                        num_tier_blocks, pool.bytes_per_block / 2**10,
+                        num_tier_blocks * pool.bytes_per_block / 2**30, num_tier_blocks * config.block_size)
         if num_host_blocks:
             logger.info("%s", swap_space_line(num_host_blocks, pool.bytes_per_block, config.device,
                                               config.tensor_parallel_size,
                                               probed=config.preemption_mode == PreemptionMode.AUTO))
-        executor.initialize_cache(pool.num_blocks, num_host_blocks)
+        executor.initialize_cache(pool.num_blocks, num_host_blocks + num_tier_blocks)
         costs = None
-        if config.preemption_mode == PreemptionMode.AUTO and num_host_blocks:
+        if (config.preemption_mode == PreemptionMode.AUTO and num_host_blocks) or num_tier_blocks:
             costs = PreemptionCosts(
                 bytes_per_block=pool.bytes_per_block,
                 host_bandwidth=executor.measure_host_bandwidth(),
@@ -180,7 +228,8 @@ class EngineCore:
             logger.info("auto preemption: host copy %.2f GB/s, prefill %.1f us/token",
                         costs.host_bandwidth / 1e9, costs.prefill_seconds_per_token * 1e6)
         scheduler = Scheduler.from_config(config, pool.num_blocks, clock=clock, num_host_blocks=num_host_blocks,
-                                          costs=costs, prefix_extra_keys=prefix_extra_keys)
+                                          costs=costs, prefix_extra_keys=prefix_extra_keys,
+                                          num_tier_blocks=num_tier_blocks)
         return cls(config, scheduler, executor, pool, config.step_trace_path, cpu_clock or time.thread_time)
 
     # -- requests -----------------------------------------------------------------------
@@ -203,6 +252,8 @@ class EngineCore:
         (an observer calling take_kv_events) turns this on, so nothing piles up unread."""
         if self.scheduler.kv.pool.events is None:
             self.scheduler.kv.pool.events = KVEventLog(self.config.block_size, device_medium(self.config.device))
+            if self.scheduler.kv.tier is not None:  # one log: the order across pool and tier is kept
+                self.scheduler.kv.tier.events = self.scheduler.kv.pool.events
 
     def take_kv_events(self) -> list[KVEvent]:
         """The KV events since the last call (none unless --kv-events-config enables them)."""
@@ -210,12 +261,19 @@ class EngineCore:
         return events.take() if events is not None else []
 
     def cached_block_hashes(self) -> set[int]:
-        """Read-only: the external keys of every block the prefix cache can serve now."""
-        return self.scheduler.kv.pool.cached_block_hashes()
+        """Read-only: the external keys of every block the prefix cache can serve now (the
+        device pool's and the host tier's)."""
+        tier = self.scheduler.kv.tier
+        return self.scheduler.kv.pool.cached_block_hashes() | (tier.block_hashes() if tier is not None else set())
 
     def reset_prefix_cache(self) -> bool:
-        """Forget the prefix cache (an AllBlocksCleared event); refused while a block is in use."""
-        return self.scheduler.kv.pool.reset_prefix_cache()
+        """Forget the prefix cache, the host tier's too (one AllBlocksCleared event); refused
+        while a block is in use."""
+        if not self.scheduler.kv.pool.reset_prefix_cache():
+            return False
+        if self.scheduler.kv.tier is not None:
+            self.scheduler.kv.tier.clear()
+        return True
 
     # -- the step -------------------------------------------------------------------------
     def step(self) -> EngineCoreOutputs:

@@ -9,7 +9,10 @@ Invariants this module keeps:
 - a call that cannot be satisfied returns None and changes nothing (no partial allocation);
 - a swapped request holds host blocks only (one per device block it gave up), a running one
   device blocks only; a finished one nothing;
-- a block's ref_cnt equals the number of tables holding it (the pool keeps the free queue).
+- a block's ref_cnt equals the number of tables holding it (the pool keeps the free queue);
+- with a host tier (core/kv_tier.py): cached blocks the pool evicts move there, and a lookup
+  that runs out of device hits goes on in the tier; each step's copies (offloads device ->
+  host, loads host -> device) ride the swap lists of that step's SchedulerOutput.
 
 Prefix cache keys: a full block's key is SHA-256 over its parent's key and its content (its
 token ids packed as int64, and for a request's first block the request's extra keys: what
@@ -23,11 +26,13 @@ from __future__ import annotations
 
 import hashlib
 from array import array
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from pagedserve.core.block_pool import BlockPool, KVBlock
+from pagedserve.core.kv_tier import HostTier, TierEntry
 from pagedserve.core.request import Request
 
 ROOT_HASH = bytes(32)  # the "parent" of a request's first block
@@ -99,7 +104,27 @@ class KVCacheView:
 
     @property
     def num_host_used_blocks(self) -> int:
+        """Swap and the host tier together (they share the host pool)."""
         return self._kv.host_pool.num_used_blocks if self._kv.host_pool is not None else 0
+
+    @property
+    def num_tier_blocks(self) -> int:
+        """The host tier's capacity in blocks; 0: no tier."""
+        return self._kv.tier.capacity if self._kv.tier is not None else 0
+
+    @property
+    def num_tier_used_blocks(self) -> int:
+        return self._kv.tier.num_blocks if self._kv.tier is not None else 0
+
+    @property
+    def num_host_swap_blocks(self) -> int:
+        """Host blocks held by swapped-out requests (the rest of the used ones: the tier's)."""
+        return sum(len(t) for t in self._kv.host_tables.values())
+
+    def tier_host_block_ids(self) -> list[int]:
+        """Host blocks holding the tier's prefixes; [] without a tier."""
+        tier = self._kv.tier
+        return [e.host_block.block_id for e in tier.entries.values()] if tier is not None else []
 
     def device_table(self, request_id: str) -> TableRows | None:
         table = self._kv.block_tables.get(request_id)
@@ -119,10 +144,24 @@ class KVCacheView:
 
 class KVCacheManager:
     def __init__(self, pool: BlockPool, block_size: int, host_pool: BlockPool | None = None,
-                 extra_keys_for: Callable[[Request], bytes] | None = None) -> None:
+                 extra_keys_for: Callable[[Request], bytes] | None = None, tier: HostTier | None = None) -> None:
         self.pool = pool
         self.block_size = block_size
-        self.host_pool = host_pool                     # swap space; None = recompute only
+        self.host_pool = host_pool                     # swap space (and the tier's blocks); None = neither
+        self.tier = tier                               # the host KV tier; None = evicted prefixes are lost
+        if tier is not None:
+            if not pool.enable_caching or tier.host_pool is not host_pool:
+                raise ValueError("kv_offloading_size: the host tier needs prefix caching and the host pool")
+            pool.on_evict = tier.offer
+            tier.on_evict = self._remember_evicted
+        elif pool.enable_caching:
+            pool.on_evict = lambda block: self._remember_evicted(block.block_hash)
+        self._loads: list[tuple[int, int]] = []        # (host, device) tier loads this step
+        # Keys the cache lost for room (the pool's, or the tier's when there is one), newest
+        # last, a bounded few per pool block: a later prompt that misses on one of them shows a
+        # reused prefix was evicted, which a (larger) host tier would have served (`advise`).
+        self._evicted: OrderedDict[bytes, None] = OrderedDict()
+        self._evicted_capacity = 4 * (pool.num_blocks + (tier.capacity if tier is not None else 0))
         self.block_tables: dict[str, list[KVBlock]] = {}
         self.host_tables: dict[str, list[KVBlock]] = {}
         # What a request's KV depends on besides its tokens (b"" when nothing): keys its first block.
@@ -187,6 +226,39 @@ class KVCacheManager:
             found.append(block)
         return [b.block_id for b in found], len(found) * self.block_size
 
+    def get_tier_hits(self, request: Request, num_device_hit_blocks: int) -> list[TierEntry]:
+        """The host tier's run of blocks right after the device pool's hits (the last token is
+        never served, as above). Looks only: nothing moves until allocate_slots."""
+        if self.tier is None:
+            return []
+        num_full = (request.num_tokens - 1) // self.block_size
+        if num_full <= num_device_hit_blocks:
+            return []
+        chain = self._chain(request, num_full)
+        i = num_device_hit_blocks
+        return self.tier.lookup(chain.hashes[i:num_full], chain.contents[i:num_full],
+                                chain.hashes[i - 1] if i else None)
+
+    def _remember_evicted(self, key: bytes) -> None:
+        self._evicted[key] = None
+        self._evicted.move_to_end(key)
+        if len(self._evicted) > self._evicted_capacity:
+            self._evicted.popitem(last=False)
+
+    def count_evicted_hits(self, request: Request, num_hit_blocks: int) -> int:
+        """Tokens of the prompt's blocks right after its hits (device and tier) that the cache
+        held once and evicted: what it would have served with more room."""
+        if not self._evicted:
+            return 0
+        num_full = (request.num_tokens - 1) // self.block_size
+        chain = self._chain(request, num_full)
+        n = 0
+        for key in chain.hashes[num_hit_blocks:num_full]:
+            if key not in self._evicted:
+                break
+            n += 1
+        return n * self.block_size
+
     def record_prefix_lookup(self, num_query_tokens: int, num_hit_tokens: int) -> None:
         self.prefix_queries += num_query_tokens
         self.prefix_hits += num_hit_tokens
@@ -206,16 +278,22 @@ class KVCacheManager:
                 chain.published.append(None)
                 continue
             parent, parent_epoch = before
+            if self.tier is not None:
+                # A key lives in one place at a time; the tier's copy goes first, so its
+                # BlockRemoved precedes the pool's BlockStored (a replay keeps the key).
+                self.tier.discard(chain.hashes[i])
             stands = self.pool.cache(table[i], chain.hashes[i], chain.contents[i], parent, parent_epoch,
                                      request.all_token_ids[i * self.block_size:(i + 1) * self.block_size])
             chain.published.append(None if stands is None else (stands, stands.epoch))
 
     # -- allocation ---------------------------------------------------------------------
     def allocate_slots(self, request: Request, num_new_tokens: int, num_new_computed_tokens: int = 0,
-                       new_computed_block_ids: Sequence[int] = ()) -> list[int] | None:
+                       new_computed_block_ids: Sequence[int] = (),
+                       tier_hits: Sequence[TierEntry] = ()) -> list[int] | None:
         """Room for `num_new_tokens` tokens after the request's computed ones and the
         `num_new_computed_tokens` that the blocks `new_computed_block_ids` (prefix-cache hits
-        from get_computed_blocks, for a request holding nothing yet) bring along.
+        from get_computed_blocks, for a request holding nothing yet) and `tier_hits` (from
+        get_tier_hits: loaded into fresh device blocks, right after the device hits) bring along.
 
         Returns the ids of the blocks appended to its table (hits first), or None and changes
         nothing when the pool cannot supply them.
@@ -234,9 +312,26 @@ class KVCacheManager:
             table = self.block_tables[request.request_id] = []
         for block in new_computed_blocks:
             self.pool.touch(block)
-        appended = list(new_computed_blocks) + (self.pool.allocate(needed) if needed else [])
+        # Out of the tier before allocating: the evictions that allocation causes may not push them out.
+        sources = self.tier.take(list(tier_hits)) if tier_hits else []
+        fresh = self.pool.allocate(needed) if needed else []
+        self._loads.extend((h.block_id, d.block_id) for h, d in zip(sources, fresh))
+        appended = list(new_computed_blocks) + fresh
         table.extend(appended)
         return [b.block_id for b in appended]
+
+    # -- the step's copies -----------------------------------------------------------------
+    def begin_step(self) -> None:
+        """A new step: host blocks the previous step's copies read may be reused."""
+        if self.tier is not None:
+            self.tier.begin_step()
+
+    def take_tier_copies(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+        """This step's tier copies: (device, host) offloads and (host, device) loads."""
+        if self.tier is None:
+            return [], []
+        loads, self._loads = self._loads, []
+        return self.tier.take_offloads(), loads
 
     def free(self, request: Request) -> None:
         """Return all of the request's blocks, device and host. Reversed, so that when prefix
@@ -255,8 +350,12 @@ class KVCacheManager:
 
     # -- swap ---------------------------------------------------------------------------
     def can_swap_out(self, request: Request) -> bool:
-        """Whether the host pool has room for all of the request's device blocks."""
-        return self.host_pool is not None and self.host_pool.num_free_blocks >= self.num_blocks_held(request.request_id)
+        """Whether the host pool has room for all of the request's device blocks (the tier's
+        entries yield to a swap)."""
+        if self.host_pool is None:
+            return False
+        room = self.host_pool.num_free_blocks + (self.tier.num_blocks if self.tier is not None else 0)
+        return room >= self.num_blocks_held(request.request_id)
 
     def swap_out(self, request: Request) -> list[tuple[int, int]]:
         """Move the request's blocks to the host pool; returns (device, host) copy pairs. The
@@ -265,6 +364,8 @@ class KVCacheManager:
             raise RuntimeError(f"no host room to swap out {request.request_id}")
         device = self.block_tables.pop(request.request_id, [])
         self._forget_hashes(request.request_id)
+        if self.tier is not None:
+            self.tier.make_room(len(device))
         host = self.host_pool.allocate(len(device))
         self.host_tables[request.request_id] = host
         self.pool.free(list(reversed(device)))
@@ -280,5 +381,8 @@ class KVCacheManager:
         device = self.pool.allocate(needed)
         self.block_tables[request.request_id] = device
         del self.host_tables[request.request_id]
-        self.host_pool.free(host)
+        if self.tier is not None:
+            self.tier.release_after_step(host)  # this step's offloads must not land on them
+        else:
+            self.host_pool.free(host)
         return [(h.block_id, d.block_id) for h, d in zip(host, device)]

@@ -1,5 +1,10 @@
 """KV events: what the prefix cache gained and lost, in the order it happened, torch-free.
 
+The host tier (core/kv_tier.py) reports to the same log, with its own medium ("CPU", vLLM's
+name for host memory), so one ordered stream covers both: a key lives in at most one of them
+(an evicted block moves to the tier, a loaded one back), and replaying the stream rebuilds
+the union of what the pool and the tier hold.
+
 The device pool (core/block_pool.py) reports to a KVEventLog when a block becomes cacheable
 (it got its prefix key: BlockStored), when a cached block's key is dropped because the block
 is handed out for new content (BlockRemoved), and when the whole prefix cache is reset
@@ -65,25 +70,30 @@ class KVEventLog:
         self.medium = medium
         self._events: list[KVEvent] = []
 
-    def stored(self, key: bytes, parent_key: bytes | None, token_ids: list[int], extra_keys: bytes) -> None:
+    def stored(self, key: bytes, parent_key: bytes | None, token_ids: list[int], extra_keys: bytes,
+               medium: str | None = None) -> None:
+        """`medium`: where the block is, when not the pool's own (the host tier's "CPU")."""
+        medium = medium or self.medium
         block_hash = external_block_hash(key)
         parent = None if parent_key is None else external_block_hash(parent_key)
         extra = extra_keys or None
         last = self._events[-1] if self._events else None
-        if isinstance(last, BlockStored) and parent is not None and last.block_hashes[-1] == parent:
+        if (isinstance(last, BlockStored) and last.medium == medium and parent is not None
+                and last.block_hashes[-1] == parent):
             last.block_hashes.append(block_hash)
             last.token_ids.extend(token_ids)
             last.extra_keys.append(extra)
             return
-        self._events.append(BlockStored([block_hash], parent, list(token_ids), self.block_size, self.medium, [extra]))
+        self._events.append(BlockStored([block_hash], parent, list(token_ids), self.block_size, medium, [extra]))
 
-    def removed(self, key: bytes) -> None:
+    def removed(self, key: bytes, medium: str | None = None) -> None:
+        medium = medium or self.medium
         block_hash = external_block_hash(key)
         last = self._events[-1] if self._events else None
-        if isinstance(last, BlockRemoved):
+        if isinstance(last, BlockRemoved) and last.medium == medium:
             last.block_hashes.append(block_hash)
         else:
-            self._events.append(BlockRemoved([block_hash], self.medium))
+            self._events.append(BlockRemoved([block_hash], medium))
 
     def cleared(self) -> None:
         self._events.append(AllBlocksCleared())

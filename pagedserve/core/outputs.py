@@ -63,6 +63,17 @@ class SchedulerStats(Struct, array_like=True):
     num_blocks_swapped_in: int = 0
     prefix_cache_queries: int = 0  # tokens looked up this step
     prefix_cache_hits: int = 0
+    # The host KV tier (--kv-offloading-size): prompt tokens of requests that looked past the
+    # device pool, tokens loaded from the tier instead of computed (vLLM's
+    # external_prefix_cache_queries / _hits), blocks copied out and in, and its state after the step.
+    # Prompt tokens that missed (pool and tier) on a prefix the cache had held and evicted.
+    prefix_cache_evicted_hits: int = 0
+    tier_queries: int = 0
+    tier_hits: int = 0
+    num_blocks_offloaded: int = 0
+    num_blocks_loaded: int = 0
+    tier_used_blocks: int = 0
+    tier_total_blocks: int = 0
 
 
 @dataclass

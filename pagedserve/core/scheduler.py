@@ -29,6 +29,7 @@ from msgspec import Struct, field
 from pagedserve.config import PreemptionMode, SchedulingPolicy
 from pagedserve.core.block_pool import BlockPool
 from pagedserve.core.kv_cache import KVCacheManager
+from pagedserve.core.kv_tier import HostTier
 from pagedserve.core.outputs import EngineCoreOutput, SchedulerStats, StepResult
 from pagedserve.core.request import FinishReason, Request, RequestStatus
 from pagedserve.core.stop import check_token_stop
@@ -52,6 +53,10 @@ class PreemptionCosts:
 
     def recompute_seconds(self, num_tokens: int) -> float:
         return num_tokens * self.prefill_seconds_per_token
+
+    def load_seconds(self, num_blocks: int) -> float:
+        """A host-tier hit: one copy in (the copy out was paid when the pool evicted it)."""
+        return num_blocks * self.bytes_per_block / self.host_bandwidth
 
 
 @dataclass
@@ -126,6 +131,7 @@ class Scheduler:
         self.total_recomputed_tokens = 0
         self.total_blocks_swapped = {"out": 0, "in": 0}
         self.total_partial_prefills = 0  # prompt chunks that did not reach the end (chunked prefill)
+        self.total_tier_blocks = {"stored": 0, "loaded": 0}  # host tier copies (out, in)
         self._seq = itertools.count()
         self._order: dict[str, int] = {}
         self._finished_since_step: list[str] = []
@@ -135,11 +141,15 @@ class Scheduler:
     @classmethod
     def from_config(cls, config, num_blocks: int, clock: Callable[[], float] = time.monotonic,
                     num_host_blocks: int = 0, costs: PreemptionCosts | None = None,
-                    prefix_extra_keys: Callable[[Request], bytes] | None = None) -> "Scheduler":
-        """Pool + KV manager + scheduler from an EngineConfig (EngineCore.build comes here)."""
+                    prefix_extra_keys: Callable[[Request], bytes] | None = None,
+                    num_tier_blocks: int = 0) -> "Scheduler":
+        """Pool + KV manager + scheduler from an EngineConfig (EngineCore.build comes here).
+        `num_host_blocks`: swap space; `num_tier_blocks`: the host KV tier, in the same host pool."""
         pool = BlockPool(num_blocks, enable_caching=config.enable_prefix_caching)
-        host_pool = (BlockPool(num_host_blocks, reuse_recent_first=True)
-                     if num_host_blocks > 0 and config.preemption_mode != PreemptionMode.RECOMPUTE else None)
+        num_swap_blocks = num_host_blocks if config.preemption_mode != PreemptionMode.RECOMPUTE else 0
+        host_pool = (BlockPool(num_swap_blocks + num_tier_blocks, reuse_recent_first=True)
+                     if num_swap_blocks + num_tier_blocks > 0 else None)
+        tier = HostTier(host_pool, num_tier_blocks, config.block_size) if num_tier_blocks > 0 else None
         return cls(SchedulerConfig(
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,
@@ -148,7 +158,7 @@ class Scheduler:
             long_prefill_token_threshold=config.long_prefill_token_threshold,
             scheduling_policy=SchedulingPolicy(config.scheduling_policy),
             preemption_mode=PreemptionMode(config.preemption_mode),
-        ), KVCacheManager(pool, config.block_size, host_pool, prefix_extra_keys), clock=clock, costs=costs)
+        ), KVCacheManager(pool, config.block_size, host_pool, prefix_extra_keys, tier), clock=clock, costs=costs)
 
     # -- queue order -------------------------------------------------------------------
     def _queue_key(self, req: Request) -> tuple:
@@ -230,6 +240,19 @@ class Scheduler:
                      recompute_s * 1e3, choice.value)
         return choice
 
+    def _tier_hits(self, req: Request, num_device_hit_tokens: int) -> list:
+        """The host tier's blocks after the device hits, if loading them is cheaper than
+        computing them by the cost rule preemption uses (no costs measured: always load)."""
+        entries = self.kv.get_tier_hits(req, num_device_hit_tokens // self.kv.block_size)
+        if entries and self.costs is not None and self.costs.host_bandwidth > 0:
+            load_s = self.costs.load_seconds(len(entries))
+            recompute_s = self.costs.recompute_seconds(len(entries) * self.kv.block_size)
+            if load_s > recompute_s:
+                logger.debug("tier hit %s: load %d blocks %.2f ms > recompute %.2f ms: recompute",
+                             req.request_id, len(entries), load_s * 1e3, recompute_s * 1e3)
+                return []
+        return entries
+
     def _preempt(self, victim: Request, stats: SchedulerStats, swap_out: list[tuple[int, int]]) -> None:
         """Swap: its blocks go to the host pool and it keeps its progress. Recompute: its
         KV is dropped and it is rewound. Either way it is requeued in queue order."""
@@ -261,6 +284,7 @@ class Scheduler:
         swap_out: list[tuple[int, int]] = []
         swap_in: list[tuple[int, int]] = []
         now = self.clock()
+        self.kv.begin_step()
 
         # 1. Running requests first, in queue order; victims come off the end.
         i = 0
@@ -305,20 +329,28 @@ class Scheduler:
             req = self.waiting[0]
             looks_up = req.num_computed_tokens == 0 and not req.skips_prefix_cache
             hits, num_hit_tokens = self.kv.get_computed_blocks(req) if looks_up else ([], 0)
-            num_remaining = req.num_tokens - req.num_computed_tokens - num_hit_tokens
+            tier_hits = self._tier_hits(req, num_hit_tokens) if looks_up else []
+            num_tier_tokens = len(tier_hits) * self.kv.block_size
+            num_remaining = req.num_tokens - req.num_computed_tokens - num_hit_tokens - num_tier_tokens
             num_new = self._grant(num_remaining, budget)
             if not cfg.enable_chunked_prefill and num_new < num_remaining:
                 break  # the whole prompt must fit this step; FCFS: nobody overtakes
-            new_ids = self.kv.allocate_slots(req, num_new, num_hit_tokens, hits)
+            new_ids = self.kv.allocate_slots(req, num_new, num_hit_tokens + num_tier_tokens, hits, tier_hits)
             if new_ids is None:
                 break
-            req.num_computed_tokens += num_hit_tokens
+            req.num_computed_tokens += num_hit_tokens + num_tier_tokens
             if looks_up:
                 self.kv.record_prefix_lookup(req.num_tokens, num_hit_tokens)
                 stats.prefix_cache_queries += req.num_tokens
                 stats.prefix_cache_hits += num_hit_tokens
+                stats.prefix_cache_evicted_hits += self.kv.count_evicted_hits(
+                    req, (num_hit_tokens + num_tier_tokens) // self.kv.block_size)
+                if self.kv.tier is not None:
+                    self.kv.tier.count_hits(len(tier_hits))
+                    stats.tier_queries += req.num_tokens
+                    stats.tier_hits += num_tier_tokens
             if req.num_preemptions == 0:
-                req.num_cached_tokens = num_hit_tokens
+                req.num_cached_tokens = num_hit_tokens + num_tier_tokens
             self.waiting.pop(0)
             req.status = RequestStatus.RUNNING
             if req.times.first_scheduled is None:
@@ -338,6 +370,15 @@ class Scheduler:
         stats.num_decode_tokens = sum(1 for sr in scheduled if sr.num_new_tokens == 1
                                       and sr.start_pos >= self.requests[sr.request_id].num_prompt_tokens)
         stats.num_prefill_tokens = stats.num_batched_tokens - stats.num_decode_tokens
+        # The host tier's copies ride the swap lists: every device -> host copy before every
+        # host -> device one (worker: copy_blocks), so an evicted block is out before it is reused.
+        offloads, loads = self.kv.take_tier_copies()
+        if offloads or loads:
+            swap_out = swap_out + offloads
+            swap_in = swap_in + loads
+            stats.num_blocks_offloaded, stats.num_blocks_loaded = len(offloads), len(loads)
+            self.total_tier_blocks["stored"] += len(offloads)
+            self.total_tier_blocks["loaded"] += len(loads)
         out = SchedulerOutput(
             scheduled=scheduled,
             num_batched_tokens=stats.num_batched_tokens,
@@ -376,6 +417,9 @@ class Scheduler:
         stats.num_used_blocks = self.kv.num_used_blocks
         stats.num_total_blocks = self.kv.num_total_blocks
         stats.num_total_tokens = self.kv.num_total_blocks * self.kv.block_size
+        if self.kv.tier is not None:
+            stats.tier_used_blocks = self.kv.tier.num_blocks
+            stats.tier_total_blocks = self.kv.tier.capacity
 
     # -- after the executor ran ----------------------------------------------------------
     def update_from_output(self, out: SchedulerOutput, result: StepResult) -> list[EngineCoreOutput]:

@@ -52,6 +52,10 @@ class PoolSnapshot:
     requests: list[list]             # rows in REQUEST_COLUMNS order: running, swapped, then waiting
     num_waiting_unlisted: int = 0    # waiting requests past MAX_WAITING_ROWS
     cost: float = 0.0                # CPU seconds the engine thread spent taking it
+    # The host KV tier (--kv-offloading-size) in the same host pool: its blocks are the host
+    # runs' cached free ones (no table holds them); 0 blocks: no tier.
+    num_tier_blocks: int = 0
+    num_tier_used_blocks: int = 0
 
     def to_dict(self) -> dict:
         return {"time": self.time, "block_size": self.block_size, "num_blocks": self.num_blocks,
@@ -59,7 +63,8 @@ class PoolSnapshot:
                 "runs": self.runs, "num_host_blocks": self.num_host_blocks,
                 "num_host_used_blocks": self.num_host_used_blocks, "host_runs": self.host_runs,
                 "request_columns": list(REQUEST_COLUMNS), "requests": self.requests,
-                "num_waiting_unlisted": self.num_waiting_unlisted, "cost": self.cost}
+                "num_waiting_unlisted": self.num_waiting_unlisted, "cost": self.cost,
+                "num_tier_blocks": self.num_tier_blocks, "num_tier_used_blocks": self.num_tier_used_blocks}
 
 
 def _table_runs(owner: int, table: TableRows, shared_seen: set[int], out: list[tuple]) -> None:
@@ -158,9 +163,12 @@ def take_snapshot(scheduler, max_waiting_rows: int = MAX_WAITING_ROWS) -> PoolSn
         time=scheduler.clock(), block_size=kv.block_size, num_blocks=kv.num_blocks,
         num_used_blocks=kv.num_used_blocks, num_cached_free_blocks=len(cached_free),
         runs=encode_pool(kv.num_blocks, device_tables, cached_free),
-        num_host_blocks=kv.num_host_blocks, num_host_used_blocks=kv.num_host_used_blocks,
-        host_runs=encode_pool(kv.num_host_blocks, host_tables) if kv.num_host_blocks else [],
-        requests=rows, num_waiting_unlisted=max(len(scheduler.waiting) - max_waiting_rows, 0))
+        num_host_blocks=kv.num_host_blocks,
+        num_host_used_blocks=kv.num_host_swap_blocks if kv.num_tier_blocks else kv.num_host_used_blocks,
+        host_runs=(encode_pool(kv.num_host_blocks, host_tables, kv.tier_host_block_ids())
+                   if kv.num_host_blocks else []),
+        requests=rows, num_waiting_unlisted=max(len(scheduler.waiting) - max_waiting_rows, 0),
+        num_tier_blocks=kv.num_tier_blocks, num_tier_used_blocks=kv.num_tier_used_blocks)
 
 
 @dataclass

@@ -134,6 +134,7 @@ class PlanRequest:
     activation_memory: int | None = None
     sampler_memory: int | None = None
     swap_space: int = 4 << 30  # host memory per rank for swapped blocks, as `serve --swap-space`; 0 = none
+    kv_offloading_size: float | None = None  # GiB over all ranks for the host KV tier, as `serve --kv-offloading-size`
 
 
 @dataclass

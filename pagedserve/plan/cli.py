@@ -115,6 +115,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     budget.add_argument("--swap-space", type=_byte_size("--swap-space"), default=4 << 30,
                         help="host memory per rank for swapped-out blocks, as serve takes it (default 4GiB; 0 = none): "
                              "the plan says how much of it is resident")
+    budget.add_argument("--kv-offloading-size", type=float, default=None, metavar="GIB",
+                        help="host KV tier over all ranks, as serve takes it: the plan says how many prefix "
+                             "tokens it keeps beside the pool")
     parser.add_argument("--layouts", default=None, metavar="L1,L2",
                         help="compare parallel layouts side by side, e.g. TP8,TP8+EP8,TP4xPP2,DP8+EP8 "
                              "(each replaces -tp/-pp/-dp/--enable-expert-parallel)")
@@ -166,7 +169,7 @@ def build_request(args: argparse.Namespace) -> PlanRequest:
         max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
         mean_seq_len=args.mean_seq_len, margin=args.margin, overhead=args.overhead,
         activation_memory=args.activation_memory, sampler_memory=args.sampler_memory,
-        swap_space=args.swap_space,
+        swap_space=args.swap_space, kv_offloading_size=args.kv_offloading_size,
     )
 
 

@@ -77,6 +77,15 @@ def num_host_blocks_of(plan: Plan) -> int:
     return plan.request.swap_space // bytes_per_block if bytes_per_block else 0
 
 
+def num_tier_blocks_of(plan: Plan) -> int:
+    """Host KV tier blocks per rank, as the engine cuts --kv-offloading-size (core.engine_core.num_tier_blocks_for)."""
+    req, bytes_per_block = plan.request, plan.pool.bytes_per_block
+    if not req.kv_offloading_size or not bytes_per_block:
+        return 0
+    world = req.tensor_parallel_size * req.pipeline_parallel_size
+    return int(req.kv_offloading_size * 2**30 // (bytes_per_block * world))
+
+
 def plan_to_dict(plan: Plan) -> dict:
     req, shape = plan.request, plan.request.model.shape
     total = req.device.memory_bytes
@@ -116,6 +125,9 @@ def plan_to_dict(plan: Plan) -> dict:
             # pinned on CUDA (all resident); on CPU resident only up to the most blocks swapped at once
             "swap_space_resident_at_start": (num_host_blocks_of(plan) * plan.pool.bytes_per_block
                                              if req.device_kind == "gpu" else 0),
+            "kv_offloading_size_gib": req.kv_offloading_size,
+            "host_tier_blocks": num_tier_blocks_of(plan),
+            "host_tier_tokens": num_tier_blocks_of(plan) * req.block_size,
         },
         "derived": {
             "max_concurrency_at_max_model_len": plan.max_concurrency_at_max_model_len,
@@ -177,6 +189,12 @@ def render_text(plan: Plan) -> str:
     if num_host_blocks:
         lines.append("  " + swap_space_line(num_host_blocks, plan.pool.bytes_per_block,
                                             "cuda" if req.device_kind == "gpu" else "cpu", req.tensor_parallel_size))
+    num_tier_blocks = num_tier_blocks_of(plan)
+    if num_tier_blocks:
+        ratio = num_tier_blocks / plan.pool.num_blocks if plan.pool.num_blocks else 0.0
+        lines.append(f"  host KV tier           {num_tier_blocks:,} blocks per rank = {num_tier_blocks * req.block_size:,} "
+                     f"prefix tokens ({ratio:.1f}x the pool) kept after the pool evicts them "
+                     f"(--kv-offloading-size {req.kv_offloading_size:g} GiB over all ranks)")
     if len(plan.stages) > 1:
         lines += ["", "Pipeline stages (per GPU; every stage holds the same blocks, the tightest sets them):"]
         for st in plan.stages:

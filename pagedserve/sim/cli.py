@@ -248,6 +248,12 @@ def _report(args, dep, result, slos) -> None:
           f"recomputed tokens {result.num_recomputed_tokens}, blocks swapped out/in "
           f"{result.num_blocks_swapped_out}/{result.num_blocks_swapped_in}; "
           f"{result.num_steps} steps simulated in {result.sim_wall_s:.1f} s")
+    if result.host_tier:
+        t = result.host_tier
+        print(f"host KV tier: {t['hit_tokens']:,} of {t['query_tokens']:,} prompt tokens loaded from it "
+              f"({t['hit_rate']:.1%}), blocks stored/loaded/evicted {t['blocks_stored']}/{t['blocks_loaded']}/"
+              f"{t['blocks_evicted']}; copies {1e3 * (t['load_seconds'] + t['store_seconds']):.1f} ms "
+              f"(in {1e3 * t['load_seconds']:.1f}) against {1e3 * t['recompute_seconds_saved']:.1f} ms of prefill saved")
     for warning in run_beyond_coverage(dep.cost_model.params.coverage, result.shapes):
         print(f"warning: {warning}")
     if args.result_json:

@@ -93,7 +93,10 @@ class Deployment:
 
 def build_core(deployment: Deployment, executor, clock) -> EngineCore:
     """The engine's own core, built by the engine's own factory, on a virtual clock."""
-    return EngineCore.build(deployment.config, executor, deployment.pool, clock=clock, cpu_clock=clock)
+    # host_memory: the simulated deployment's host is not this machine, so its free memory
+    # says nothing about whether that host can hold a --kv-offloading-size tier.
+    return EngineCore.build(deployment.config, executor, deployment.pool, clock=clock, cpu_clock=clock,
+                            host_memory=1 << 62)
 
 
 def build_deployment(config: EngineConfig, model: str, *, gpu: str | None = None, tp: int | None = None,
@@ -233,6 +236,24 @@ class Timeline:
                 mn.KV_CACHE_USAGE_PERC: self.kv_usage[::stride], mn.exposed(mn.NUM_PREEMPTIONS): cumulative[::stride]}
 
 
+def host_tier_summary(scheduler, query_tokens: int) -> dict:
+    """What the host tier did in a run, and what its loads cost by the core's own estimate
+    (the cost rule that chose them: PreemptionCosts.load_seconds); {} without a tier."""
+    tier = scheduler.kv.tier
+    if tier is None:
+        return {}
+    c = tier.counters
+    hit_tokens = c.hits * scheduler.kv.block_size
+    costs = scheduler.costs
+    load_s = costs.load_seconds(c.loaded) if costs is not None and costs.host_bandwidth else 0.0
+    store_s = costs.load_seconds(c.stored) if costs is not None and costs.host_bandwidth else 0.0
+    saved_s = costs.recompute_seconds(hit_tokens) if costs is not None else 0.0
+    return {"capacity_blocks": tier.capacity, "used_blocks": tier.num_blocks, "query_tokens": query_tokens,
+            "hit_tokens": hit_tokens, "hit_rate": hit_tokens / query_tokens if query_tokens else 0.0,
+            "blocks_stored": c.stored, "blocks_loaded": c.loaded, "blocks_evicted": c.evicted,
+            "load_seconds": load_s, "store_seconds": store_s, "recompute_seconds_saved": saved_s}
+
+
 @dataclass
 class SimResult:
     records: list[RequestRecord]
@@ -252,6 +273,8 @@ class SimResult:
     prefix_cache_hits: int = 0
     shapes: dict = field(default_factory=dict)   # the largest step shapes the run asked the cost model about
     serving: ServingOverhead = field(default_factory=ServingOverhead)
+    # The host KV tier (--kv-offloading-size): its counters, hit rate and what loading cost ({} = none)
+    host_tier: dict = field(default_factory=dict)
 
     def server_view(self) -> dict:
         """What `pagedserve bench` reads from a live server's /metrics during a run, from the
@@ -272,6 +295,9 @@ class SimResult:
             view[mn.exposed(mn.PREFIX_CACHE_QUERIES)] = float(self.prefix_cache_queries)
             view[mn.exposed(mn.PREFIX_CACHE_HITS)] = float(self.prefix_cache_hits)
             view["prefix_cache_hit_rate"] = self.prefix_cache_hits / self.prefix_cache_queries
+        if self.host_tier:
+            view[mn.exposed(mn.EXTERNAL_PREFIX_CACHE_QUERIES)] = float(self.host_tier["query_tokens"])
+            view[mn.exposed(mn.EXTERNAL_PREFIX_CACHE_HITS)] = float(self.host_tier["hit_tokens"])
         return view
 
     def to_dict(self, deployment: Deployment | None = None) -> dict:
@@ -292,6 +318,7 @@ class SimResult:
             "busy_fraction": self.busy_time / self.metrics["duration"] if self.metrics["duration"] else 0.0,
             "sim_wall_s": self.sim_wall_s,
             "serving_overhead": self.serving.to_dict(),
+            "host_tier": self.host_tier,
             "step_shapes": self.shapes,
             "timeline": self.timeline.to_dict(),
         })
@@ -382,6 +409,7 @@ def simulate(deployment: Deployment, workload: Sequence[WorkloadRequest], *, max
     api_free_at = 0.0
     steps = 0
     preemptions = recomputed = swapped_out = swapped_in = 0
+    tier_queries = 0  # prompt tokens of requests that looked past the pool into the host tier
     busy = 0.0
     max_len = config.max_model_len
     serving = ServingOverhead.from_dict(deployment.cost_model.params.serving)
@@ -483,6 +511,7 @@ def simulate(deployment: Deployment, workload: Sequence[WorkloadRequest], *, max
         recomputed += st.num_recomputed_tokens
         swapped_out += st.num_blocks_swapped_out
         swapped_in += st.num_blocks_swapped_in
+        tier_queries += st.tier_queries
         timeline.time.append(outs.timestamp)
         timeline.num_running.append(st.num_running)
         timeline.num_waiting.append(st.num_waiting)
@@ -511,4 +540,5 @@ def simulate(deployment: Deployment, workload: Sequence[WorkloadRequest], *, max
     return SimResult(records, metrics, timeline, steps, deployment.num_blocks, preemptions, recomputed,
                      swapped_out, swapped_in, time.perf_counter() - wall0, busy,
                      dict(scheduler.total_preemptions_by_mode), scheduler.costs, scheduler.kv.prefix_queries,
-                     scheduler.kv.prefix_hits, dict(getattr(executor, "shapes", {})), serving)
+                     scheduler.kv.prefix_hits, dict(getattr(executor, "shapes", {})), serving,
+                     host_tier_summary(scheduler, tier_queries))

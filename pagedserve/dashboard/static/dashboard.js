@@ -320,7 +320,9 @@
       hostCanvas.hidden = false; document.getElementById("no-host").hidden = true;
       state.grids.host.draw(state.host, snap.requests, true);
       document.getElementById("host-counts").textContent =
-        `${snap.num_host_used_blocks} of ${snap.num_host_blocks} blocks hold swapped-out requests`;
+        `${snap.num_host_used_blocks} of ${snap.num_host_blocks} blocks hold swapped-out requests` +
+        (snap.num_tier_blocks ? `; the host KV tier keeps ${snap.num_tier_used_blocks} of its ${snap.num_tier_blocks} ` +
+          `blocks of evicted prefixes (shown cached-free)` : "");
     } else {
       state.host = null;
       hostCanvas.hidden = true; document.getElementById("no-host").hidden = false;
