@@ -15,7 +15,8 @@ _SERVER_DEFAULTS = {"host": "127.0.0.1", "port": 8000, "api_key": None, "max_que
                     "max_seqs_per_request": None, "step_watchdog_timeout": None,
                     "max_request_bytes": None, "enable_prompt_tokens_details": False,
                     "enable_auto_tool_choice": False, "tool_call_parser": None, "dashboard": True,
-                    "shutdown_timeout": None, "header_read_timeout": None, "body_read_timeout": None}
+                    "shutdown_timeout": None, "header_read_timeout": None, "body_read_timeout": None,
+                    "metric_names": "pagedserve"}
 # Settings checked alike: counts where 0 = no limit, and seconds (with what 0 means, where it is not "none").
 _COUNT_LIMITS = ("max_request_bytes", "max_queue_len", "max_seqs_per_request")
 _SECONDS = {"step_watchdog_timeout": " (0 = off)", "shutdown_timeout": "", "header_read_timeout": "",
@@ -69,6 +70,10 @@ def register(sub) -> None:
     server.add_argument("--body-read-timeout", type=float, default=None,
                         help="seconds a request body may go without a byte arriving; then 408 and the connection "
                              "is closed (default 30; 0 = no limit)")
+    server.add_argument("--metric-names", default=None, choices=("pagedserve", "vllm", "both"),
+                        help="prefixes on /metrics: pagedserve (default), vllm (vLLM's names and histogram bounds "
+                             "for every metric vLLM has, pagedserve:* for the rest: a vLLM fleet's boards, routers "
+                             "and autoscalers read it unchanged) or both (docs/metrics.md)")
     server.add_argument("--log-interval", type=float, default=10.0,
                         help="seconds between stats log lines (0 = off)")
     server.add_argument("--uvicorn-log-level", default="info")
@@ -108,6 +113,8 @@ def server_settings(args) -> dict:
         value = settings[name]
         if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0):
             raise ValueError(f"{name}: must be a number of seconds >= 0{zero}, got {value!r}")
+    if settings["metric_names"] not in ("pagedserve", "vllm", "both"):
+        raise ValueError(f"metric_names: must be pagedserve, vllm or both, got {settings['metric_names']!r}")
     parser = settings["tool_call_parser"]
     if parser is not None and parser not in TOOL_PARSERS:
         raise ValueError(f"tool_call_parser: unknown parser {parser!r}; choose from {sorted(TOOL_PARSERS)}")
@@ -139,7 +146,8 @@ def run(args) -> int:
                                      enable_auto_tool_choice=bool(settings["enable_auto_tool_choice"]),
                                      tool_call_parser=settings["tool_call_parser"],
                                      engine_core_mode=getattr(args, "engine_core_mode", "auto"),
-                                     dashboard=settings["dashboard"], shutdown_timeout=settings["shutdown_timeout"])
+                                     dashboard=settings["dashboard"], shutdown_timeout=settings["shutdown_timeout"],
+                                     metric_names=settings["metric_names"])
     server = make_server(app, settings["host"], settings["port"], args.uvicorn_log_level,
                          header_read_timeout=settings["header_read_timeout"],
                          body_read_timeout=settings["body_read_timeout"])
