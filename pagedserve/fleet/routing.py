@@ -31,7 +31,7 @@ from __future__ import annotations
 import itertools
 import random
 from dataclasses import dataclass, field
-from typing import Iterable, Sequence
+from typing import Collection, Iterable, Sequence
 
 from pagedserve.core.kv_cache import block_content, chain_hash
 from pagedserve.core.kv_events import external_block_hash
@@ -138,10 +138,13 @@ class Router:
             state.in_flight -= 1
 
     # -- the policy ---------------------------------------------------------------------
-    def live(self) -> list[ReplicaState]:
-        if not self.replicas:
+    def live(self, candidates: Collection[str] | None = None) -> list[ReplicaState]:
+        """The live replicas a decision may name, in id order: all, or those of `candidates`
+        (Ray Serve offers the ones that can take a request now)."""
+        ids = sorted(self.replicas if candidates is None else (r for r in candidates if r in self.replicas))
+        if not ids:
             raise RuntimeError("no live replica to route to")
-        return [self.replicas[r] for r in sorted(self.replicas)]
+        return [self.replicas[r] for r in ids]
 
     def matched_blocks(self, state: ReplicaState, hashes: Sequence[int]) -> int:
         """How many of the prompt's leading blocks the replica holds (a prefix: it stops at the first miss)."""
@@ -152,7 +155,7 @@ class Router:
             n += 1
         return n
 
-    def choose(self, token_ids: Sequence[int]) -> Decision:
+    def choose(self, token_ids: Sequence[int], candidates: Collection[str] | None = None) -> Decision:
         raise NotImplementedError
 
     def least_loaded(self, states: Sequence[ReplicaState]) -> ReplicaState:
@@ -166,16 +169,16 @@ class RoundRobinRouter(Router):
         super().__init__(block_size, seed)
         self._counter = itertools.count()
 
-    def choose(self, token_ids: Sequence[int]) -> Decision:
-        live = self.live()
+    def choose(self, token_ids: Sequence[int], candidates: Collection[str] | None = None) -> Decision:
+        live = self.live(candidates)
         return Decision(live[next(self._counter) % len(live)].replica_id, 0, "round-robin")
 
 
 class PowerOfTwoRouter(Router):
     name = "power-of-two"
 
-    def choose(self, token_ids: Sequence[int]) -> Decision:
-        live = self.live()
+    def choose(self, token_ids: Sequence[int], candidates: Collection[str] | None = None) -> Decision:
+        live = self.live(candidates)
         picks = self.rng.sample(live, 2) if len(live) >= 2 else live
         return Decision(self.least_loaded(picks).replica_id, 0, "power-of-two")
 
@@ -192,8 +195,8 @@ class KVAwareRouter(Router):
         self.kv_usage_limit = kv_usage_limit
         self.first_block_extra = first_block_extra
 
-    def choose(self, token_ids: Sequence[int]) -> Decision:
-        live = self.live()
+    def choose(self, token_ids: Sequence[int], candidates: Collection[str] | None = None) -> Decision:
+        live = self.live(candidates)
         hashes = prompt_block_hashes(token_ids, self.block_size, self.first_block_extra)
         matched = {s.replica_id: self.matched_blocks(s, hashes) for s in live}
         floor = min(s.load for s in live)
