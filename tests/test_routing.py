@@ -164,3 +164,27 @@ def test_make_router_names_and_no_replicas():
         make_router("random", BS)
     with pytest.raises(RuntimeError, match="no live replica"):
         make_router("round-robin", BS).choose(PROMPT)
+
+
+def test_serve_replica_flags_and_the_documented_serve_run_config():
+    import argparse
+    import pathlib
+
+    import yaml
+
+    from pagedserve.config import EngineConfig
+    from pagedserve.server.cli import register, server_settings
+
+    parser = argparse.ArgumentParser()
+    register(parser.add_subparsers())
+    settings = server_settings(parser.parse_args(["serve", "--replicas", "2", "--router", "round-robin"]))
+    assert (settings["replicas"], settings["router"]) == (2, "round-robin")
+    assert server_settings(parser.parse_args(["serve"]))["replicas"] is None
+    with pytest.raises(ValueError, match="replicas"):
+        server_settings(parser.parse_args(["serve", "--replicas", "0"]))
+    config = yaml.safe_load((pathlib.Path(__file__).parents[1] / "deploy" / "serve-replicas.yaml").read_text())
+    (app,) = config["applications"]
+    assert app["import_path"] == "pagedserve.fleet.serve:app_builder"
+    fleet_keys = {"replicas", "router", "cpus_per_replica", "advertise_host", "metric_names"}
+    assert set(app["args"]) - fleet_keys <= set(EngineConfig.knob_names())
+    assert app["args"]["router"] in ("round-robin", "power-of-two", "kv-aware")
