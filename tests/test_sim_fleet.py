@@ -19,7 +19,7 @@ def runs(tmp_path_factory):
     model = write_config(tmp_path_factory.mktemp("fleet") / "m")
     dep = build_deployment(EngineConfig(**ENGINE), str(model), cost_params=cpu_params())
     work = shared_prefix_workload(6, 160, 8, 4, 80, request_rate=20.0, vocab_size=512, seed=1)
-    return {router: simulate_fleet(dep, work, 2, router, seed=0) for router in ("round-robin", "power-of-two", "kv-aware")}
+    return {router: simulate_fleet(dep, work, 2, router, seed=0) for router in ("round-robin", "kv-aware")}
 
 
 def test_every_request_finishes_and_the_router_saw_exactly_what_each_pool_holds(runs):
@@ -54,3 +54,23 @@ def test_plan_prints_the_fleets_memory(capsys):
     assert fleet["kv_pool_tokens"] == 3 * one["kv"]["num_tokens"]
     assert main(["--model", "llama-3.1-8b", "--gpu", "H100-SXM", "--replicas", "2"]) == 0
     assert "Fleet: 2 replicas, 2 GPUs (1 per replica)" in capsys.readouterr().out
+
+
+def test_cli_simulate_replicas(tmp_path, capsys):
+    """`simulate --replicas 2 --router kv-aware` on a GPU preset: the fleet report and its JSON."""
+    import json
+
+    from pagedserve.cli import main
+
+    out = tmp_path / "fleet.json"
+    assert main(["simulate", "--model", "llama-3.1-8b", "--gpu", "H100-SXM", "--max-num-seqs", "16",
+                 "--workload", "random", "--random-input-len", "200", "--random-output-len", "8",
+                 "--num-prompts", "20", "--request-rate", "10", "--replicas", "2", "--router", "power-of-two",
+                 "--result-json", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "Simulated Fleet Result (2 x replica, router power-of-two)" in printed
+    data = json.loads(out.read_text())
+    assert data["replicas"] == 2 and sum(data["requests_per_replica"].values()) == 20 and data["completed"] == 20
+    assert main(["simulate", "--model", "llama-3.1-8b", "--gpu", "H100-SXM", "--num-prompts", "2",
+                 "--replicas", "0"]) != 0
+    assert "replicas: must be >= 1" in capsys.readouterr().err
