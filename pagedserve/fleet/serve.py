@@ -381,9 +381,16 @@ def run_fleet(config, replicas: int, router: str, host: str, port: int, *, cpus_
     handle = serve.run(app, name=APP_NAME, route_prefix="/", blocking=False)
     logger.info("fleet: %d replica(s), router %s, on http://%s:%d", replicas, router, host, port)
     if blocking:
+        import signal
+
+        def stop(*_):
+            raise KeyboardInterrupt
+
+        signal.signal(signal.SIGTERM, stop)  # a SIGTERM also takes the app and a local Ray down
         try:
             while True:
                 time.sleep(3600)
         except KeyboardInterrupt:
             serve.shutdown()
+            ray.shutdown()
     return handle
