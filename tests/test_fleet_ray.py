@@ -97,9 +97,11 @@ def test_greedy_text_streams_and_routing_by_kv_events(fleet, tiny_llama):
     assert status == 200 and events[-1] == "[DONE]"
     assert "".join(json.loads(e)["choices"][0]["text"] for e in events[:-1]) == expected
     # The streamed request found the prompt's 10 blocks where the first left them.
+    # (Each replica's exposition reaches /metrics with Ray's routing stats, about once a second.)
     samples = wait_for(lambda: (s := metric_samples(url)) and sum(
-        per_replica(s, "pagedserve:router_requests_total", decision="prefix").values()) >= 1 and s,
-        "a prefix decision")
+        per_replica(s, "pagedserve:router_requests_total", decision="prefix").values()) >= 1
+        and sum(per_replica(s, "pagedserve:request_success_total", finished_reason="length").values()) == 2 and s,
+        "a prefix decision and both requests on /metrics")
     hits = per_replica(samples, "pagedserve:prefix_cache_hits_total")
     assert max(hits.values()) == 40, hits   # the repeat was served all 40 cached tokens
     matched = [v for n, lab, v in samples if n == "pagedserve:router_matched_tokens_total"]
@@ -108,9 +110,11 @@ def test_greedy_text_streams_and_routing_by_kv_events(fleet, tiny_llama):
     with concurrent.futures.ThreadPoolExecutor(6) as pool:
         results = list(pool.map(lambda i: completion(url, model, [i + 1] * (6 + i), 4), range(6)))
     assert all(status == 200 for status, _ in results)
-    samples = metric_samples(url)
+    samples = wait_for(lambda: (s := metric_samples(url)) and sum(per_replica(
+        s, "pagedserve:request_success_total", finished_reason="length").values()) == 2 + 6 and s,
+        "all eight requests on /metrics", 60)
     replicas = per_replica(samples, "pagedserve:request_success_total", finished_reason="length")
-    assert len(replicas) == 2 and sum(replicas.values()) == 2 + 6, replicas
+    assert len(replicas) == 2, replicas
     assert [v for n, lab, v in samples if n == "pagedserve:router_replicas"] == [2]
 
 
@@ -124,11 +128,11 @@ def test_a_client_that_disconnects_aborts_on_its_replica(fleet):
         for line in r.iter_lines():
             if line.startswith("data: "):
                 break   # one token seen; closing the stream is the disconnect
-    samples = wait_for(lambda: (s := metric_samples(url)) and sum(per_replica(
-        s, "pagedserve:request_success_total", finished_reason="abort").values()) == before + 1 and s,
-        "the abort reaching the engine", 120)
-    assert sum(per_replica(samples, "pagedserve:num_requests_running").values()) == 0
-    assert sum(per_replica(samples, "pagedserve:kv_cache_used_tokens").values()) == 0
+    # Counted once, and its blocks back: nothing running, no token slot held, on any replica.
+    wait_for(lambda: (s := metric_samples(url)) and sum(per_replica(
+        s, "pagedserve:request_success_total", finished_reason="abort").values()) == before + 1
+        and sum(per_replica(s, "pagedserve:num_requests_running").values()) == 0
+        and sum(per_replica(s, "pagedserve:kv_cache_used_tokens").values()) == 0, "the abort reaching the engine", 120)
 
 
 def test_a_killed_replica_costs_only_its_in_flight_requests(fleet):

@@ -138,17 +138,21 @@ def build_ingress_class():
             from pagedserve.fleet import serve as fleet_serve
 
             state = fleet_serve.ROUTER_REGISTRY.get(ENGINE_DEPLOYMENT)
-            replica_ids = sorted(state.policy.replicas) if state is not None else []
-            if not replica_ids:  # the router has not run yet: ask any replica, so it starts
-                replica_ids = [None]
-            # A replica that does not answer in time (dying, starting) is left out of this scrape.
-            results = await asyncio.gather(*(asyncio.wait_for(self._metrics_of(r), METRICS_TIMEOUT_S)
-                                             for r in replica_ids), return_exceptions=True)
+            texts: dict = {}
+            if state is None:
+                # No request has gone through the handle yet, so Ray has not built the router:
+                # one call builds it and brings that replica's exposition.
+                try:
+                    replica_id, text = await asyncio.wait_for(self._metrics_of(None), METRICS_TIMEOUT_S)
+                    texts[replica_id] = text
+                except Exception:  # noqa: BLE001 - no replica answers yet: an empty scrape
+                    pass
+                state = fleet_serve.ROUTER_REGISTRY.get(ENGINE_DEPLOYMENT)
+            if state is not None:
+                state.refresh()
+                texts.update(state.expositions())   # each replica's, as its last routing stats carried it
             lines, seen = [], set()
-            for result in results:
-                if isinstance(result, BaseException):
-                    continue
-                replica_id, text = result
+            for replica_id, text in sorted(texts.items()):
                 lines += label_exposition(text, replica_id, seen)
             state = fleet_serve.ROUTER_REGISTRY.get(ENGINE_DEPLOYMENT)
             router_text = state.render() if state is not None else ""

@@ -27,6 +27,7 @@ class FleetRequestRouter(RequestRouter):
     def initialize_state(self, policy: str = "kv-aware", block_size: int = 16, **kwargs) -> None:
         self.state = _RouterState(policy, block_size, **kwargs)
         self._counted: set[str] = set()      # internal request ids counted in flight
+        self.state.ray_router = self
         # Ray ships this module to the caller by value (cloudpickle), globals included: reach the
         # registry through the imported module, never a copy of its dict.
         from pagedserve.fleet import serve as fleet_serve

@@ -107,10 +107,15 @@ class EngineReplica:
 
     def record_routing_stats(self) -> dict:
         """What the router reads every few seconds: where the KV events are, and the load."""
+        import zlib
+
         m = self.async_engine.metrics
+        # The exposition rides along (compressed): the ingress's /metrics reads every replica's
+        # from here, with no request that would itself need routing to one chosen replica.
         return {"replica_id": self.replica_id, "kv_events": self.kv_endpoint, "replay": self.replay_endpoint,
                 "block_size": self.block_size, "num_waiting": m._state["waiting"],
-                "num_running": m._state["running"], "kv_usage": m._state["kv_usage"]}
+                "num_running": m._state["running"], "kv_usage": m._state["kv_usage"],
+                "metrics_z": zlib.compress(m.render(), 6), "metrics_at": time.time()}
 
     def check_health(self) -> None:
         if self.async_engine.dead_error is not None:
@@ -209,6 +214,8 @@ class _RouterState:
         self.prompt_tokens = 0                    # of routed prompts (full blocks the engine could cache)
         self.matched_tokens = 0                   # of those, held by the chosen replica
         self.forgotten = 0                        # replicas forgotten (death or removal)
+        self.metrics_z: dict[str, bytes] = {}     # replica -> its last exposition (routing stats), zlib
+        self.ray_router = None                    # Ray's router object, for refresh()
 
     def apply(self, replica_id: str, events) -> None:
         with self.lock:
@@ -222,6 +229,8 @@ class _RouterState:
             for replica_id, replica in replicas.items():
                 self.policy.add_replica(replica_id)
                 stats = getattr(replica, "routing_stats", None) or {}
+                if stats.get("metrics_z"):
+                    self.metrics_z[replica_id] = stats["metrics_z"]
                 if stats:
                     self.policy.report_load(replica_id, stats.get("num_waiting", 0), stats.get("num_running", 0),
                                             stats.get("kv_usage", 0.0))
@@ -230,7 +239,18 @@ class _RouterState:
                     self.subscribers[replica_id] = KVEventSubscriber(replica_id, stats["kv_events"],
                                                                      stats.get("replay"), self.apply)
 
+    def refresh(self) -> None:
+        """Read Ray's current replica list and their routing stats now (a scrape between requests)."""
+        if self.ray_router is not None:
+            self.sync({r.replica_id.unique_id: r for r in list(self.ray_router.curr_replicas.values())})
+
+    def expositions(self) -> dict[str, str]:
+        import zlib
+        with self.lock:
+            return {r: zlib.decompress(z).decode() for r, z in self.metrics_z.items() if r in self.policy.replicas}
+
     def _forget(self, replica_id: str) -> None:
+        self.metrics_z.pop(replica_id, None)
         self.policy.remove_replica(replica_id)
         sub = self.subscribers.pop(replica_id, None)
         if sub is not None:
