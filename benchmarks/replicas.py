@@ -89,6 +89,17 @@ def prefix_counts(url: str) -> tuple[float, float]:
     return q, h
 
 
+def per_replica_requests(url: str) -> list[float]:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out: dict[str, float] = {}
+    for f in text_string_to_metric_families(httpx.get(url + "/metrics", timeout=60).text):
+        for s in f.samples:
+            if s.name == "pagedserve:request_success_total":
+                out[s.labels["replica"]] = out.get(s.labels["replica"], 0.0) + s.value
+    return sorted(out.values())
+
+
 def run_real(router: str, work: list, port: int) -> dict:
     from pagedserve.bench.report import RequestRecord
     from pagedserve.config import EngineConfig
@@ -107,10 +118,13 @@ def run_real(router: str, work: list, port: int) -> dict:
             await asyncio.gather(*(one(client, url, model, w, t0, r) for w, r in zip(work, records)))
 
     asyncio.run(drive())
+    time.sleep(3)  # /metrics carries each replica's counters with Ray's routing stats (about 1 s behind)
     q1, h1 = prefix_counts(url)
+    replicas = per_replica_requests(url)
     duration = max(r.finish for r in records if r.finish is not None)
     m = compute_metrics(records, duration)
     return {"prefix_hit_rate": (h1 - h0) / (q1 - q0) if q1 > q0 else 0.0, "failed": sum(r.failed for r in records),
+            "requests_per_replica": replicas,
             **{k: m[k] for k in ("p50_ttft_ms", "p99_ttft_ms", "p99_itl_ms", "output_throughput")}}
 
 
