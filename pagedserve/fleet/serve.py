@@ -18,7 +18,8 @@
   cancels the handle call, which closes the replica's loopback stream: the engine aborts it.
 - A replica that dies before the first byte of a response is retried once on another replica;
   one that dies mid-stream ends that stream with an error event (its tokens cannot be resumed).
-- `/metrics`: every replica's exposition with a `replica` label, plus the router's own.
+- `/metrics`: every replica's exposition (carried by Ray's routing stats) with a `replica` label, plus
+  the router's own.
 """
 from __future__ import annotations
 
