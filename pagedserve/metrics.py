@@ -130,30 +130,86 @@ VLLM_BUCKETS = BucketLayout(
 )
 BUCKET_LAYOUTS = {layout.name: layout for layout in (PAGEDSERVE_BUCKETS, VLLM_BUCKETS)}
 
+# `--metric-names`: which prefixes /metrics speaks (docs/metrics.md, "vLLM's names").
+#   pagedserve  every metric as pagedserve:*, with our bounds (the default);
+#   vllm        every metric vLLM has as vllm:* *with vLLM's bounds*, the rest as pagedserve:*;
+#   both        all pagedserve:* (our bounds) and, beside them, vllm:* (vLLM's bounds).
+# vllm:* histograms take vLLM's bounds because fleet tooling adds buckets across pods
+# (`sum by (le) (rate(vllm:..._bucket[1m]))`): pods with other `le` sets would make each other's
+# quantiles wrong, and boards and alerts that name a bound (`le="0.5"`) would find none.
+METRIC_NAMINGS = ("pagedserve", "vllm", "both")
+
+
+class _Fanout:
+    """One metric's series under one or two prefixes: every write goes to each of them."""
+
+    def __init__(self, children: list) -> None:
+        self.children = children
+
+    def labels(self, *values):
+        return _Fanout([c.labels(*values) for c in self.children])
+
+    def clear(self) -> None:
+        for c in self.children:
+            c.clear()
+
+    def inc(self, amount: float = 1) -> None:
+        for c in self.children:
+            c.inc(amount)
+
+    def set(self, value: float) -> None:
+        for c in self.children:
+            c.set(value)
+
+    def observe(self, value: float) -> None:
+        for c in self.children:
+            c.observe(value)
+
+    def set_function(self, f) -> None:
+        for c in self.children:
+            c.set_function(f)
+
 
 class EngineMetrics:
     """All server metrics. The engine thread calls the record_* methods; /metrics calls render().
 
     `max_num_batched_tokens` bounds the tokens-per-step histogram (default: max(max_model_len, 8192));
-    `buckets` picks the bounds (`VLLM_BUCKETS` only to compare against vLLM's)."""
+    `buckets` picks the bounds of the pagedserve:* histograms (`VLLM_BUCKETS` only to compare
+    against vLLM's); `names` which prefixes are exposed (METRIC_NAMINGS; vllm:* always with
+    vLLM's bounds)."""
 
     def __init__(self, model_name: str, max_model_len: int, log_interval: float = 10.0,
                  busy_window: float = 1.0, *, max_num_batched_tokens: int | None = None,
-                 buckets: BucketLayout = PAGEDSERVE_BUCKETS) -> None:
+                 buckets: BucketLayout = PAGEDSERVE_BUCKETS, names: str = "pagedserve") -> None:
+        if names not in METRIC_NAMINGS:
+            raise ValueError(f"metric_names: must be one of {METRIC_NAMINGS}, got {names!r}")
         self.registry = CollectorRegistry()
         self.model_name = model_name
         self.buckets = buckets
+        self.names = names
         step_limit = max_num_batched_tokens or max(max_model_len, 8192)
-        bounds = {
-            mn.TIME_TO_FIRST_TOKEN: buckets.ttft, mn.INTER_TOKEN_LATENCY: buckets.itl,
-            mn.E2E_REQUEST_LATENCY: buckets.e2e, mn.REQUEST_QUEUE_TIME: buckets.queue,
-            mn.ENGINE_STEP: buckets.step, mn.REQUEST_NUM_PREEMPTIONS: buckets.preemptions,
-            mn.REQUEST_PROMPT_TOKENS: buckets.request_tokens(max_model_len),
-            mn.REQUEST_GENERATION_TOKENS: buckets.request_tokens(max_model_len),
-            mn.ITERATION_TOKENS: buckets.iteration_tokens(step_limit),
-        }
-        # One collector per row of the names table, so nothing is exposed that the table lacks.
-        self._collectors = {spec.name: self._collector(spec, bounds.get(spec.name)) for spec in mn.METRICS}
+
+        def bounds_of(layout: BucketLayout) -> dict:
+            return {
+                mn.TIME_TO_FIRST_TOKEN: layout.ttft, mn.INTER_TOKEN_LATENCY: layout.itl,
+                mn.E2E_REQUEST_LATENCY: layout.e2e, mn.REQUEST_QUEUE_TIME: layout.queue,
+                mn.ENGINE_STEP: layout.step, mn.REQUEST_NUM_PREEMPTIONS: layout.preemptions,
+                mn.REQUEST_PROMPT_TOKENS: layout.request_tokens(max_model_len),
+                mn.REQUEST_GENERATION_TOKENS: layout.request_tokens(max_model_len),
+                mn.ITERATION_TOKENS: layout.iteration_tokens(step_limit),
+            }
+
+        ours, vllms = bounds_of(buckets), bounds_of(VLLM_BUCKETS)
+        # One collector per row of the names table (and per prefix it is exposed under), so
+        # nothing is exposed that the table lacks.
+        self._collectors = {}
+        for spec in mn.METRICS:
+            children = []
+            if names != "vllm" or spec.vllm is None:
+                children.append(self._collector(spec, ours.get(spec.name)))
+            if names != "pagedserve" and spec.vllm is not None:
+                children.append(self._collector(spec, vllms.get(spec.name), mn.VLLM_PREFIX + spec.vllm))
+            self._collectors[spec.name] = children[0] if len(children) == 1 else _Fanout(children)
         # Scheduler and pool state.
         self.num_requests_running = self._unlabelled(mn.NUM_REQUESTS_RUNNING)
         self.num_requests_waiting = self._unlabelled(mn.NUM_REQUESTS_WAITING)
@@ -225,8 +281,8 @@ class EngineMetrics:
         self._log_hits = 0
         self._state = dict(running=0, waiting=0, swapped=0, kv_usage=0.0)
 
-    def _collector(self, spec: mn.MetricSpec, bounds):
-        name, labels = PREFIX + spec.name, ["model_name", *spec.labels]
+    def _collector(self, spec: mn.MetricSpec, bounds, name: str | None = None):
+        name, labels = name or PREFIX + spec.name, ["model_name", *spec.labels]
         if spec.kind == "gauge":
             return Gauge(name, spec.help, labels, registry=self.registry)
         if spec.kind == "counter":

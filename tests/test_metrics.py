@@ -413,3 +413,82 @@ def test_grafana_dashboard_rules():
             mean = f"rate(pagedserve:{h}_sum"
             assert any(mean in t["expr"] and f"pagedserve:{h}_count" in t["expr"] for t in targets), (p["title"], h)
             assert sum(f"pagedserve:{h}_bucket" in t["expr"] for t in targets) == 3   # P50, P90, P99
+
+
+def test_vllm_names_carry_the_same_values_with_vllms_bounds():
+    """--metric-names both: each metric vLLM has appears also as vllm:* (vLLM's spelling, counters with
+    `_total`) holding the very values of its pagedserve:* twin, its histograms on vLLM's bounds
+    (metrics.VLLM_BUCKETS, from vLLM's PrometheusStatLogger) so buckets add across a mixed fleet;
+    pagedserve's own scrape reader counts the quantity once."""
+    from pagedserve.bench.prom import parse_metrics
+    from pagedserve.core.outputs import RequestMetrics, SchedulerStats
+    from pagedserve.metrics import VLLM_BUCKETS
+
+    m = EngineMetrics("m", 64, log_interval=0, max_num_batched_tokens=32, names="both")
+    m.set_cache_config("float32", 16, 8, 256, "cpu")
+    m.set_state(running=2, waiting=3, swapped=0, used_blocks=6, total_blocks=8, block_size=16)
+    m.record_step(SchedulerStats(num_batched_tokens=7), duration=0.0123, forward_time=0.01, num_batched_tokens=7)
+    m.record_first_token(num_prompt_tokens=10, arrival=100.0, first_token=100.25)
+    m.record_new_tokens(2, 0.05)
+    m.record_finished("length", 10, 2, RequestMetrics(arrival_time=100.0, first_scheduled_time=100.04,
+                                                      first_token_time=100.25, last_token_time=101.3,
+                                                      finished_time=101.3, num_preemptions=0, num_cached_tokens=0))
+    samples = {}
+    for family in text_string_to_metric_families(m.render().decode()):
+        for s in family.samples:
+            labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()) if k not in ("model_name", "le"))
+            samples.setdefault(s.name, {})[(labels, s.labels.get("le"))] = s.value
+    assert samples["vllm:num_requests_waiting"] == {("", None): 3}
+    assert samples["vllm:num_requests_running"] == {("", None): 2}
+    assert samples["vllm:kv_cache_usage_perc"] == {("", None): 0.75}
+    assert samples["vllm:prompt_tokens_total"] == {("", None): 10}
+    assert samples["vllm:generation_tokens_total"] == {("", None): 2}
+    assert samples["vllm:request_success_total"][("finished_reason=length", None)] == 1
+    assert samples["vllm:time_to_first_token_seconds_sum"] == {("", None): 0.25}
+    ttft = {float(le): v for (_, le), v in samples["vllm:time_to_first_token_seconds_bucket"].items()}
+    assert sorted(ttft)[:-1] == list(VLLM_BUCKETS.ttft)
+    assert all(v == (le >= 0.25) for le, v in ttft.items())
+    assert samples["vllm:inter_token_latency_seconds_count"] == {("", None): 2}
+    # Every pagedserve:* twin holds the same value; metrics vLLM lacks stay pagedserve:* only.
+    for spec in metric_names.METRICS:
+        if spec.vllm is not None and spec.kind != "histogram":
+            assert samples["vllm:" + spec.exposed] == samples["pagedserve:" + spec.exposed], spec.name
+    assert not any(name.startswith("vllm:kv_cache_total_tokens") for name in samples)
+    snap = parse_metrics(m.render().decode())
+    assert snap.value("prompt_tokens") == 10 and snap.value("num_requests_waiting") == 3
+    assert snap.histograms["time_to_first_token_seconds"].count == 1
+
+    only = EngineMetrics("m", 64, log_interval=0, names="vllm")
+    names = {f.name for f in text_string_to_metric_families(only.render().decode())}
+    assert "vllm:num_requests_waiting" in names and "pagedserve:num_requests_waiting" not in names
+    assert "pagedserve:kv_cache_total_tokens" in names  # vLLM has no such metric: kept, under our prefix
+    with pytest.raises(ValueError, match="metric_names"):
+        EngineMetrics("m", 64, names="VLLM")
+
+
+def test_serve_metric_names_flag_reaches_the_scrape(tiny_llama):
+    """`serve --metric-names vllm`: a request's counts show on a live /metrics under vLLM's names."""
+    import argparse
+
+    from pagedserve.server.cli import register, server_settings
+
+    parser = argparse.ArgumentParser()
+    register(parser.add_subparsers())
+    settings = server_settings(parser.parse_args(["serve", "--metric-names", "vllm"]))
+    assert settings["metric_names"] == "vllm"
+    assert server_settings(parser.parse_args(["serve"]))["metric_names"] == "pagedserve"
+    app, async_engine = build_server(EngineConfig(model=str(tiny_llama), **CONFIG), log_interval=0,
+                                     metric_names=settings["metric_names"])
+    with ServerThread(app) as st:
+        client = openai.OpenAI(base_url=st.url + "/v1", api_key="unused", max_retries=0)
+        r = client.completions.create(model=async_engine.engine.model_name, prompt="The quick brown fox",
+                                      max_tokens=3, temperature=0, extra_body={"ignore_eos": True})
+        m = scrape(st)
+    assert m["vllm:prompt_tokens_total{}"] == r.usage.prompt_tokens
+    assert m["vllm:generation_tokens_total{}"] == 3
+    assert m["vllm:time_to_first_token_seconds_count{}"] == 1
+    assert m["vllm:request_success_total{finished_reason=length}"] == 1
+    assert m["vllm:num_requests_waiting{}"] == 0 and m["vllm:num_requests_running{}"] == 0
+    assert m["vllm:kv_cache_usage_perc{}"] == 0
+    assert m["pagedserve:kv_cache_total_tokens{}"] == 8 * 16
+    assert not any(k.startswith("pagedserve:num_requests_waiting") for k in m)

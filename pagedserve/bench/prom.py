@@ -150,7 +150,13 @@ def parse_metrics(text: str, t: float = 0.0) -> Snapshot:
     and statesets are skipped: nothing here reads them."""
     reader = _Reader(Snapshot(t=t))
     untyped: list[tuple[str, dict, float]] = []
-    for family in text_string_to_metric_families(text):
+    families = list(text_string_to_metric_families(text))
+    # A pagedserve server with --metric-names both shows a quantity twice (pagedserve:* and
+    # vllm:*): read pagedserve's copy (finer bounds) and never add the two.
+    ours = {f.name[len(mn.PREFIX):] for f in families if f.name.startswith(mn.PREFIX)}
+    for family in families:
+        if family.name.startswith(mn.VLLM_PREFIX) and family.name[len(mn.VLLM_PREFIX):] in ours:
+            continue
         if family.type in ("unknown", "untyped"):
             untyped.extend((s.name, s.labels, s.value) for s in family.samples)
             continue

@@ -121,6 +121,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--layouts", default=None, metavar="L1,L2",
                         help="compare parallel layouts side by side, e.g. TP8,TP8+EP8,TP4xPP2,DP8+EP8 "
                              "(each replaces -tp/-pp/-dp/--enable-expert-parallel)")
+    parser.add_argument("--replicas", type=_positive_int("--replicas"), default=None,
+                        help="a fleet of N such replicas (serve --replicas): print its totals after the plan")
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
 
 
@@ -222,13 +224,50 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"pagedserve plan: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
-    text = json.dumps(plan_to_dict(plan), indent=2) if args.json else render_text(plan)
+    replicas = getattr(args, "replicas", None)
+    if args.json:
+        payload = plan_to_dict(plan)
+        if replicas:
+            payload["fleet"] = fleet_totals(plan, replicas)
+        text = json.dumps(payload, indent=2)
+    else:
+        text = render_text(plan) + (("\n" + render_fleet(plan, replicas)) if replicas else "")
     try:
         print(text)
         sys.stdout.flush()
     except BrokenPipeError:  # `pagedserve plan ... | head`
         sys.stdout = open(os.devnull, "w")
     return 0
+
+
+def fleet_totals(plan, replicas: int) -> dict:
+    """A fleet of `replicas` copies of the planned engine: each holds its own weights and KV pool
+    (replicas share nothing), so every total is the replica's times N."""
+    gpus = plan.layout.num_gpus if plan.request.device_kind == "gpu" else 0
+    pool_tokens = plan.pool.num_blocks * plan.pool.block_size
+    return {
+        "replicas": replicas, "gpus_per_replica": gpus, "gpus": gpus * replicas,
+        "device_memory_bytes": plan.request.device.memory_bytes * max(gpus, 1) * replicas,
+        "weight_bytes": plan.weight_bytes_total * replicas,
+        "kv_pool_bytes": plan.kv_pool_budget_bytes * max(gpus, 1) * replicas,
+        "kv_pool_tokens_per_replica": pool_tokens, "kv_pool_tokens": pool_tokens * replicas,
+        "max_concurrency_at_max_model_len": plan.max_concurrency_at_max_model_len * replicas,
+        "concurrency_at_mean": plan.concurrency_at_mean * replicas,
+    }
+
+
+def render_fleet(plan, replicas: int) -> str:
+    t = fleet_totals(plan, replicas)
+    gib = 1 << 30
+    where = f"{t['gpus']} GPUs ({t['gpus_per_replica']} per replica)" if t["gpus"] else "CPU replicas"
+    return "\n".join([
+        f"Fleet: {replicas} replicas, {where}",
+        f"  weights     {t['weight_bytes'] / gib:8.2f} GiB in all (each replica loads its own copy)",
+        f"  KV pools    {t['kv_pool_bytes'] / gib:8.2f} GiB in all, {t['kv_pool_tokens']:,} tokens "
+        f"({t['kv_pool_tokens_per_replica']:,} per replica; a prefix cached on one is not on the others)",
+        f"  concurrency {t['concurrency_at_mean']:8.1f} sequences at the mean length, "
+        f"{t['max_concurrency_at_max_model_len']:.1f} at max_model_len",
+    ])
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -15,7 +15,8 @@ _SERVER_DEFAULTS = {"host": "127.0.0.1", "port": 8000, "api_key": None, "max_que
                     "max_seqs_per_request": None, "step_watchdog_timeout": None,
                     "max_request_bytes": None, "enable_prompt_tokens_details": False,
                     "enable_auto_tool_choice": False, "tool_call_parser": None, "dashboard": True,
-                    "shutdown_timeout": None, "header_read_timeout": None, "body_read_timeout": None}
+                    "shutdown_timeout": None, "header_read_timeout": None, "body_read_timeout": None,
+                    "metric_names": "pagedserve", "replicas": None, "router": "kv-aware"}
 # Settings checked alike: counts where 0 = no limit, and seconds (with what 0 means, where it is not "none").
 _COUNT_LIMITS = ("max_request_bytes", "max_queue_len", "max_seqs_per_request")
 _SECONDS = {"step_watchdog_timeout": " (0 = off)", "shutdown_timeout": "", "header_read_timeout": "",
@@ -69,6 +70,18 @@ def register(sub) -> None:
     server.add_argument("--body-read-timeout", type=float, default=None,
                         help="seconds a request body may go without a byte arriving; then 408 and the connection "
                              "is closed (default 30; 0 = no limit)")
+    server.add_argument("--metric-names", default=None, choices=("pagedserve", "vllm", "both"),
+                        help="prefixes on /metrics: pagedserve (default), vllm (vLLM's names and histogram bounds "
+                             "for every metric vLLM has, pagedserve:* for the rest: a vLLM fleet's boards, routers "
+                             "and autoscalers read it unchanged) or both (docs/metrics.md)")
+    fleet = p.add_argument_group("replicas (Ray Serve; docs/replicas.md)")
+    fleet.add_argument("--replicas", type=int, default=None,
+                       help="run N engine replicas behind one endpoint as a Ray Serve application (needs "
+                            "ray[serve]; joins RAY_ADDRESS's cluster, else starts a local Ray)")
+    fleet.add_argument("--router", default=None, choices=("round-robin", "power-of-two", "kv-aware"),
+                       help="how the replicas share requests (default kv-aware: the replica holding the longest "
+                            "cached prefix, from its KV events, within a bounded imbalance)")
+    fleet.add_argument("--cpus-per-replica", type=float, default=1.0, help="Ray CPUs each replica takes (default 1)")
     server.add_argument("--log-interval", type=float, default=10.0,
                         help="seconds between stats log lines (0 = off)")
     server.add_argument("--uvicorn-log-level", default="info")
@@ -108,6 +121,13 @@ def server_settings(args) -> dict:
         value = settings[name]
         if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0):
             raise ValueError(f"{name}: must be a number of seconds >= 0{zero}, got {value!r}")
+    replicas = settings["replicas"]
+    if replicas is not None and (isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 1):
+        raise ValueError(f"replicas: must be an integer >= 1, got {replicas!r}")
+    if settings["router"] not in ("round-robin", "power-of-two", "kv-aware"):
+        raise ValueError(f"router: must be round-robin, power-of-two or kv-aware, got {settings['router']!r}")
+    if settings["metric_names"] not in ("pagedserve", "vllm", "both"):
+        raise ValueError(f"metric_names: must be pagedserve, vllm or both, got {settings['metric_names']!r}")
     parser = settings["tool_call_parser"]
     if parser is not None and parser not in TOOL_PARSERS:
         raise ValueError(f"tool_call_parser: unknown parser {parser!r}; choose from {sorted(TOOL_PARSERS)}")
@@ -130,6 +150,8 @@ def run(args) -> int:
 
     settings = server_settings(args)
     config = engine_config_from_args(args)
+    if settings["replicas"] is not None:
+        return run_replicas(args, settings, config)
     app, async_engine = build_server(config, api_key=settings["api_key"],
                                      max_queue_len=settings["max_queue_len"], log_interval=args.log_interval,
                                      max_seqs_per_request=settings["max_seqs_per_request"],
@@ -139,7 +161,8 @@ def run(args) -> int:
                                      enable_auto_tool_choice=bool(settings["enable_auto_tool_choice"]),
                                      tool_call_parser=settings["tool_call_parser"],
                                      engine_core_mode=getattr(args, "engine_core_mode", "auto"),
-                                     dashboard=settings["dashboard"], shutdown_timeout=settings["shutdown_timeout"])
+                                     dashboard=settings["dashboard"], shutdown_timeout=settings["shutdown_timeout"],
+                                     metric_names=settings["metric_names"])
     server = make_server(app, settings["host"], settings["port"], args.uvicorn_log_level,
                          header_read_timeout=settings["header_read_timeout"],
                          body_read_timeout=settings["body_read_timeout"])
@@ -160,4 +183,19 @@ def run(args) -> int:
     if async_engine.dead_error is not None:
         logger.error("exiting with status 1: the engine died: %s", async_engine.dead_error)
         return 1
+    return 0
+
+
+def run_replicas(args, settings: dict, config) -> int:
+    """`serve --replicas N`: the Ray Serve application (fleet/serve.py) on host:port."""
+    from pagedserve.fleet.serve import run_fleet
+
+    server_kwargs = {k: settings[k] for k in ("api_key", "max_queue_len", "max_seqs_per_request",
+                                               "step_watchdog_timeout", "max_request_bytes", "tool_call_parser",
+                                               "shutdown_timeout", "metric_names")}
+    server_kwargs.update(enable_prompt_tokens_details=bool(settings["enable_prompt_tokens_details"]),
+                         enable_auto_tool_choice=bool(settings["enable_auto_tool_choice"]), dashboard=False)
+    run_fleet(config, settings["replicas"], settings["router"], settings["host"], settings["port"],
+              cpus_per_replica=args.cpus_per_replica, server_kwargs=server_kwargs,
+              ray_address=os.environ.get("RAY_ADDRESS"))
     return 0

@@ -56,12 +56,13 @@ def build_server(config: EngineConfig, api_key: str | None = None, max_queue_len
                  tool_call_parser: str | None = None, engine_core_mode: str = "thread",
                  dashboard: bool = True, max_seqs_per_request: int | None = None,
                  step_watchdog_timeout: float | None = None,
-                 shutdown_timeout: float | None = None):
+                 shutdown_timeout: float | None = None, metric_names: str = "pagedserve"):
     """(app, async_engine). engine_core_mode: "thread" (the core steps in a thread of this
     process, from an Engine), "process" (an engine-core process, started and ready before
     this returns), or "auto". The core's side starts with the app. `max_queue_len` and
     `max_seqs_per_request`: None = the defaults (resolve_admission), 0 = no limit.
-    `step_watchdog_timeout`: see AsyncLLM (None = derived from measured steps, 0 = off)."""
+    `step_watchdog_timeout`: see AsyncLLM (None = derived from measured steps, 0 = off).
+    `metric_names`: pagedserve | vllm | both (metrics.METRIC_NAMINGS)."""
     max_queue_len, max_seqs_per_request = resolve_admission(config, max_queue_len, max_seqs_per_request)
     from pagedserve.engine.core_client import ProcessCoreClient, ThreadCoreClient
     from pagedserve.engine.llm_engine import Engine, EngineFrontend
@@ -82,7 +83,7 @@ def build_server(config: EngineConfig, api_key: str | None = None, max_queue_len
         client = ThreadCoreClient(engine.engine_core)
     settings = engine.settings
     metrics = EngineMetrics(engine.model_name, settings.config.max_model_len, log_interval=log_interval,
-                            max_num_batched_tokens=settings.config.max_num_batched_tokens)
+                            max_num_batched_tokens=settings.config.max_num_batched_tokens, names=metric_names)
     layout = client.pool_layout()  # the pool as the core sized it
     metrics.set_cache_config(settings.kv_cache_dtype, layout.block_size, layout.num_blocks, layout.bytes_per_token,
                              settings.config.device)

@@ -80,6 +80,10 @@ def register(subparsers) -> None:
                    help="write the report, timelines and per-request preemptions as JSON")
     o.add_argument("--plot", "--plot-dir", dest="plot", default=None, metavar="DIR", help="write PNG plots here")
     o.add_argument("--save-records", action="store_true", help="include every request's timings in the JSON")
+    fl = p.add_argument_group("fleet (docs/replicas.md)")
+    fl.add_argument("--replicas", type=int, default=None,
+                    help="simulate N replicas of this deployment behind --router (the serve --replicas code)")
+    fl.add_argument("--router", default="kv-aware", choices=("round-robin", "power-of-two", "kv-aware"))
     dash = p.add_argument_group("dashboard")
     dash.add_argument("--dashboard", action="store_true",
                       help="replay the run into the server's /dashboard page (it starts when the page connects; "
@@ -200,10 +204,35 @@ def run(args) -> int:
           f"{cp.per_token_overhead_s * 1e6:.2f} us/token", flush=True)
     if cfg.step_trace_path:
         print(f"step trace (virtual time): {cfg.step_trace_path}", flush=True)
+    if getattr(args, "replicas", None) is not None:
+        return _run_fleet(args, dep, workload, slos)
     if args.dashboard:
         return _run_with_dashboard(args, dep, workload, slos)
     result = simulate(dep, workload, max_concurrency=args.max_concurrency, goodput_slos=slos, seed=args.seed or 0)
     _report(args, dep, result, slos)
+    return 0
+
+
+def _run_fleet(args, dep, workload, slos) -> int:
+    from pagedserve.bench.report import format_summary, results_from_records, summarize
+    from pagedserve.sim.fleet import simulate_fleet
+
+    if args.replicas < 1:
+        raise ValueError(f"replicas: must be >= 1, got {args.replicas}")
+    if args.max_concurrency is not None or args.dashboard:
+        raise ValueError("replicas: the fleet simulation is open loop without a dashboard (drop --max-concurrency, "
+                         "--dashboard)")
+    result = simulate_fleet(dep, workload, args.replicas, args.router, seed=args.seed or 0, goodput_slos=slos)
+    summary = summarize(results_from_records(result.records), result.metrics["duration"], slos)
+    print(format_summary(summary, f"Simulated Fleet Result ({args.replicas} x replica, router {args.router})"))
+    print(f"prefix cache hit rate {result.prefix_hit_rate:.1%} ({result.prefix_cache_hits} of "
+          f"{result.prefix_cache_queries} prompt tokens); requests per replica {result.requests_per_replica}; "
+          f"router decisions {result.decisions}; {result.num_steps} steps simulated in {result.sim_wall_s:.1f} s")
+    if args.result_json:
+        path = Path(args.result_json)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(json_safe(result.to_dict()), indent=2))
+        print(f"wrote {path}")
     return 0
 
 

@@ -1,0 +1,190 @@
+"""Routers (fleet/routing.py): decisions from scripted KV-event streams, torch-free.
+
+The reference for a prompt's keys is the engine's own pool: after the KV manager caches a
+prompt, the pool's cached keys are exactly what the router computes from the token ids."""
+from __future__ import annotations
+
+import random
+from collections import Counter
+
+import msgspec
+import pytest
+
+from pagedserve.core.block_pool import BlockPool
+from pagedserve.core.kv_cache import KVCacheManager
+from pagedserve.core.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventLog
+from pagedserve.core.request import Request
+from pagedserve.fleet.routing import (KVAwareRouter, PowerOfTwoRouter, RoundRobinRouter, make_router,
+                                      prompt_block_hashes)
+from pagedserve.sampling import SamplingParams
+
+BS = 4
+
+
+def cache_prompt(tokens: list[int], num_blocks: int = 16) -> tuple[BlockPool, list]:
+    """A pool with events, after the KV manager computed and cached `tokens`: (pool, events)."""
+    pool = BlockPool(num_blocks, enable_caching=True)
+    pool.events = KVEventLog(BS, "CPU")
+    kv = KVCacheManager(pool, BS)
+    req = Request("r", tokens, SamplingParams(max_tokens=1))
+    assert kv.allocate_slots(req, len(tokens), 0, []) is not None
+    req.num_computed_tokens = len(tokens)
+    kv.cache_blocks(req, len(tokens))
+    return pool, pool.events.take()
+
+
+@pytest.mark.parametrize("length", [1, 4, 5, 13, 17])
+def test_prompt_keys_are_the_keys_the_engine_pool_caches(length):
+    rng = random.Random(length)
+    tokens = [rng.randrange(1000) for _ in range(length)]
+    pool, _ = cache_prompt(tokens)
+    # The pool caches every full block; the router counts only those a later request could be
+    # served (never the last token), i.e. all of them when the prompt ends one past a block.
+    servable = (length - 1) // BS
+    keys = prompt_block_hashes(tokens, BS)
+    assert len(keys) == servable
+    assert set(keys) <= pool.cached_block_hashes()
+    assert set(prompt_block_hashes(tokens + [7], BS)) == pool.cached_block_hashes()
+
+
+def stored(tokens: list[int]) -> list:
+    """The events a replica's pool sends after computing `tokens`."""
+    return cache_prompt(tokens)[1]
+
+
+PROMPT = list(range(100, 113))           # 3 full blocks of 4 servable, + 1 token
+OTHER = list(range(500, 513))
+
+
+def kv_router(**kw) -> KVAwareRouter:
+    router = KVAwareRouter(BS, **kw)
+    router.set_replicas(["a", "b", "c"])
+    return router
+
+
+def test_kv_aware_sends_a_prompt_to_the_replica_holding_its_longest_prefix():
+    router = kv_router()
+    router.apply_events("a", stored(PROMPT[:5]))         # 1 block of the prompt
+    router.apply_events("b", stored(PROMPT))             # all 3
+    router.apply_events("c", stored(OTHER))
+    d = router.choose(PROMPT)
+    assert (d.replica_id, d.matched_blocks, d.reason) == ("b", 3, "prefix")
+    # A different continuation of the first block: a holds that block, b too; b is tied on
+    # blocks, so the lower load decides.
+    router.started("b")
+    d = router.choose(PROMPT[:4] + [9, 9, 9, 9, 9])
+    assert (d.replica_id, d.matched_blocks) == ("a", 1)
+    # Nobody holds it: least loaded (a and c idle, b has one in flight): the first of them.
+    d = router.choose([1, 2, 3, 4, 5, 6])
+    assert (d.replica_id, d.matched_blocks, d.reason) == ("a", 0, "least-loaded")
+
+
+def test_a_held_block_after_a_miss_is_no_prefix():
+    router = kv_router()
+    router.apply_events("b", stored(PROMPT))
+    router.apply_events("b", [BlockRemoved([prompt_block_hashes(PROMPT, BS)[0]], "CPU")])
+    d = router.choose(PROMPT)
+    assert d.matched_blocks == 0 and d.reason == "least-loaded"
+
+
+def test_an_overloaded_holder_is_passed_over_within_the_bound_only():
+    router = kv_router(imbalance_threshold=2)
+    router.apply_events("b", stored(PROMPT))
+    for _ in range(2):
+        router.started("b")
+    assert router.choose(PROMPT).replica_id == "b"       # 2 above the floor: within the bound
+    router.started("b")
+    d = router.choose(PROMPT)                            # 3 above: the least loaded instead
+    assert (d.replica_id, d.reason) == ("a", "overloaded-holder")
+    router.finished("b")
+    assert router.choose(PROMPT).replica_id == "b"
+    # Reported queue counts as load too, and a nearly full pool disqualifies.
+    router.report_load("b", num_waiting=5, num_running=1, kv_usage=0.2)
+    assert router.choose(PROMPT).replica_id == "a"
+    router.report_load("b", num_waiting=0, num_running=0, kv_usage=0.97)
+    assert router.choose(PROMPT).reason == "overloaded-holder"
+
+
+def test_removed_blocks_cleared_pools_and_dead_replicas_are_forgotten():
+    router = kv_router()
+    router.apply_events("b", stored(PROMPT))
+    keys = prompt_block_hashes(PROMPT, BS)
+    router.apply_events("b", [BlockRemoved(keys[2:], "CPU")])
+    assert router.choose(PROMPT).matched_blocks == 2
+    router.apply_events("b", [AllBlocksCleared()])
+    assert router.choose(PROMPT).reason == "least-loaded"
+    router.apply_events("c", stored(PROMPT))
+    router.remove_replica("c")                            # died
+    assert all(router.choose(PROMPT).replica_id != "c" for _ in range(5))
+    router.apply_events("c", stored(PROMPT))              # a late batch from the dead one: ignored
+    router.add_replica("c")                               # restarted by Ray: an empty pool
+    assert router.choose(PROMPT).matched_blocks == 0
+    router.set_replicas(["a"])
+    assert set(router.replicas) == {"a"}
+
+
+def test_the_vllm_wire_format_drives_the_same_decisions():
+    """Batches as a ZMQ subscriber decodes them (engine/kv_events.py's vLLM-format messages)."""
+    from pagedserve.engine.kv_events import KVEventBatch, to_wire
+
+    wire = msgspec.msgpack.encode(KVEventBatch(ts=0.0, events=to_wire(stored(PROMPT))))
+    batch = msgspec.msgpack.Decoder(KVEventBatch).decode(wire)
+    router = kv_router()
+    router.apply_events("c", batch.events)
+    d = router.choose(PROMPT)
+    assert (d.replica_id, d.matched_blocks) == ("c", 3)
+
+
+def test_round_robin_and_power_of_two():
+    rr = RoundRobinRouter(BS)
+    rr.set_replicas(["x", "y", "z"])
+    assert [rr.choose(PROMPT).replica_id for _ in range(6)] == ["x", "y", "z", "x", "y", "z"]
+    p2 = PowerOfTwoRouter(BS, seed=3)
+    p2.set_replicas(["x", "y"])
+    for _ in range(3):
+        p2.started("x")
+    assert {p2.choose(PROMPT).replica_id for _ in range(20)} == {"y"}   # two of two: always the lighter
+    p3 = PowerOfTwoRouter(BS, seed=3)
+    p3.set_replicas(["x", "y", "z"])
+    for _ in range(5):
+        p3.started("z")
+    picks = Counter(p3.choose(PROMPT).replica_id for _ in range(300))
+    # z only wins a draw of z against nobody: never; x and y share the rest.
+    assert picks["z"] == 0 and picks["x"] > 50 and picks["y"] > 50
+    again = PowerOfTwoRouter(BS, seed=3)
+    again.set_replicas(["x", "y", "z"])
+    for _ in range(5):
+        again.started("z")
+    assert Counter(again.choose(PROMPT).replica_id for _ in range(300)) == picks   # seeded: reproducible
+
+
+def test_make_router_names_and_no_replicas():
+    assert make_router("kv-aware", BS, imbalance_threshold=1).imbalance_threshold == 1
+    with pytest.raises(ValueError, match="router"):
+        make_router("random", BS)
+    with pytest.raises(RuntimeError, match="no live replica"):
+        make_router("round-robin", BS).choose(PROMPT)
+
+
+def test_serve_replica_flags_and_the_documented_serve_run_config():
+    import argparse
+    import pathlib
+
+    import yaml
+
+    from pagedserve.config import EngineConfig
+    from pagedserve.server.cli import register, server_settings
+
+    parser = argparse.ArgumentParser()
+    register(parser.add_subparsers())
+    settings = server_settings(parser.parse_args(["serve", "--replicas", "2", "--router", "round-robin"]))
+    assert (settings["replicas"], settings["router"]) == (2, "round-robin")
+    assert server_settings(parser.parse_args(["serve"]))["replicas"] is None
+    with pytest.raises(ValueError, match="replicas"):
+        server_settings(parser.parse_args(["serve", "--replicas", "0"]))
+    config = yaml.safe_load((pathlib.Path(__file__).parents[1] / "deploy" / "serve-replicas.yaml").read_text())
+    (app,) = config["applications"]
+    assert app["import_path"] == "pagedserve.fleet.serve:app_builder"
+    fleet_keys = {"replicas", "router", "cpus_per_replica", "advertise_host", "metric_names"}
+    assert set(app["args"]) - fleet_keys <= set(EngineConfig.knob_names())
+    assert app["args"]["router"] in ("round-robin", "power-of-two", "kv-aware")
