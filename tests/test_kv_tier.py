@@ -175,7 +175,7 @@ def test_multi_turn_chats_hit_the_tier_and_every_slot_read_is_right(mode):
 
 def test_advise_suggests_a_tier_when_reused_prefixes_are_evicted():
     from pagedserve.bench.prom import parse_metrics
-    from pagedserve.tune.advisor import Thresholds, advise, observe
+    from pagedserve.advise.advisor import Thresholds, advise, observe
 
     from test_advise import load_pair
 

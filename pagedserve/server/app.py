@@ -60,7 +60,7 @@ def build_app(async_engine: AsyncLLM, api_key: str | None = None, manage_engine:
     """The FastAPI app. With manage_engine the engine thread starts and stops with the app.
     `max_request_bytes`: None = default_max_request_bytes(max_model_len); 0 = no limit.
     `max_seqs_per_request`: None = no limit (build_server passes its default).
-    `dashboard`: serve /dashboard (server/dashboard.py). `shutdown_timeout`: how long a
+    `dashboard`: serve /dashboard (dashboard/routes.py). `shutdown_timeout`: how long a
     shutdown signal lets the requests in flight finish (server/drain.py; None = its default)."""
     from pagedserve.server.drain import DEFAULT_SHUTDOWN_TIMEOUT, Drain, DrainGate
 
