@@ -7,7 +7,7 @@ import asyncio
 import json
 import logging
 
-from pagedserve.fleet.serve import ENGINE_DEPLOYMENT, label_exposition
+from pagedserve.fleet.registry import ENGINE_DEPLOYMENT, label_exposition
 
 logger = logging.getLogger("pagedserve.fleet")
 METRICS_TIMEOUT_S = 10.0
@@ -135,7 +135,7 @@ def build_ingress_class():
         async def metrics(self):
             # The class travels to its replica by value (cloudpickle), globals copied: read the
             # router registry through the module, where the router put its state.
-            from pagedserve.fleet import serve as fleet_serve
+            from pagedserve.fleet import registry as fleet_serve
 
             state = fleet_serve.ROUTER_REGISTRY.get(ENGINE_DEPLOYMENT)
             texts: dict = {}

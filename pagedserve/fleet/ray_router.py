@@ -30,7 +30,7 @@ class FleetRequestRouter(RequestRouter):
         self.state.ray_router = self
         # Ray ships this module to the caller by value (cloudpickle), globals included: reach the
         # registry through the imported module, never a copy of its dict.
-        from pagedserve.fleet import serve as fleet_serve
+        from pagedserve.fleet import registry as fleet_serve
         fleet_serve.ROUTER_REGISTRY[self._deployment_id.name] = self.state
 
     async def choose_replicas(self, candidate_replicas, pending_request=None):

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import logging
 import os
-import re
 import socket
 import threading
 import time
@@ -33,16 +32,14 @@ from collections import Counter
 from dataclasses import replace
 from typing import Any
 
+from pagedserve.fleet.registry import ENGINE_DEPLOYMENT
 from pagedserve.fleet.routing import ROUTERS, make_router
 
 logger = logging.getLogger("pagedserve.fleet")
 
 APP_NAME = "pagedserve"
-ENGINE_DEPLOYMENT = "EngineReplica"
 # Headers a response keeps on its way back (the rest are hop-by-hop or Ray's).
 _KEEP_HEADERS = ("content-type", "retry-after", "x-request-id")
-# Routers living in this process, by deployment name: the ingress reads their state for /metrics.
-ROUTER_REGISTRY: dict[str, "Any"] = {}
 ROUTER_METRIC_PREFIX = "pagedserve:router_"
 
 
@@ -302,31 +299,6 @@ class _RouterState:
 
 
 # -- the ingress ------------------------------------------------------------------------------------
-_SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{.*\})?\s+(\S+)(\s+\S+)?$")
-
-
-def label_exposition(text: str, replica: str, seen_meta: set[str]) -> list[str]:
-    """A replica's Prometheus text with `replica="..."` on every sample; HELP/TYPE lines once per family."""
-    out = []
-    for line in text.splitlines():
-        if not line.strip():
-            continue
-        if line.startswith("#"):
-            parts = line.split(" ", 3)
-            key = " ".join(parts[:3])
-            if len(parts) >= 3 and parts[1] in ("HELP", "TYPE") and key not in seen_meta:
-                seen_meta.add(key)
-                out.append(line)
-            continue
-        m = _SAMPLE.match(line)
-        if m is None:
-            continue
-        name, labels, value = m.group(1), m.group(2), m.group(3)
-        inner = labels[1:-1] if labels else ""
-        extra = f'replica="{replica}"'
-        out.append(f"{name}{{{inner + ',' if inner else ''}{extra}}} {value}")
-    return out
-
 
 
 # -- the application -----------------------------------------------------------------------------------
