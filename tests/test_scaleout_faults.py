@@ -81,7 +81,7 @@ class Served:
                     break
             except httpx.HTTPError:
                 pass
-            time.sleep(0.5)
+            time.sleep(0.1)  # a refused connect costs nothing: a short poll saves each start ~0.2 s
         else:
             self.kill()
             pytest.fail(f"the server did not start within {START_TIMEOUT:.0f} s:\n{self.log()}")
