@@ -270,8 +270,7 @@ llm.shutdown()
 """
 
 
-def _start_script(tmp_path, name: str, source: str):
-    """Start `source` as the script `name` in its own Python; returns (its path, the process)."""
+def _run_script(tmp_path, name: str, source: str):
     import os
     import subprocess
     import sys
@@ -282,20 +281,8 @@ def _start_script(tmp_path, name: str, source: str):
     script = tmp_path / name
     script.write_text(source)
     env = {**os.environ, "PYTHONPATH": str(Path(pagedserve.__file__).resolve().parents[1]), "OMP_NUM_THREADS": "1"}
-    return script, subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                    text=True, env=env, cwd=str(tmp_path))
-
-
-def _finish_script(proc):
-    """Wait for a script started by _start_script; returns a CompletedProcess."""
-    import subprocess
-
-    try:
-        stdout, stderr = proc.communicate(timeout=600)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        raise
-    return subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
+    return script, subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env,
+                                  cwd=str(tmp_path), timeout=600)
 
 
 def test_tp_script_without_main_guard_stops_with_one_line_naming_the_fix(tiny_llama, tmp_path):
@@ -307,15 +294,7 @@ def test_tp_script_without_main_guard_stops_with_one_line_naming_the_fix(tiny_ll
 
     prompt, n = [5, 6, 7, 8, 9], 6
     body = SCRIPT_BODY.format(path=str(tiny_llama), prompt=prompt, n=n)
-    guarded = "if __name__ == \"__main__\":\n" + textwrap.indent(body, "    ")
-    # Both scripts at once, and HF's reference meanwhile: each spends most of its time importing
-    # torch and spawning ranks on one core, so side by side they take little more than one.
-    script, bare_proc = _start_script(tmp_path, "unguarded.py", body)
-    _, fixed_proc = _start_script(tmp_path, "guarded.py", guarded)
-    try:
-        want = hf_greedy(tiny_llama, [prompt], [n])[0]
-    finally:
-        bare, fixed = _finish_script(bare_proc), _finish_script(fixed_proc)
+    script, bare = _run_script(tmp_path, "unguarded.py", body)
     assert bare.returncode != 0, bare.stdout + bare.stderr
     assert "TOKENS" not in bare.stdout
     last = bare.stderr.strip().splitlines()[-1]
@@ -327,6 +306,8 @@ def test_tp_script_without_main_guard_stops_with_one_line_naming_the_fix(tiny_ll
         assert noise not in bare.stderr, bare.stderr
 
     # The fix the line names works, and the ranks give HF's tokens.
+    guarded = "if __name__ == \"__main__\":\n" + textwrap.indent(body, "    ")
+    _, fixed = _run_script(tmp_path, "guarded.py", guarded)
     assert fixed.returncode == 0, fixed.stderr
     got = next(line for line in fixed.stdout.splitlines() if line.startswith("TOKENS"))
-    assert got == f"TOKENS {want}"
+    assert got == f"TOKENS {hf_greedy(tiny_llama, [prompt], [n])[0]}"
