@@ -4,7 +4,9 @@
   within seconds (never a hang), /health turns 503, the server exits non-zero and its log
   names the dead rank; no process of the group is left.
 - SIGKILL the engine-core process: the same, naming the engine core process.
-- SIGTERM the server: every process (API, engine core, ranks) exits; none is left behind.
+- SIGTERM the server: every process (API, engine core, ranks) exits 0; none is left behind:
+  tests/test_server_shutdown.py's tp2-SIGTERM case checks that, on a server with requests in
+  flight (one tensor-parallel server start instead of two).
 
 Every wait has a deadline.
 """
@@ -79,7 +81,7 @@ class Served:
                     break
             except httpx.HTTPError:
                 pass
-            time.sleep(0.5)
+            time.sleep(0.1)  # a refused connect costs nothing: a short poll saves each start ~0.2 s
         else:
             self.kill()
             pytest.fail(f"the server did not start within {START_TIMEOUT:.0f} s:\n{self.log()}")
@@ -237,20 +239,3 @@ def test_sigkill_the_engine_core_process_fails_requests_and_exits(tmp_path, mode
             server.kill()
     assert_failed_loudly(results, health, code)
     assert f"engine core process (pid {core}) died: killed by SIGKILL" in server.log()
-
-
-def test_sigterm_stops_every_process(tmp_path, model):
-    server = Served(tmp_path, model, "--tensor-parallel-size", "2", "--engine-core-mode", "process")
-    try:
-        pids = server.tree()
-        assert len(pids) >= 4, pids  # API, engine core, two ranks
-        server.proc.send_signal(signal.SIGTERM)
-        code = server.wait_exit()
-        left = wait_gone(pids)
-    finally:
-        if server.proc.poll() is None:
-            server.kill()
-    # A drained server exits 0 (an engine failure exits 1 instead).
-    assert code == 0, server.log()[-3000:]
-    assert "Traceback" not in server.log(), server.log()[-3000:]
-    assert not left, f"processes left behind: {left}"

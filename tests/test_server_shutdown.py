@@ -133,6 +133,8 @@ def test_shutdown_signal_refuses_new_requests_and_lets_those_in_flight_finish(tm
     server = _start(tmp_path, model, mode, timeout=DEADLINE)
     try:
         pids = server.tree()
+        if mode == "tp2":  # every process of the group is watched: API, engine core, two ranks
+            assert len(pids) >= 4, pids
         results, threads, _ = _in_flight(server, MAX_TOKENS[mode])
         server.proc.send_signal(sig)
         # Draining: /health says so (once the signal is handled), a new request is refused as a
