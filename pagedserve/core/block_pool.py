@@ -55,14 +55,22 @@ class KVBlock:
 class FreeBlockQueue:
     """Doubly-linked list of free blocks in LRU order: the head is evicted first."""
 
-    def __init__(self, blocks: list[KVBlock]) -> None:
+    def __init__(self, blocks: list[KVBlock], fresh: "_FreshBlocks | None" = None) -> None:
+        """`fresh`: blocks never handed out, not yet made, standing before every linked one
+        (the pool makes a block the first time it is taken: a 4 GiB swap space is half a
+        million blocks, most never used)."""
         self._head = KVBlock(-1)
         self._tail = KVBlock(-2)
         self._head.next_free = self._tail
         self._tail.prev_free = self._head
-        self.num_free = 0
+        self.fresh = fresh
+        self.num_linked = 0
         for b in blocks:
             self.append(b)
+
+    @property
+    def num_free(self) -> int:
+        return self.num_linked + (len(self.fresh) if self.fresh is not None else 0)
 
     def append(self, block: KVBlock) -> None:
         last = self._tail.prev_free
@@ -70,7 +78,7 @@ class FreeBlockQueue:
         block.prev_free = last
         block.next_free = self._tail
         self._tail.prev_free = block
-        self.num_free += 1
+        self.num_linked += 1
 
     def remove(self, block: KVBlock) -> None:
         if block.prev_free is None or block.next_free is None:
@@ -78,17 +86,21 @@ class FreeBlockQueue:
         block.prev_free.next_free = block.next_free
         block.next_free.prev_free = block.prev_free
         block.prev_free = block.next_free = None
-        self.num_free -= 1
+        self.num_linked -= 1
 
     def pop(self) -> KVBlock:
         """The most recently appended block."""
         block = self._tail.prev_free
         if block is self._head:
+            if self.fresh:
+                return self.fresh.take_last()
             raise RuntimeError("no free blocks")
         self.remove(block)
         return block
 
     def popleft(self) -> KVBlock:
+        if self.fresh:
+            return self.fresh.take_first()
         block = self._head.next_free
         if block is self._tail:
             raise RuntimeError("no free blocks")
@@ -96,10 +108,69 @@ class FreeBlockQueue:
         return block
 
     def __iter__(self):
+        if self.fresh is not None:
+            yield from self.fresh
         b = self._head.next_free
         while b is not self._tail:
             yield b
             b = b.next_free
+
+
+class _FreshBlocks:
+    """Ids lo..hi-1 of a pool's blocks, never handed out and not yet made, in the order they
+    stand at the free queue's head: ascending, or descending (a stack's bottom, so that its
+    pops take the lowest id first). Taking one makes it, in the pool's `made` list."""
+
+    def __init__(self, made: list, num_blocks: int, ascending: bool) -> None:
+        self.made, self.lo, self.hi, self.ascending = made, 0, num_blocks, ascending
+
+    def __len__(self) -> int:
+        return self.hi - self.lo
+
+    def __iter__(self):
+        ids = range(self.lo, self.hi) if self.ascending else range(self.hi - 1, self.lo - 1, -1)
+        return (self.make(i) for i in list(ids))
+
+    def make(self, block_id: int) -> KVBlock:
+        block = self.made[block_id]
+        if block is None:
+            block = self.made[block_id] = KVBlock(block_id)
+        return block
+
+    def _take(self, block_id: int) -> KVBlock:
+        if block_id == self.lo:
+            self.lo += 1
+        else:
+            self.hi -= 1
+        return self.make(block_id)
+
+    def take_first(self) -> KVBlock:
+        return self._take(self.lo if self.ascending else self.hi - 1)
+
+    def take_last(self) -> KVBlock:
+        return self._take(self.hi - 1 if self.ascending else self.lo)
+
+
+class _PoolBlocks:
+    """`pool.blocks`: block i, made when first read (see _FreshBlocks)."""
+
+    def __init__(self, fresh: _FreshBlocks) -> None:
+        self._fresh = fresh
+
+    def __len__(self) -> int:
+        return len(self._fresh.made)
+
+    def __getitem__(self, block_id: int) -> KVBlock:
+        if not 0 <= block_id < len(self._fresh.made):
+            raise IndexError(block_id)
+        return self._fresh.make(block_id)
+
+    def __iter__(self):
+        return (self._fresh.make(i) for i in range(len(self._fresh.made)))
+
+    def made(self):
+        """The blocks made so far (every block that was ever handed out among them)."""
+        return (b for b in self._fresh.made if b is not None)
 
 
 class BlockPool:
@@ -113,9 +184,11 @@ class BlockPool:
         self.num_blocks = num_blocks
         self.enable_caching = enable_caching
         self.reuse_recent_first = reuse_recent_first
-        self.blocks = [KVBlock(i) for i in range(num_blocks)]
-        # A stack pops from the tail: start it reversed so block 0 goes first.
-        self.free_queue = FreeBlockQueue(self.blocks[::-1] if reuse_recent_first else self.blocks)
+        # Every block starts free and unmade; a stack pops from the tail, so its unmade blocks
+        # stand in descending order and block 0 goes first.
+        fresh = _FreshBlocks([None] * num_blocks, num_blocks, ascending=not reuse_recent_first)
+        self.blocks = _PoolBlocks(fresh)
+        self.free_queue = FreeBlockQueue([], fresh)
         self.hash_to_block: dict[bytes, KVBlock] = {}
         self.events: KVEventLog | None = None  # KV events (--kv-events-config); None = not recorded
         # Called with a cached block just before its key is dropped for new content (the
@@ -207,7 +280,7 @@ class BlockPool:
         longer find. Returns whether it reset."""
         if self.num_used_blocks:
             return False
-        for block in self.blocks:
+        for block in self.blocks.made():
             if block.block_hash is not None:
                 block.block_hash = None
                 block.content = block.parent = block.parent_key = None
