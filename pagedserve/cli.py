@@ -65,6 +65,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(asctime)s %(name)s: %(message)s")
     try:
+        if args.command == "serve":
+            from pagedserve.fleet.cli import run_replicas, wants_replicas
+            if wants_replicas(args):  # the fleet sits above the one server: it is run from here
+                return run_replicas(args)
         return args.func(args) or 0
     except ValueError as e:
         print(f"pagedserve {args.command}: error: {e}", file=sys.stderr)

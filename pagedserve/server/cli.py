@@ -150,8 +150,9 @@ def run(args) -> int:
 
     settings = server_settings(args)
     config = engine_config_from_args(args)
-    if settings["replicas"] is not None:
-        return run_replicas(args, settings, config)
+    if settings["replicas"] is not None:  # pagedserve/cli.py hands those to fleet/cli.py
+        raise ValueError("replicas: `pagedserve serve --replicas N` runs the Ray Serve application (fleet/cli.py), "
+                         "not one server")
     app, async_engine = build_server(config, api_key=settings["api_key"],
                                      max_queue_len=settings["max_queue_len"], log_interval=args.log_interval,
                                      max_seqs_per_request=settings["max_seqs_per_request"],
@@ -183,19 +184,4 @@ def run(args) -> int:
     if async_engine.dead_error is not None:
         logger.error("exiting with status 1: the engine died: %s", async_engine.dead_error)
         return 1
-    return 0
-
-
-def run_replicas(args, settings: dict, config) -> int:
-    """`serve --replicas N`: the Ray Serve application (fleet/serve.py) on host:port."""
-    from pagedserve.fleet.serve import run_fleet
-
-    server_kwargs = {k: settings[k] for k in ("api_key", "max_queue_len", "max_seqs_per_request",
-                                               "step_watchdog_timeout", "max_request_bytes", "tool_call_parser",
-                                               "shutdown_timeout", "metric_names")}
-    server_kwargs.update(enable_prompt_tokens_details=bool(settings["enable_prompt_tokens_details"]),
-                         enable_auto_tool_choice=bool(settings["enable_auto_tool_choice"]), dashboard=False)
-    run_fleet(config, settings["replicas"], settings["router"], settings["host"], settings["port"],
-              cpus_per_replica=args.cpus_per_replica, server_kwargs=server_kwargs,
-              ray_address=os.environ.get("RAY_ADDRESS"))
     return 0
