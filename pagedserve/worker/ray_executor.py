@@ -53,6 +53,8 @@ class RayWorker:
 
 
 class RayExecutor(RankCalls):
+    dp_lockstep = None  # no DP attention + EP lockstep (core/executor.py)
+
     def __init__(self, config: EngineConfig, dtype: str, eos_token_ids: frozenset[int]) -> None:
         try:
             import ray
