@@ -70,9 +70,29 @@ def _build_core(config, eos_token_ids: frozenset[int]):
     dtype = resolve_dtype(config.dtype, model_config.checkpoint_dtype, config.device)
     grammar_compiler = None
     if config.distributed_executor_backend == "uni":  # the model runs here; ranks build their own
-        grammar_compiler = make_grammar_compiler(load_tokenizer(config), model_config.vocab_size, eos_token_ids,
-                                                 config.structured_outputs_cache_bytes)
+        grammar_compiler = LazyGrammarCompiler(lambda: make_grammar_compiler(
+            load_tokenizer(config), model_config.vocab_size, eos_token_ids, config.structured_outputs_cache_bytes))
     return build_engine_core(config, model_config, dtype, eos_token_ids, grammar_compiler=grammar_compiler)
+
+
+class LazyGrammarCompiler:
+    """The engine-core process's grammar compiler, built (tokenizer loaded) on the first
+    request with structured outputs rather than at start-up: loading the tokenizer imports
+    transformers, about half the CPU time of a core's start, and only structured outputs need
+    it here (the API process has its own tokenizer and compiler, and checks every grammar
+    before a request reaches a core). The first such request waits that once."""
+
+    def __init__(self, build) -> None:
+        self._build = build
+        self._compiler = None
+        self._built = False
+
+    def new_matcher(self, spec):
+        if not self._built:
+            self._compiler, self._built = self._build(), True
+        if self._compiler is None:  # no tokenizer: as when the runner has no compiler at all
+            raise ValueError("structured_outputs: this executor has no grammar compiler")
+        return self._compiler.new_matcher(spec)
 
 
 class EngineCoreProcess:
