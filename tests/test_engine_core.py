@@ -79,6 +79,7 @@ def test_executors_keep_the_protocol(tiny_llama):
         assert isinstance(executor, Executor)
         # In one process there are no ranks: nothing that can die, no other processes to report.
         assert executor.check_health() is None and executor.worker_pids() == []
+        assert executor.dp_lockstep is None   # only a DP attention + EP core's runner steps in lockstep
 
 
 @pytest.fixture

@@ -7,18 +7,26 @@ sim.executor.SimExecutor (a cost model on a virtual clock, no tensors). An execu
 calls back into the scheduler; it keeps what NewRequestData told it and applies each
 step's diffs. Every executor answers `check_health()` (the engine-core loop calls it between
 steps; it raises when a rank has died, and has nothing to check when the model runs in this
-process) and `worker_pids()` (the processes of its ranks, for the stall and death reports).
+process) and `worker_pids()` (the processes of its ranks, for the stall and death reports),
+and has a `dp_lockstep`: None, except on the model runner of a data-parallel core whose MoE
+layers exchange tokens with the other cores' (DP attention + EP, worker/dp_lockstep.py), where
+the engine-core loop steps in lockstep with the other cores through it.
 """
 from __future__ import annotations
 
-from typing import Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from pagedserve.core.outputs import StepResult
 from pagedserve.core.scheduler import SchedulerOutput
 
+if TYPE_CHECKING:
+    from pagedserve.worker.dp_lockstep import DPLockstep
+
 
 @runtime_checkable
 class Executor(Protocol):
+    dp_lockstep: "DPLockstep | None"   # DP attention + EP only (see above); None everywhere else
+
     def profile_kv_budget(self, gpu_memory_utilization: float, max_num_batched_tokens: int,
                           max_num_seqs: int) -> int:
         """Bytes a device KV pool may take (asked only when no size was configured)."""

@@ -129,7 +129,7 @@ class CoreLoop:
 
     def run(self) -> None:
         core = self.core
-        lockstep = getattr(core.executor, "dp_lockstep", None)
+        lockstep = core.executor.dp_lockstep
         if lockstep is not None:  # DP attention + EP: this core steps with the others
             self._run_lockstep(lockstep)
             return

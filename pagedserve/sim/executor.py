@@ -16,6 +16,8 @@ from pagedserve.core.outputs import StepResult
 
 
 class SimExecutor:
+    dp_lockstep = None  # no DP attention + EP lockstep (core/executor.py)
+
     def __init__(self, cost_model, vocab_size: int = 32000, seed: int = 0, clock=None) -> None:
         self.cost_model = cost_model
         self.clock = clock  # a VirtualClock: advanced by each step's duration

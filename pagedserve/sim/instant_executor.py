@@ -20,6 +20,8 @@ _BATCH = 4096
 
 
 class InstantExecutor:
+    dp_lockstep = None  # no DP attention + EP lockstep (core/executor.py)
+
     def __init__(self, vocab: int, seed: int = 0) -> None:
         self.vocab = vocab
         self.rng = random.Random(seed)

@@ -48,7 +48,7 @@ from pagedserve.model.loader import TORCH_DTYPES, ModelConfig, load_model
 from pagedserve.model.pipeline import (PipelineStage, micro_batch_bounds, recv_intermediate,
                                        send_intermediate, stage_config, wait_sends)
 from pagedserve.structured.compiler import GrammarCompiler, GrammarMatcher
-from pagedserve.tokenizer import grammar_compiler_for, load_tokenizer
+from pagedserve.tokenizer import LazyGrammarCompiler, grammar_compiler_for, load_tokenizer
 from pagedserve.worker.sampler import Sampler
 
 logger = logging.getLogger("pagedserve.worker")
@@ -194,7 +194,8 @@ class ModelRunner:
         stage = PipelineStage.of(model_config.num_layers, config.pipeline_parallel_size, rank // tp)
         if grammar_compiler == LOAD_GRAMMAR_COMPILER:
             samples = stage.is_last and shard.rank == 0
-            grammar_compiler = grammar_compiler_for(settings, load_tokenizer(config)) if samples else None
+            grammar_compiler = (LazyGrammarCompiler(lambda: grammar_compiler_for(settings, load_tokenizer(config)))
+                                if samples else None)
         return cls(model_config, settings.dtype, device, config.block_size, settings.eos_token_ids, config.seed,
                    grammar_compiler=grammar_compiler, shard=shard, kv_cache_dtype=settings.kv_cache_dtype,
                    stage=stage)

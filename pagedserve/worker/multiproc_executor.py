@@ -113,6 +113,8 @@ class _Rank:
 
 
 class MultiprocExecutor(RankCalls):
+    dp_lockstep = None  # no DP attention + EP lockstep (core/executor.py)
+
     def __init__(self, settings: ResolvedConfig) -> None:
         import torch.multiprocessing as tmp
 

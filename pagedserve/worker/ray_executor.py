@@ -53,6 +53,8 @@ class RayWorker:
 
 
 class RayExecutor(RankCalls):
+    dp_lockstep = None  # no DP attention + EP lockstep (core/executor.py)
+
     def __init__(self, settings: ResolvedConfig) -> None:
         config = settings.config
         try:
