@@ -11,6 +11,7 @@ kills a loop that guards only against Exception) are injected through one helper
 from __future__ import annotations
 
 import threading
+import time
 
 import httpx
 import pytest
@@ -95,7 +96,15 @@ def server(tiny_llama):
 def test_a_failing_step_fails_the_requests_in_flight_and_health_reports_it(server, error):
     model = server.async_engine.engine.model_name
     raised = fail_engine_steps(server, error, when_in_flight=2)
+    # The engine is held until both requests are in: on a loaded machine the first could
+    # finish its 60 steps before the second arrives, and then no step has both in flight.
+    server.async_engine.pause()
     results, threads = in_flight(server, model)
+    deadline = time.monotonic() + 30
+    while server.async_engine.num_waiting < 2:
+        assert time.monotonic() < deadline, f"only {server.async_engine.num_waiting} of 2 requests arrived"
+        time.sleep(0.02)
+    server.async_engine.resume()
     join_all(threads)
     assert raised == [1]
     by_kind = {kind: (status, text) for kind, status, text in results}
