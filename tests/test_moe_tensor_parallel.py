@@ -195,3 +195,19 @@ def test_ray_backend_runs_mla_with_expert_parallel_like_hf(tmp_path_factory):
         ref.assert_greedy(prompts, got, max_tokens)
     finally:
         ray.shutdown()
+
+
+def test_sigkill_an_expert_parallel_rank_fails_requests_turns_health_503_and_exits_naming_it(tmp_path_factory):
+    """tp=2 + EP on DeepSeek-V3 (MLA, shared experts): rank 1 (experts 4-7) is killed under
+    load while rank 0 waits in the MoE layer's all-reduce: every request in flight ends with
+    an error, /health turns 503, the server exits non-zero naming the rank and leaves no
+    process behind, as for a dense tensor-parallel rank (tests/test_scaleout_faults.py)."""
+    from test_scaleout_faults import Served, kill_a_rank_under_load
+
+    path, _ = _checkpoint("deepseek_v3", tmp_path_factory)
+    tmp_path = tmp_path_factory.mktemp("ep-kill")
+    server = Served(tmp_path, path, "--tensor-parallel-size", "2", "--enable-expert-parallel",
+                    "--engine-core-mode", "process")
+    rank_pids = kill_a_rank_under_load(server, 1, num_ranks=2)
+    log = server.log()
+    assert f"tensor-parallel rank 1 (pid {rank_pids[1]}) died: killed by SIGKILL" in log, log[-3000:]

@@ -66,3 +66,14 @@ def test_cpu_refusals_that_remain_name_the_field(moe, tmp_path):
     with pytest.raises(ValueError, match="data_parallel_size"):
         build_deployment(EngineConfig(model=str(moe), max_model_len=256, kv_cache_memory="1MiB"), str(moe),
                          cost_params=cpu_params(), layout=ParallelLayout(1, 1, 2))
+
+
+@pytest.mark.parametrize("flags", [["-dp", "2"], ["--data-parallel-size", "2", "--enable-expert-parallel"]],
+                         ids=["dp2", "dp2-ep"])
+def test_simulate_dp_flag_is_refused_by_name(moe, flags, capsys):
+    """`serve`'s -dp means the same words in simulate, and is refused there with the field's
+    name (it used to fall through argparse as an unknown option and name the next word as a
+    bad subcommand)."""
+    rc = main(["simulate", "--device", "cpu", "--model", str(moe), *flags])
+    err = capsys.readouterr().err
+    assert rc != 0 and "data_parallel_size: 2 is not simulated" in err, (rc, err)

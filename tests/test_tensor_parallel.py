@@ -147,8 +147,10 @@ def test_each_rank_allocates_the_pool_plan_prints(which, request):
     engine = case.llm.engine
     assert engine.pool_sizing.num_blocks == plan.pool.num_blocks
     assert engine.pool_sizing.bytes_per_token == plan.kv_bytes_per_token
-    # the tensors each rank really allocated
+    # the tensors each rank really allocated, and its weights as loaded (before GEMM packing)
     assert engine.executor.rank_kv_bytes == [plan.pool.num_bytes] * 2
+    (stage,) = plan.stages
+    assert engine.executor._call("weight_bytes") == [stage.weight_bytes] * 2
 
 
 def test_llama_tp2_halves_kv_per_token_qwen2_replicates():

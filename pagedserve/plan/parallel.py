@@ -30,7 +30,7 @@ import math
 import re
 from dataclasses import dataclass, replace
 
-from .kv_budget import ModelShape, dtype_bytes, kv_bytes_per_token
+from .kv_budget import ModelShape, dtype_bytes, kv_bytes_per_token, kv_heads_per_rank
 
 
 @dataclass(frozen=True)
@@ -146,10 +146,11 @@ def _layer_params(shape: ModelShape, sparse: bool, tp: int, ep: int) -> dict[str
         attention = replicated + sharded / tp
     else:
         q_width = shape.num_attention_heads * shape.head_dim
-        kv_width = shape.num_kv_heads * shape.head_dim
-        attention = (2 * h * q_width + 2 * h * kv_width) / tp
+        # tp above the KV heads: each rank holds the whole KV head its queries read (replicated)
+        kv_width = kv_heads_per_rank(shape, tp) * shape.head_dim
+        attention = 2 * h * q_width / tp + 2 * h * kv_width
         if shape.attention_bias:
-            attention += (q_width + 2 * kv_width) / tp
+            attention += q_width / tp + 2 * kv_width
     if not sparse:
         mlp = 3 * h * shape.intermediate_size / tp
     else:

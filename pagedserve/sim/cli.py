@@ -44,6 +44,8 @@ def _add_deployment_args(p: argparse.ArgumentParser, engine_flags: bool = True) 
     g.add_argument("--gpu", default=None, help="GPU preset (H100-SXM, A100-80GB, H200, L40S, ...); omit with --device cpu")
     g.add_argument("--pipeline-parallel-size", "-pp", "--pp", dest="pp", type=int, default=1,
                    help="pipeline stages (layers split between them; TP x PP GPUs in all)")
+    g.add_argument("--data-parallel-size", "-dp", "--dp", dest="dp", type=int, default=1,
+                   help="not simulated: only 1 (the serve flag's engine cores are not modelled; see --replicas)")
     if not engine_flags:  # otherwise the engine's own --enable-expert-parallel (same meaning) is there
         g.add_argument("--enable-expert-parallel", action="store_true",
                        help="MoE: spread whole experts over the TP group (all-to-all dispatch and combine)")
@@ -140,6 +142,10 @@ def deployment_layout(args, layout: str | None = None, tp: int | None = None) ->
     from pagedserve.plan.parallel import ParallelLayout, parse_layout
     from pagedserve.sim.parallel_cost import Topology
 
+    if getattr(args, "dp", 1) != 1:
+        raise ValueError(f"data_parallel_size: {args.dp} is not simulated: the simulator runs one engine core, "
+                         "not N behind the DP balancer, and not DP + EP's lockstep exchange; simulate -dp 1, "
+                         "or N independent engines with --replicas N")
     if layout is not None:
         chosen = parse_layout(layout)
     else:
