@@ -22,7 +22,7 @@ ARCHS = ("mixtral", "qwen2_moe", "deepseek_v3")
 NUM_KV_BLOCKS = 12
 EP_ARGS = dict(data_parallel_size=2, enable_expert_parallel=True, max_model_len=MAX_MODEL_LEN,
                max_num_batched_tokens=32, block_size=BLOCK_SIZE, num_kv_blocks=NUM_KV_BLOCKS,
-               enable_prefix_caching=True, swap_space="4MiB", preemption_mode="swap", max_num_seqs=8)
+               enable_prefix_caching=True, swap_space="16KiB", preemption_mode="swap", max_num_seqs=8)
 
 
 @pytest.fixture(scope="module", params=ARCHS)
@@ -35,7 +35,9 @@ def ep(request, tmp_path_factory):
     st.async_engine.shutdown()
 
 
-def test_dp2_ep_matches_hf_under_chunking_and_swap_on_both_cores(ep):
+def test_dp2_ep_matches_hf_under_chunking_swap_and_recompute_on_both_cores(ep):
+    """A host swap pool of a few blocks: the same run swaps and, when the host pool is full,
+    falls back to recompute (the cores are processes: the mode cannot change between runs)."""
     client = ep.async_engine.client
     placed_before, before = list(client.num_placed), scrape(ep)
     prompts, max_tokens = parity_workload(8, fixed_lengths=(1, 17, 150), seed=3)
@@ -44,7 +46,9 @@ def test_dp2_ep_matches_hf_under_chunking_and_swap_on_both_cores(ep):
     assert min(placed) >= 2, placed
     after = scrape(ep)
     swapped = after['pagedserve:num_preemptions_total{mode="swap"}'] - before['pagedserve:num_preemptions_total{mode="swap"}']
-    assert swapped > 0
+    recomputed = after['pagedserve:num_preemptions_total{mode="recompute"}'] \
+        - before.get('pagedserve:num_preemptions_total{mode="recompute"}', 0)
+    assert swapped > 0 and recomputed > 0, (swapped, recomputed)
 
 
 def test_one_busy_core_gets_its_experts_from_the_idle_one(ep):
