@@ -6,8 +6,12 @@ shows every replica under a `replica` label beside the router's counts; a replic
 load costs only its in-flight streams, nothing hangs, Ray restarts it and the router forgets the
 dead one.
 
-Ray and two replicas take minutes to start on a loaded 2-core machine, so the module runs only
-with PAGEDSERVE_TEST_RAY=1 (docs/replicas.md gives the command)."""
+One module-scoped fleet serves every check (the kill last, since it costs a replica). Cheap to
+start, so it runs in the default suite: Ray with 2 CPUs (one per replica; Ray prestarts that many
+workers, which the replicas then take), a small object store, no dashboard, and no job
+runtime_env (a local Ray's workers inherit this process's environment; a runtime_env would make
+Ray start fresh workers for it instead of using the prestarted ones); torn down by ray.shutdown
+alone (serve.shutdown waits out each replica's graceful drain first)."""
 from __future__ import annotations
 
 import concurrent.futures
@@ -18,9 +22,6 @@ import time
 import httpx
 import pytest
 
-pytestmark = pytest.mark.skipif(os.environ.get("PAGEDSERVE_TEST_RAY") != "1",
-                                reason="starts Ray and two replicas (minutes): set PAGEDSERVE_TEST_RAY=1")
-
 PROMPT_IDS = [(7 * i + 3) % 200 + 5 for i in range(41)]      # 10 full blocks of 4 + 1 token
 CONFIG = dict(num_kv_blocks=64, block_size=4, max_model_len=128, max_num_seqs=4, enable_prefix_caching=True)
 
@@ -29,13 +30,21 @@ CONFIG = dict(num_kv_blocks=64, block_size=4, max_model_len=128, max_num_seqs=4,
 def fleet(tiny_llama):
     ray = pytest.importorskip("ray")
     pytest.importorskip("ray.serve")
-    from ray import serve
 
     from pagedserve.config import EngineConfig
     from pagedserve.fleet.serve import free_port, run_fleet
 
-    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False,
-             runtime_env={"env_vars": {"PYTHONPATH": os.environ.get("PYTHONPATH", ""), "OMP_NUM_THREADS": "1"}})
+    # The replicas inherit the environment the raylet starts with: one thread each.
+    omp = os.environ.get("OMP_NUM_THREADS")
+    os.environ["OMP_NUM_THREADS"] = "1"
+    try:
+        ray.init(address="local", num_cpus=2, object_store_memory=80 * 2**20, include_dashboard=False,
+                 _node_ip_address="127.0.0.1", log_to_driver=False)   # loopback only
+    finally:
+        if omp is None:
+            os.environ.pop("OMP_NUM_THREADS")
+        else:
+            os.environ["OMP_NUM_THREADS"] = omp
     try:
         port = free_port()
         run_fleet(EngineConfig(model=str(tiny_llama), **CONFIG), 2, "kv-aware", "127.0.0.1", port, blocking=False)
@@ -43,8 +52,7 @@ def fleet(tiny_llama):
         model = httpx.get(url + "/v1/models", timeout=60).json()["data"][0]["id"]
         yield url, model
     finally:
-        serve.shutdown()
-        ray.shutdown()
+        ray.shutdown()   # takes Serve's actors with it
 
 
 def metric_samples(url: str) -> list[tuple[str, dict, float]]:
