@@ -86,7 +86,7 @@ SERVER_KEYS = frozenset({
     "host", "port", "api_key", "max_queue_len", "max_request_bytes", "max_seqs_per_request",
     "step_watchdog_timeout", "enable_prompt_tokens_details", "enable_auto_tool_choice", "tool_call_parser",
     "dashboard", "shutdown_timeout", "header_read_timeout", "body_read_timeout", "metric_names",
-    "replicas", "router",
+    "replicas", "router", "autoscale",
 })
 
 

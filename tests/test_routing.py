@@ -188,3 +188,43 @@ def test_serve_replica_flags_and_the_documented_serve_run_config():
     fleet_keys = {"replicas", "router", "cpus_per_replica", "advertise_host", "metric_names"}
     assert set(app["args"]) - fleet_keys <= set(EngineConfig.knob_names())
     assert app["args"]["router"] in ("round-robin", "power-of-two", "kv-aware")
+
+
+def test_autoscale_builds_a_deployment_carrying_ray_serves_autoscaling_config():
+    """`serve --autoscale 1:4` (and `serve run ... autoscale=1:4`): the engine deployment carries Ray
+    Serve's autoscaling_config (target ongoing requests = max_num_seqs unless given); a bad spec is
+    refused by name before anything starts. Nothing runs: the application is only built."""
+    import argparse
+
+    pytest.importorskip("ray.serve")
+    from pagedserve.config import EngineConfig
+    from pagedserve.fleet.cli import wants_replicas
+    from pagedserve.fleet.serve import app_builder, build_fleet
+    from pagedserve.server.cli import register, server_settings
+
+    parser = argparse.ArgumentParser()
+    register(parser.add_subparsers())
+    args = parser.parse_args(["serve", "--autoscale", "1:4"])
+    assert server_settings(args)["autoscale"] == "1:4" and wants_replicas(args)
+
+    def engine_deployment(app):
+        (engine_app,) = [a for a in app._bound_deployment.init_args if hasattr(a, "_bound_deployment")]
+        return engine_app._bound_deployment
+
+    config = EngineConfig(model="m", max_num_seqs=6)
+    dep = engine_deployment(build_fleet(config, None, "round-robin", autoscale="1:4"))
+    auto = dep._deployment_config.autoscaling_config
+    assert (auto.min_replicas, auto.max_replicas, auto.initial_replicas) == (1, 4, 1)
+    assert auto.target_ongoing_requests == 6
+    auto = engine_deployment(build_fleet(config, 2, "kv-aware", autoscale="1:3:2.5"))._deployment_config \
+        .autoscaling_config
+    assert (auto.min_replicas, auto.max_replicas, auto.initial_replicas, auto.target_ongoing_requests) == (1, 3, 2, 2.5)
+    fixed = engine_deployment(build_fleet(config, 2, "kv-aware"))._deployment_config
+    assert fixed.autoscaling_config is None and fixed.num_replicas == 2
+    auto = engine_deployment(app_builder({"model": "m", "autoscale": "2:5"}))._deployment_config.autoscaling_config
+    assert (auto.min_replicas, auto.max_replicas) == (2, 5)
+    for bad in ("4", "3:1", "0:2", "1:x", "1:2:0"):
+        with pytest.raises(ValueError, match="autoscale"):
+            build_fleet(config, None, "round-robin", autoscale=bad)
+    with pytest.raises(ValueError, match="replicas"):
+        build_fleet(config, 5, "round-robin", autoscale="1:4")

@@ -312,7 +312,7 @@ def test_cli_flags_and_yaml(tmp_path, tiny_llama):
                         "enable_auto_tool_choice": False, "tool_call_parser": None,
                         "dashboard": True, "shutdown_timeout": None, "header_read_timeout": None,
                         "body_read_timeout": None, "metric_names": "pagedserve", "replicas": None,
-                        "router": "kv-aware"}
+                        "router": "kv-aware", "autoscale": None}
     config = engine_config_from_args(args)
     assert config.max_num_seqs == 5 and config.served_model_name == "tiny"
     args = build_parser().parse_args(["serve"])
@@ -373,7 +373,7 @@ def test_every_server_setting_is_accepted_in_a_serve_yaml_by_both_readers(tmp_pa
               "max_seqs_per_request": 3, "step_watchdog_timeout": 7, "enable_prompt_tokens_details": True,
               "enable_auto_tool_choice": True, "tool_call_parser": "hermes", "dashboard": False,
               "shutdown_timeout": 2, "header_read_timeout": 4, "body_read_timeout": 5,
-              "metric_names": "both", "replicas": 2, "router": "round-robin"}
+              "metric_names": "both", "replicas": 2, "router": "round-robin", "autoscale": "1:4"}
     assert set(values) == SERVER_KEYS
     cfg = tmp_path / "serve.yaml"
     cfg.write_text("".join(f"{k}: {json.dumps(v)}\n" for k, v in values.items()) + "max_num_seqs: 3\n")

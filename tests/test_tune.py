@@ -115,3 +115,42 @@ def test_real_sweep_on_a_calibrated_cpu_model(tiny_llama, tmp_path, capsys):
     printed = capsys.readouterr().out
     assert "real engine:" in printed and "simulated:" in printed
     assert "real engine's sweet spot: {'max_num_seqs':" in printed
+
+
+FLEET_RUN = ["--model", "llama-3.1-8b", "--gpu", "H100-SXM", "--max-num-seqs", "8", "--max-model-len", "288",
+             "--workload", "random", "--random-input-len", "256", "--random-output-len", "32",
+             "--num-prompts", "60", "--seed", "1"]
+
+
+def test_tune_sizes_the_fleet_more_replicas_for_a_higher_arrival_rate(tmp_path, capsys):
+    """`tune --replicas 1,2,4 --router ...`: under one SLO, the fewest replicas meeting it, more at a
+    higher rate; each pick checked against `simulate --replicas N` run on its own: the chosen count
+    meets the SLO there and every smaller count swept misses it."""
+    def p99_ttft(rate, replicas, router):
+        out = tmp_path / f"sim-{rate}-{replicas}-{router}.json"
+        assert main(["simulate", *FLEET_RUN, "--request-rate", str(rate), "--replicas", str(replicas),
+                     "--router", router, "--result-json", str(out)]) == 0
+        return json.loads(out.read_text())["p99_ttft_ms"]
+
+    slo = 100.0
+    picks = {}
+    for rate in (5, 80):
+        out = tmp_path / f"tune-{rate}.json"
+        assert main(["tune", *FLEET_RUN, "--request-rate", str(rate), "--replicas", "4,1,2",
+                     "--router", "kv-aware,round-robin", "--slo", f"ttft_p99:{slo:g}", "--json", str(out)]) == 0
+        data = json.loads(out.read_text())
+        assert len(data["simulated"]) == 6   # 3 counts x 2 routers
+        chosen = data["chosen"]
+        picks[rate] = chosen["replicas"]
+        assert p99_ttft(rate, chosen["replicas"], chosen["router"]) <= slo
+        for smaller in (n for n in (1, 2, 4) if n < chosen["replicas"]):
+            for router in ("kv-aware", "round-robin"):
+                assert p99_ttft(rate, smaller, router) > slo, (rate, smaller, router)
+        assert f"--replicas {chosen['replicas']} --router {chosen['router']}" in capsys.readouterr().out
+    assert picks[80] > picks[5], picks
+    with pytest.raises(ValueError, match="replicas"):
+        tuner.parse_fleet("0,2", None)
+    with pytest.raises(ValueError, match="router"):
+        tuner.parse_fleet("1,2", "random")
+    with pytest.raises(ValueError, match="router"):
+        tuner.parse_fleet(None, "kv-aware")

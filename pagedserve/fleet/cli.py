@@ -10,12 +10,13 @@ from pagedserve.server.cli import server_settings
 
 
 def wants_replicas(args) -> bool:
-    return server_settings(args)["replicas"] is not None
+    settings = server_settings(args)
+    return settings["replicas"] is not None or settings["autoscale"] is not None
 
 
 def run_replicas(args) -> int:
-    """`serve --replicas N`: the Ray Serve application (fleet/serve.py) on host:port."""
-    from pagedserve.fleet.serve import run_fleet
+    """`serve --replicas N` / `--autoscale MIN:MAX`: the Ray Serve application (fleet/serve.py) on host:port."""
+    from pagedserve.fleet.serve import autoscaling_config, run_fleet
 
     settings = server_settings(args)
     config = engine_config_from_args(args)
@@ -25,7 +26,9 @@ def run_replicas(args) -> int:
                                                "shutdown_timeout", "metric_names")}
     server_kwargs.update(enable_prompt_tokens_details=bool(settings["enable_prompt_tokens_details"]),
                          enable_auto_tool_choice=bool(settings["enable_auto_tool_choice"]), dashboard=False)
+    if settings["autoscale"] is not None:  # a bad MIN:MAX is refused before Ray starts
+        autoscaling_config(settings["autoscale"], config, settings["replicas"])
     run_fleet(config, settings["replicas"], settings["router"], settings["host"], settings["port"],
               cpus_per_replica=args.cpus_per_replica, server_kwargs=server_kwargs,
-              ray_address=os.environ.get("RAY_ADDRESS"))
+              ray_address=os.environ.get("RAY_ADDRESS"), autoscale=settings["autoscale"])
     return 0

@@ -302,22 +302,47 @@ class _RouterState:
 
 
 # -- the application -----------------------------------------------------------------------------------
-def build_fleet(config, replicas: int, router: str, *, cpus_per_replica: float = 1.0, seed: int = 0,
+def autoscaling_config(autoscale: str, config, replicas: int | None = None) -> dict:
+    """`MIN:MAX[:TARGET]` -> Ray Serve's autoscaling_config. Ray scales on ongoing requests per
+    replica (queued + running, as its handles count them); TARGET defaults to the engine's
+    max_num_seqs: past it a replica's requests start to wait in its queue."""
+    parts = str(autoscale).split(":")
+    try:
+        if len(parts) not in (2, 3):
+            raise ValueError
+        low, high = int(parts[0]), int(parts[1])
+        target = float(parts[2]) if len(parts) == 3 else float(config.max_num_seqs)
+    except ValueError:
+        raise ValueError(f"autoscale: expected MIN:MAX or MIN:MAX:TARGET (e.g. 1:4), got {autoscale!r}") from None
+    if not 1 <= low <= high or target <= 0:
+        raise ValueError(f"autoscale: needs 1 <= MIN <= MAX and TARGET > 0, got {autoscale!r}")
+    if replicas is not None and not low <= replicas <= high:
+        raise ValueError(f"replicas: the initial {replicas} must lie within --autoscale {autoscale}")
+    return {"min_replicas": low, "max_replicas": high, "initial_replicas": replicas or low,
+            "target_ongoing_requests": target}
+
+
+def build_fleet(config, replicas: int | None, router: str, *, cpus_per_replica: float = 1.0, seed: int = 0,
                 imbalance_threshold: int | None = None, server_kwargs: dict | None = None,
-                advertise_host: str = "127.0.0.1", max_ongoing_requests: int = 1024):
-    """The Ray Serve application: `replicas` EngineReplicas behind the ingress, routed by `router`."""
+                advertise_host: str = "127.0.0.1", max_ongoing_requests: int = 1024,
+                autoscale: str | None = None):
+    """The Ray Serve application: `replicas` EngineReplicas behind the ingress, routed by `router`;
+    with `autoscale` (MIN:MAX[:TARGET]) Ray Serve scales them on queue length, starting at `replicas`."""
     from ray import serve
     from ray.serve.config import RequestRouterConfig
 
     if router not in ROUTERS:
         raise ValueError(f"router: must be one of {ROUTERS}, got {router!r}")
-    if not isinstance(replicas, int) or replicas < 1:
+    if not (autoscale is not None and replicas is None) and (
+            isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 1):
         raise ValueError(f"replicas: must be an integer >= 1, got {replicas!r}")
+    scale = {"autoscaling_config": autoscaling_config(autoscale, config, replicas)} if autoscale is not None \
+        else {"num_replicas": replicas}
     kwargs: dict = {"policy": router, "block_size": config.block_size, "seed": seed}
     if router == "kv-aware" and imbalance_threshold is not None:
         kwargs["imbalance_threshold"] = imbalance_threshold
     engine = serve.deployment(EngineReplica, name=ENGINE_DEPLOYMENT).options(
-        num_replicas=replicas, max_ongoing_requests=max_ongoing_requests,
+        **scale, max_ongoing_requests=max_ongoing_requests,
         ray_actor_options={"num_cpus": cpus_per_replica},
         health_check_period_s=2, health_check_timeout_s=30,
         request_router_config=RequestRouterConfig(
@@ -333,11 +358,13 @@ def build_fleet(config, replicas: int, router: str, *, cpus_per_replica: float =
 def app_builder(args: dict):
     """`serve run pagedserve.fleet.serve:app_builder model=... replicas=2 router=kv-aware` (or a config
     file's `args:`): engine knobs by their EngineConfig names, plus replicas, router,
-    cpus_per_replica, advertise_host, metric_names."""
+    cpus_per_replica, advertise_host, metric_names, autoscale (MIN:MAX[:TARGET])."""
     from pagedserve.config import EngineConfig
 
     args = dict(args)
-    replicas = int(args.pop("replicas", 1))
+    autoscale = args.pop("autoscale", None)
+    replicas = args.pop("replicas", None if autoscale is not None else 1)
+    replicas = int(replicas) if replicas is not None else None
     router = args.pop("router", "kv-aware")
     cpus = float(args.pop("cpus_per_replica", 1))
     advertise = args.pop("advertise_host", "127.0.0.1")
@@ -348,7 +375,7 @@ def app_builder(args: dict):
         raise ValueError(f"fleet args: unknown key(s) {sorted(unknown)}; engine knobs are {sorted(known)}")
     config = EngineConfig(**_coerce(args))
     return build_fleet(config, replicas, router, cpus_per_replica=cpus, advertise_host=advertise,
-                       server_kwargs={"metric_names": metric_names})
+                       server_kwargs={"metric_names": metric_names}, autoscale=autoscale)
 
 
 def _coerce(args: dict) -> dict:
@@ -357,9 +384,9 @@ def _coerce(args: dict) -> dict:
     return {k: yaml.safe_load(v) if isinstance(v, str) else v for k, v in args.items()}
 
 
-def run_fleet(config, replicas: int, router: str, host: str, port: int, *, cpus_per_replica: float = 1.0,
+def run_fleet(config, replicas: int | None, router: str, host: str, port: int, *, cpus_per_replica: float = 1.0,
               ray_address: str | None = None, server_kwargs: dict | None = None,
-              advertise_host: str = "127.0.0.1", blocking: bool = True):
+              advertise_host: str = "127.0.0.1", blocking: bool = True, autoscale: str | None = None):
     """Start (or join) Ray, start Serve's proxy on host:port, run the fleet. Returns the app handle."""
     import ray
     from ray import serve
@@ -370,9 +397,10 @@ def run_fleet(config, replicas: int, router: str, host: str, port: int, *, cpus_
                  if os.environ.get("PYTHONPATH") else None)
     serve.start(http_options={"host": host, "port": port})
     app = build_fleet(config, replicas, router, cpus_per_replica=cpus_per_replica, server_kwargs=server_kwargs,
-                      advertise_host="auto" if ray_address else advertise_host)
+                      advertise_host="auto" if ray_address else advertise_host, autoscale=autoscale)
     handle = serve.run(app, name=APP_NAME, route_prefix="/", blocking=False)
-    logger.info("fleet: %d replica(s), router %s, on http://%s:%d", replicas, router, host, port)
+    logger.info("fleet: %s replica(s), router %s, on http://%s:%d",
+                replicas if autoscale is None else f"autoscaled {autoscale}", router, host, port)
     if blocking:
         import signal
 

@@ -16,7 +16,8 @@ _SERVER_DEFAULTS = {"host": "127.0.0.1", "port": 8000, "api_key": None, "max_que
                     "max_request_bytes": None, "enable_prompt_tokens_details": False,
                     "enable_auto_tool_choice": False, "tool_call_parser": None, "dashboard": True,
                     "shutdown_timeout": None, "header_read_timeout": None, "body_read_timeout": None,
-                    "metric_names": "pagedserve", "replicas": None, "router": "kv-aware"}
+                    "metric_names": "pagedserve", "replicas": None, "router": "kv-aware",
+                    "autoscale": None}
 # Settings checked alike: counts where 0 = no limit, and seconds (with what 0 means, where it is not "none").
 _COUNT_LIMITS = ("max_request_bytes", "max_queue_len", "max_seqs_per_request")
 _SECONDS = {"step_watchdog_timeout": " (0 = off)", "shutdown_timeout": "", "header_read_timeout": "",
@@ -81,6 +82,10 @@ def register(sub) -> None:
     fleet.add_argument("--router", default=None, choices=("round-robin", "power-of-two", "kv-aware"),
                        help="how the replicas share requests (default kv-aware: the replica holding the longest "
                             "cached prefix, from its KV events, within a bounded imbalance)")
+    fleet.add_argument("--autoscale", default=None, metavar="MIN:MAX[:TARGET]",
+                       help="let Ray Serve scale the replicas between MIN and MAX on queue length: TARGET ongoing "
+                            "requests per replica (default the engine's max_num_seqs); --replicas, if given, is "
+                            "the start")
     fleet.add_argument("--cpus-per-replica", type=float, default=1.0, help="Ray CPUs each replica takes (default 1)")
     server.add_argument("--log-interval", type=float, default=10.0,
                         help="seconds between stats log lines (0 = off)")
@@ -150,7 +155,7 @@ def run(args) -> int:
 
     settings = server_settings(args)
     config = engine_config_from_args(args)
-    if settings["replicas"] is not None:  # pagedserve/cli.py hands those to fleet/cli.py
+    if settings["replicas"] is not None or settings["autoscale"] is not None:  # pagedserve/cli.py: fleet/cli.py
         raise ValueError("replicas: `pagedserve serve --replicas N` runs the Ray Serve application (fleet/cli.py), "
                          "not one server")
     app, async_engine = build_server(config, api_key=settings["api_key"],

@@ -5,6 +5,7 @@
     pagedserve tune ... --sweep max_num_seqs=16,32,64,128 --sweep enable_chunked_prefill=on,off
     pagedserve tune --device cpu --model CKPT --cost-model cost.json ... --real   # also run the real engine
     pagedserve tune --model deepseek-v3 --gpu H200 --layouts TP8,TP8+EP8,TP4xPP2 ...   # compare GPU layouts
+    pagedserve tune ... --replicas 1,2,4 --router kv-aware,round-robin   # how many replicas, which router
 
 Takes `pagedserve simulate`'s flags (engine knobs, simulated hardware, workload).
 """
@@ -32,6 +33,13 @@ def register(subparsers) -> None:
     t.add_argument("--layouts", default=None, metavar="L1,L2",
                    help="parallel layouts to compare, e.g. TP8,TP8+EP8,TP4xPP2,TP16 (each replaces -tp/-pp/"
                         "--enable-expert-parallel; crossed with --sweep when both are given)")
+    t.add_argument("--replicas", default=None, metavar="N1,N2",
+                   help="replica counts to compare, each a fleet behind --router (the fleet simulator, "
+                        "sim/fleet.py; crossed with --layouts and --sweep). The pick is the fewest GPUs "
+                        "(replicas x the layout's) meeting the SLOs")
+    t.add_argument("--router", default=None, metavar="R1,R2",
+                   help="with --replicas: routers to compare, of round-robin, power-of-two, kv-aware "
+                        "(default kv-aware)")
     t.add_argument("--slo", nargs="+", default=None, metavar="NAME:MS",
                    help="ttft_p99:MS itl_p99:MS tpot_p99:MS e2el_p99:MS")
     t.add_argument("--max-preemption-rate", type=float, default=0.05,
@@ -75,6 +83,11 @@ def run(args) -> int:
         deployment_layout(args, name)  # a bad layout is refused before anything runs
     if layouts and args.real:
         raise ValueError("layouts: --real runs the one-rank CPU engine; compare layouts on the simulator only")
+    fleet_grid = tuner.parse_fleet(args.replicas, args.router)
+    if fleet_grid and args.real:
+        raise ValueError("replicas: --real runs one engine; compare replica counts on the simulator only")
+    if fleet_grid and args.max_concurrency is not None:
+        raise ValueError("replicas: the fleet simulation is open loop (drop --max-concurrency, give --request-rate)")
 
     from pagedserve.sim.host_overhead import host_speed
 
@@ -106,8 +119,8 @@ def run(args) -> int:
             dep = build_deployment(config, args.model, gpu=gpu, cost_params=args.cost_model,
                                    **layout_of(layouts[0] if layouts else None))
             bound = max(bound, int(dep.num_blocks / blocks_per_request(math.ceil(mean_len), dep.config.block_size)))
-    if layouts:  # each layout at the base knobs, or crossed with an explicit sweep
-        grid = {"layout": layouts, **(sweep or {})}
+    if layouts or fleet_grid:  # each layout / fleet at the base knobs, or crossed with an explicit sweep
+        grid = {**({"layout": layouts} if layouts else {}), **fleet_grid, **(sweep or {})}
     else:
         grid = sweep or _default_grid(base_dep, bound)
     # the pool (and so the bound) differs by layout: prune nothing when comparing layouts
@@ -125,6 +138,14 @@ def run(args) -> int:
     def sim_point(config, knobs):
         dep = build_deployment(config, args.model, gpu=gpu, cost_params=args.cost_model,
                                **layout_of(knobs.get("layout")))
+        if "replicas" in knobs:  # a fleet: N copies of this deployment behind the router's code
+            from pagedserve.sim.fleet import simulate_fleet
+            fleet = simulate_fleet(dep, workload, knobs["replicas"], knobs["router"], seed=args.seed or 0,
+                                   goodput_slos=goodput)
+            point = tuner.point_from_metrics(knobs, fleet.metrics, len(workload))
+            point.extra = {"prefix_cache_hit_rate": fleet.prefix_hit_rate, "gpus": tuner.gpus_of(knobs),
+                           "requests_per_replica": fleet.requests_per_replica}
+            return point
         result = simulate(dep, workload, max_concurrency=args.max_concurrency, goodput_slos=goodput,
                           seed=args.seed or 0)
         busy = result.busy_time / result.metrics["duration"] if result.metrics["duration"] else math.nan
@@ -143,9 +164,13 @@ def run(args) -> int:
         print(f"no sweet spot: {why}")
     else:
         print(f"sweet spot: {chosen.knobs} — {why}")
-        flags = _serve_flags(base, chosen.knobs, args)
-        print(f"  pagedserve serve --model {args.model} {flags}")
-        print(f"  vllm serve {args.model} {flags}")
+        knobs = dict(chosen.knobs)
+        fleet_flags = ""
+        if "replicas" in knobs:  # pagedserve's own fleet flags; vLLM's line is one replica of it
+            fleet_flags = f" --replicas {knobs.pop('replicas')} --router {knobs.pop('router')}"
+        flags = _serve_flags(base, knobs, args)
+        print(f"  pagedserve serve --model {args.model} {flags}{fleet_flags}")
+        print(f"  vllm serve {args.model} {flags}" + ("   # each replica" if fleet_flags else ""))
     if args.plot:
         print(f"wrote {plot_front(results, chosen, args.plot, slos)}")
     if args.json_out:

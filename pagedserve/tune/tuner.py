@@ -60,6 +60,39 @@ def parse_sweep(specs: Iterable[str]) -> dict[str, list]:
     return grid
 
 
+FLEET_ROUTERS = ("round-robin", "power-of-two", "kv-aware")
+
+
+def parse_fleet(replicas: str | None, routers: str | None) -> dict[str, list]:
+    """'1,2,4' and 'kv-aware,round-robin' -> {'replicas': [1, 2, 4], 'router': [...]}; {} without replicas."""
+    if replicas is None:
+        if routers is not None:
+            raise ValueError("router: give --replicas N1,N2 too (the routers share a fleet's requests)")
+        return {}
+    try:
+        counts = sorted({int(v) for v in str(replicas).split(",") if v.strip()})
+    except ValueError:
+        raise ValueError(f"replicas: expected counts like 1,2,4, got {replicas!r}") from None
+    if not counts or counts[0] < 1:
+        raise ValueError(f"replicas: expected counts >= 1 like 1,2,4, got {replicas!r}")
+    names = [r.strip() for r in (routers or "kv-aware").split(",") if r.strip()]
+    for name in names:
+        if name not in FLEET_ROUTERS:
+            raise ValueError(f"router: {name!r} is not one of {FLEET_ROUTERS}")
+    if not names:
+        raise ValueError(f"router: no router in {routers!r}")
+    return {"replicas": counts, "router": list(dict.fromkeys(names))}
+
+
+def gpus_of(knobs: dict) -> int:
+    """GPUs a point takes: replicas x the layout's (1 where neither is swept)."""
+    per = 1
+    if knobs.get("layout"):
+        from pagedserve.plan.parallel import parse_layout
+        per = parse_layout(knobs["layout"]).num_gpus
+    return knobs.get("replicas", 1) * per
+
+
 def parse_slos(specs: Iterable[str] | None) -> dict[str, float]:
     """['ttft_p99:2000', 'itl_p99:100'] -> {'ttft_p99': 2000.0, 'itl_p99': 100.0} (ms)."""
     allowed = ("ttft_p99", "itl_p99", "tpot_p99", "e2el_p99")
@@ -159,16 +192,24 @@ def choose_sweet_spot(points: list[PointResult], slos: dict[str, float], max_pre
     feasible = [p for p in points if p.meets_slo and p.preemptions_per_request <= max_preemption_rate]
     if not feasible:
         return None, "no point meets the SLOs and the preemption limit; relax them or add capacity"
+    fleet = any("replicas" in p.knobs for p in feasible)
+    if fleet:
+        # Sizing a fleet: at a given arrival rate more replicas only buy headroom; the answer is
+        # the fewest GPUs that meet the SLOs, and among those the usual balance point.
+        fewest = min(gpus_of(p.knobs) for p in feasible)
+        feasible = [p for p in feasible if gpus_of(p.knobs) == fewest]
     best = max(p.output_throughput for p in feasible)
     near = [p for p in feasible if p.output_throughput >= (1 - tie_tolerance) * best]
     chosen = min(near, key=lambda p: (p.tail, p.knobs.get("max_num_seqs") or 0))
     why = (f"highest throughput ({chosen.output_throughput:.1f} tok/s) among {len(feasible)} of {len(points)} points "
            f"meeting the SLOs with <= {max_preemption_rate:g} preemptions per request")
+    if fleet:
+        why = f"the fewest GPUs ({gpus_of(chosen.knobs)}) meeting the SLOs; " + why
     return chosen, why
 
 
 # knobs that shape the deployment (sim.cli.deployment_layout), not the engine's config
-DEPLOYMENT_KNOBS = ("layout",)
+DEPLOYMENT_KNOBS = ("layout", "replicas", "router")
 
 
 def apply_knobs(base: EngineConfig, knobs: dict) -> EngineConfig:
