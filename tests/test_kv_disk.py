@@ -197,3 +197,30 @@ def test_events_rebuild_pool_host_and_disk_after_every_step(tiny_llama, first_ru
     disk = core.scheduler.kv.disk
     assert disk.counters.loaded > 0 and disk.counters.stored > 0 and {"CPU", "DISK"} <= media
     core.shutdown()
+
+
+@pytest.mark.parametrize("knobs, field", [
+    (dict(kv_offloading_size=1, kv_offloading_disk="/tmp/x"), "kv_offloading_disk_size"),
+    (dict(kv_offloading_size=1, kv_offloading_disk_size=1), "kv_offloading_disk"),
+    (dict(kv_offloading_size=1, kv_offloading_disk="/tmp/x", kv_offloading_disk_size=-2), "kv_offloading_disk_size"),
+    (dict(kv_offloading_disk="/tmp/x", kv_offloading_disk_size=1), "kv_offloading_disk"),
+    (dict(kv_offloading_size=1, kv_offloading_disk="/tmp/x", kv_offloading_disk_size=1, tensor_parallel_size=2),
+     "kv_offloading_disk"),
+])
+def test_bad_disk_tier_settings_are_refused_by_name(knobs, field):
+    from pagedserve.config import EngineConfig
+
+    with pytest.raises(ValueError, match=f"^{field}:"):
+        EngineConfig(**knobs)
+
+
+def test_the_disk_flags_parse():
+    import argparse
+
+    from pagedserve.engine_args import add_engine_args, engine_config_from_args
+
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    config = engine_config_from_args(parser.parse_args(["--kv-offloading-size", "0.5", "--kv-offloading-disk",
+                                                        "/tmp/kv", "--kv-offloading-disk-size", "8"]))
+    assert (config.kv_offloading_disk, config.kv_offloading_disk_size) == ("/tmp/kv", 8.0)
