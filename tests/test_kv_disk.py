@@ -13,7 +13,7 @@ import random
 import pytest
 
 from checkpoints import HFGreedyReference
-from pagedserve.core.kv_disk import DiskTier, check_disk_fits, rank_file_name
+from pagedserve.core.kv_disk import DiskEntry, DiskTier, check_disk_fits, rank_file_name
 from pagedserve.core.kv_events import BlockRemoved, BlockStored
 from pagedserve.sampling import SamplingParams
 
@@ -143,6 +143,29 @@ def test_files_of_another_model_or_layout_are_refused(tmp_path):
                          ("block_size", 32)):
         with pytest.raises(ValueError, match=f"another model or layout.*{field}"):
             DiskTier(str(tmp_path), 8, 16, dict(fingerprint, **{field: other}))
+
+
+def test_a_directory_in_use_by_a_running_engine_is_refused(tmp_path):
+    fingerprint = {"model": "/m/a"}
+    first = DiskTier(str(tmp_path), 8, 16, fingerprint)
+    with pytest.raises(ValueError, match="in use by another running engine"):
+        DiskTier(str(tmp_path), 8, 16, fingerprint)
+    first.close()
+    DiskTier(str(tmp_path), 8, 16, fingerprint).close()
+
+
+def test_a_torn_last_index_record_is_ignored(tmp_path):
+    """A server killed while appending a record: the records before it stand, the torn one
+    (its slot's bytes were fsynced, but no record names them) is simply not there."""
+    fingerprint = {"model": "/m/a"}
+    tier = DiskTier(str(tmp_path), 8, 16, fingerprint)
+    tier._append([DiskTier._put_record(DiskEntry(3, b"k" * 32, None, b"c"))])
+    tier.close()
+    with open(tmp_path / "index.jsonl", "a") as f:
+        f.write('{"op": "put", "slot": 5, "key": "6b6b')
+    tier = DiskTier(str(tmp_path), 8, 16, fingerprint)
+    assert list(tier.entries) == [b"k" * 32] and tier.entries[b"k" * 32].slot == 3 and 5 in tier._free_slots
+    tier.close()
 
 
 def test_an_engine_with_another_kv_dtype_refuses_the_files(tiny_llama, first_run, tmp_path):

@@ -186,10 +186,14 @@ def open_disk_tier(config: EngineConfig, pool: KVPoolSize, executor: Executor, f
     """The disk tier: sized, checked against the free disk, its index opened (refused when
     another model or layout wrote it), the ranks' files opened, its read bandwidth measured."""
     path = os.path.abspath(config.kv_offloading_disk)
-    os.makedirs(path, exist_ok=True)
     world = config.tensor_parallel_size * config.pipeline_parallel_size
-    num_slots = num_disk_slots_for(config.kv_offloading_disk_size, pool.bytes_per_block, world)
-    check_disk_fits(path, config.kv_offloading_disk_size, num_slots, pool.bytes_per_block, world)
+    size = config.kv_offloading_disk_size
+    if config.data_parallel_size > 1:  # each core its own directory and share of the size
+        path = os.path.join(path, f"dp{config.data_parallel_rank}")
+        size /= config.data_parallel_size
+    os.makedirs(path, exist_ok=True)
+    num_slots = num_disk_slots_for(size, pool.bytes_per_block, world)
+    check_disk_fits(path, size, num_slots, pool.bytes_per_block, world)
     open_files = getattr(executor, "open_disk_tier", None)
     if open_files is None:
         raise ValueError(f"kv_offloading_disk: the {type(executor).__name__} executor has no disk tier")

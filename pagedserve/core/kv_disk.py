@@ -23,6 +23,7 @@ one log line; the tiers above go on.
 """
 from __future__ import annotations
 
+import fcntl
 import json
 import logging
 import os
@@ -130,12 +131,26 @@ class DiskTier:
         self._written: list[DiskEntry] = []        # their entries: indexed once durable
         self._reads: list[tuple[int, int, bytes]] = []    # (slot, host block, key) this step
         self._reading: list[tuple[DiskEntry, KVBlock]] = []
+        self._dels: list[str] = []                 # del records, written before the step's copies
         self._index = None
-        self._open_index()
+        self._lock = None
+        try:
+            self._open_index()
+        except BaseException:
+            self.close()  # a refused directory stays free for the engine that may use it
+            raise
 
     # -- the index file -------------------------------------------------------------------
     def _open_index(self) -> None:
         os.makedirs(self.path, exist_ok=True)
+        # One engine per directory: a second one would overwrite the first's slots.
+        self._lock = open(os.path.join(self.path, "lock"), "a+")
+        try:
+            fcntl.flock(self._lock.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            self._lock.close()
+            raise ValueError(f"kv_offloading_disk: {self.path} is in use by another running engine; "
+                             f"give each engine its own directory") from None
         index_path = os.path.join(self.path, INDEX_NAME)
         used: dict[int, DiskEntry] = {}
         if os.path.exists(index_path):
@@ -226,7 +241,11 @@ class DiskTier:
             self._release = []
 
     def take_copies(self) -> tuple[list[tuple[int, int, bytes]], list[tuple[int, int, bytes]]]:
-        """This step's (host block, slot, key) writes and (slot, host block, key) reads."""
+        """This step's (host block, slot, key) writes and (slot, host block, key) reads. The
+        step's del records are made durable first (one fsync): no record may name a slot the
+        executor is about to overwrite."""
+        self._append(self._dels)
+        self._dels = []
         writes, self._writes = self._writes, []
         reads, self._reads = self._reads, []
         return writes, reads
@@ -271,16 +290,14 @@ class DiskTier:
         if n == 0:
             return 0
         hosts = host_pool.allocate(n)
-        records = []
         for entry, host in zip(entries[:n], hosts):
             del self.entries[entry.key]
             self._release.append(entry.slot)
             self._reads.append((entry.slot, host.block_id, entry.key))
             self._reading.append((entry, host))
-            records.append(json.dumps({"op": "del", "slot": entry.slot}) + "\n")
+            self._dels.append(json.dumps({"op": "del", "slot": entry.slot}) + "\n")
             if self.events is not None:
                 self.events.removed(entry.key, medium=DISK_MEDIUM)
-        self._append(records)
         self.counters.hits += n
         return n
 
@@ -314,8 +331,10 @@ class DiskTier:
     def clear(self) -> None:
         for entry in list(self.entries.values()):
             self._free_slots.append(entry.slot)
-            self._append([json.dumps({"op": "del", "slot": entry.slot}) + "\n"])
+            self._dels.append(json.dumps({"op": "del", "slot": entry.slot}) + "\n")
         self.entries.clear()
+        self._append(self._dels)
+        self._dels = []
 
     def disable(self, why: str) -> None:
         """A disk error: the tier stops here (one log line); the tiers above go on."""
@@ -340,6 +359,9 @@ class DiskTier:
         if self._index is not None:
             self._index.close()
             self._index = None
+        if self._lock is not None:
+            self._lock.close()  # releases the flock
+            self._lock = None
 
     def _evict_oldest(self) -> bool:
         if not self.entries:
@@ -356,5 +378,5 @@ class DiskTier:
             self._writes = [w for w in self._writes if w[1] != entry.slot]
             self._written = [e for e in self._written if e is not entry]
         else:
-            self._append([json.dumps({"op": "del", "slot": entry.slot}) + "\n"])
+            self._dels.append(json.dumps({"op": "del", "slot": entry.slot}) + "\n")
         self._free_slots.append(entry.slot)
