@@ -117,11 +117,11 @@ def test_a_disk_that_fails_mid_run_drops_to_the_tiers_above(tiny_llama, first_ru
     _, prompts, outputs, _, _ = first_run
     real_write, calls = disk_store.DiskStore.write, []
 
-    def failing_write(self, blocks):
+    def failing_write(self, blocks, sync=True):
         calls.append(len(blocks))
         if len(calls) > 1:
             raise OSError(5, "Input/output error")
-        real_write(self, blocks)
+        real_write(self, blocks, sync)
 
     monkeypatch.setattr(disk_store.DiskStore, "write", failing_write)
     with caplog.at_level(logging.WARNING, logger="pagedserve.core.kv_disk"):
@@ -165,6 +165,24 @@ def test_a_torn_last_index_record_is_ignored(tmp_path):
         f.write('{"op": "put", "slot": 5, "key": "6b6b')
     tier = DiskTier(str(tmp_path), 8, 16, fingerprint)
     assert list(tier.entries) == [b"k" * 32] and tier.entries[b"k" * 32].slot == 3 and 5 in tier._free_slots
+    tier.close()
+
+
+def test_a_slot_is_recorded_only_after_the_ranks_fsynced_it(tmp_path, monkeypatch):
+    from pagedserve.core import kv_disk
+    from pagedserve.core.block_pool import KVBlock
+
+    monkeypatch.setattr(kv_disk, "SYNC_INTERVAL_S", 3600.0)  # no sync due
+    tier = DiskTier(str(tmp_path), 8, 16, {"model": "/m/a"})
+    assert tier.spill(KVBlock(0), b"k" * 32, None, b"c")
+    writes, _, sync = tier.take_copies()
+    assert len(writes) == 1 and not sync
+    tier.finish_step("", [])  # written, not fsynced: no record yet
+    assert len((tmp_path / "index.jsonl").read_text().splitlines()) == 1 and tier.needs_sync
+    monkeypatch.setattr(kv_disk, "SYNC_INTERVAL_S", 0.0)
+    assert tier.take_copies()[2]  # the next step fsyncs, then the record follows
+    tier.finish_step("", [])
+    assert '"slot": ' in (tmp_path / "index.jsonl").read_text().splitlines()[1] and not tier.needs_sync
     tier.close()
 
 

@@ -362,7 +362,13 @@ class EngineCore:
         if self._trace is not None:
             self._trace.close()
             self._trace = None
-        if self.scheduler.kv.disk is not None:
-            self.scheduler.kv.disk.close()
+        if (disk := self.scheduler.kv.disk) is not None:
+            if disk.needs_sync:  # the writes since the last sync: durable, then recorded
+                try:
+                    self.executor.sync_disk_tier()
+                    disk.flush_index()
+                except Exception as e:  # noqa: BLE001 - a shutdown goes on; those blocks are just not kept
+                    logger.warning("disk KV tier: the last writes were not kept: %s", e)
+            disk.close()
         self.executor.shutdown()
 

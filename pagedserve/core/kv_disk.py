@@ -16,7 +16,7 @@ The path of a block:
 Survives a restart. PATH/index.jsonl starts with a header naming what wrote the files (model
 path and config hash, dtypes, block size, tp/pp shape, bytes per block, format version): a
 different one is refused with one message. An index record for a slot is appended only after
-the ranks reported its bytes durable (written and fsynced), and every slot carries its key
+the ranks fsynced its bytes (they do so at most every SYNC_INTERVAL_S, and at shutdown), and every slot carries its key
 and a checksum the ranks verify on reading, so a killed server's files are reused correctly
 or missed (recomputed), never served stale. A disk error mid-run switches the tier off with
 one log line; the tiers above go on.
@@ -41,6 +41,7 @@ logger = logging.getLogger(__name__)
 DISK_MEDIUM = "DISK"  # vLLM's medium string for local disk
 FORMAT_VERSION = 1
 INDEX_NAME = "index.jsonl"
+SYNC_INTERVAL_S = 0.5  # how often the ranks fsync the step's writes (then their records are appended)
 
 
 def rank_file_name(tp_rank: int, pp_rank: int) -> str:
@@ -131,7 +132,12 @@ class DiskTier:
         self._written: list[DiskEntry] = []        # their entries: indexed once durable
         self._reads: list[tuple[int, int, bytes]] = []    # (slot, host block, key) this step
         self._reading: list[tuple[DiskEntry, KVBlock]] = []
-        self._dels: list[str] = []                 # del records, written before the step's copies
+        # Records wait for the ranks' next fsync: a put names only durable bytes. A del may lag
+        # (a slot rewritten before its del is recorded fails the key or checksum check).
+        self._dels: list[str] = []
+        self._unsynced: list[DiskEntry] = []       # written in earlier steps, not yet fsynced
+        self._last_sync = time.monotonic()
+        self._sync = False                         # this step's writes are fsynced
         self._index = None
         self._lock = None
         try:
@@ -240,15 +246,15 @@ class DiskTier:
             self._free_slots.extend(self._release)
             self._release = []
 
-    def take_copies(self) -> tuple[list[tuple[int, int, bytes]], list[tuple[int, int, bytes]]]:
-        """This step's (host block, slot, key) writes and (slot, host block, key) reads. The
-        step's del records are made durable first (one fsync): no record may name a slot the
-        executor is about to overwrite."""
-        self._append(self._dels)
-        self._dels = []
+    def take_copies(self) -> tuple[list[tuple[int, int, bytes]], list[tuple[int, int, bytes]], bool]:
+        """This step's (host block, slot, key) writes, (slot, host block, key) reads, and
+        whether the ranks fsync their files after the writes (at most every SYNC_INTERVAL_S:
+        an fsync per step would stall the step loop; the records wait for it)."""
         writes, self._writes = self._writes, []
         reads, self._reads = self._reads, []
-        return writes, reads
+        now = time.monotonic()
+        self._sync = bool(self._unsynced or self._written) and now - self._last_sync >= SYNC_INTERVAL_S
+        return writes, reads, self._sync
 
     # -- in: the host tier's evictions ------------------------------------------------------
     def spill(self, host_block: KVBlock, key: bytes, parent_key: bytes | None, content: bytes) -> bool:
@@ -307,10 +313,11 @@ class DiskTier:
         host blocks of the others are the caller's to free, listed with entry None)."""
         written, self._written = self._written, []
         reading, self._reading = self._reading, []
+        self._unsynced.extend(written)
         if disk_error:
             self.disable(disk_error)
-        elif written:
-            self._append([self._put_record(e) for e in written if self.entries.get(e.key) is e])
+        elif self._sync:
+            self.flush_index()
         failed = set(failed_slots)
         good = []
         for entry, host in reading:
@@ -321,6 +328,19 @@ class DiskTier:
                 self.counters.loaded += 1
                 good.append((entry, host))
         return good
+
+    def flush_index(self) -> None:
+        """The ranks' files are fsynced: append the records of what they now hold durably
+        (slots retired first, then the slots written since the last sync), one fsync."""
+        puts = [self._put_record(e) for e in self._unsynced if self.entries.get(e.key) is e]
+        self._append(self._dels + puts)
+        self._dels, self._unsynced = [], []
+        self._last_sync = time.monotonic()
+        self._sync = False
+
+    @property
+    def needs_sync(self) -> bool:
+        return self.enabled and bool(self._unsynced or self._written)
 
     def discard(self, key: bytes) -> None:
         """The pool or the host tier holds `key` anew: the disk's copy goes."""
@@ -333,6 +353,7 @@ class DiskTier:
             self._free_slots.append(entry.slot)
             self._dels.append(json.dumps({"op": "del", "slot": entry.slot}) + "\n")
         self.entries.clear()
+        self._unsynced = []
         self._append(self._dels)
         self._dels = []
 
@@ -347,7 +368,7 @@ class DiskTier:
             if self.events is not None:
                 self.events.removed(entry.key, medium=DISK_MEDIUM)
         self.entries.clear()
-        self._writes, self._written = [], []
+        self._writes, self._written, self._unsynced, self._dels = [], [], [], []
         if self._index is not None:
             try:
                 self._index.close()

@@ -120,6 +120,7 @@ class SchedulerOutput(Struct, array_like=True):
     # first of all the step's copies, then (slot, host block, key) read after the swap-outs.
     disk_writes: list[tuple[int, int, bytes]] = field(default_factory=list)
     disk_reads: list[tuple[int, int, bytes]] = field(default_factory=list)
+    disk_sync: bool = False  # the ranks fsync their disk-tier files after this step's writes
 
     @property
     def is_empty(self) -> bool:
@@ -411,10 +412,12 @@ class Scheduler:
             stats.num_blocks_offloaded, stats.num_blocks_loaded = len(offloads), len(loads)
             self.total_tier_blocks["stored"] += len(offloads)
             self.total_tier_blocks["loaded"] += len(loads)
-        disk_writes, disk_reads = self.kv.disk.take_copies() if self.kv.disk is not None else ([], [])
+        disk_writes, disk_reads, disk_sync = (self.kv.disk.take_copies() if self.kv.disk is not None
+                                              else ([], [], False))
         out = SchedulerOutput(
             disk_writes=disk_writes,
             disk_reads=disk_reads,
+            disk_sync=disk_sync,
             scheduled=scheduled,
             num_batched_tokens=stats.num_batched_tokens,
             new_requests=new_requests,
@@ -446,7 +449,7 @@ class Scheduler:
     def _finish_disk_copies(self, out: SchedulerOutput, result: StepResult) -> None:
         """The disk tier's writes are durable (indexed now); its reads that came back whole
         join the host tier, the others are freed (a miss: those tokens are computed)."""
-        if not out.disk_writes and not out.disk_reads and not result.disk_error:
+        if not out.disk_writes and not out.disk_reads and not out.disk_sync and not result.disk_error:
             return
         tier = self.kv.tier
         for entry, host in self.kv.disk.finish_step(result.disk_error, result.disk_failed_reads):

@@ -1,8 +1,8 @@
 """One rank's file of the disk KV tier (core/kv_disk.py keeps the index): `num_slots` fixed-size
 slots, each a header (magic, the block's 32-byte prefix key, payload length, CRC-32 of the
 payload) and the rank's shard of one KV block (every pool tensor's bytes: all layers, K and V,
-a quantized pool's scales with its values). A step's writes are fsynced before the step
-returns, so the index the core appends after it names only durable bytes; a read checks the
+a quantized pool's scales with its values). Writes are fsynced when the core asks (at most
+every core/kv_disk.SYNC_INTERVAL_S), and the core appends their index records only after that; a read checks the
 magic, the key it expects and the checksum, and a slot that fails any of them is a miss.
 """
 from __future__ import annotations
@@ -34,12 +34,14 @@ class DiskStore:
             os.ftruncate(self.fd, size)
             os.fsync(self.fd)
 
-    def write(self, blocks: list[tuple[int, bytes, bytes]]) -> None:
-        """(slot, key, payload) each; durable on return. Raises OSError."""
+    def write(self, blocks: list[tuple[int, bytes, bytes]], sync: bool = True) -> None:
+        """(slot, key, payload) each; with `sync`, everything written so far is durable on
+        return. Raises OSError."""
         for slot, key, payload in blocks:
             header = _HEADER.pack(MAGIC, key, len(payload), zlib.crc32(payload)).ljust(HEADER_BYTES, b"\0")
             os.pwrite(self.fd, header + payload, slot * self.slot_bytes)
-        os.fsync(self.fd)
+        if sync:
+            os.fsync(self.fd)
 
     def read(self, slot: int, key: bytes) -> bytes | None:
         """The payload of `slot` if it holds `key`, whole; None otherwise. Raises OSError."""

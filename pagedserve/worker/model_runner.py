@@ -220,6 +220,11 @@ class ModelRunner:
         self.disk_store = DiskStore(os.path.join(path, rank_file_name(self.shard.rank, self.stage.pp_rank)),
                                     num_slots, parts)
 
+    def sync_disk_tier(self) -> None:
+        """Make every disk-tier write so far durable (the engine's shutdown, before its last records)."""
+        if getattr(self, "disk_store", None) is not None:
+            os.fsync(self.disk_store.fd)
+
     def _disk_copies(self, out: SchedulerOutput, reads: bool, result: StepResult) -> None:
         """The disk tier's copies: writes (host -> disk) before every other copy, reads
         (disk -> host) after the swap-outs. An error ends the disk tier's work this step."""
@@ -232,8 +237,8 @@ class ModelRunner:
         host = [self._blocks(t) for t in self._pool_tensors(self.host_cache)]
         try:
             if not reads:
-                if out.disk_writes:
-                    store.write([(slot, key, block_payload(host, hb)) for hb, slot, key in out.disk_writes])
+                store.write([(slot, key, block_payload(host, hb)) for hb, slot, key in out.disk_writes],
+                            sync=out.disk_sync)
                 return
             for slot, hb, key in out.disk_reads:
                 payload = store.read(slot, key)
@@ -359,7 +364,7 @@ class ModelRunner:
         states = self._apply_diffs(out)
         result = StepResult()
         # The disk tier's writes first: the host blocks they read may be rewritten this step.
-        if out.disk_writes:
+        if out.disk_writes or out.disk_sync:
             self._disk_copies(out, False, result)
         # Swap-outs next: their device blocks may be handed to others in this very step.
         if out.blocks_to_swap_out:

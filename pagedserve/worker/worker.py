@@ -250,6 +250,9 @@ class RankCalls:
     def open_disk_tier(self, path: str, num_slots: int) -> None:
         self._call("open_disk_tier", path, num_slots)
 
+    def sync_disk_tier(self) -> None:
+        self._call("sync_disk_tier")
+
     def set_comm_observer(self, enabled: bool = True) -> None:
         """Have every rank time its collectives and sends (Worker.set_comm_observer); stats() then
         report them. Off by default: benchmarks turn it on."""
