@@ -7,11 +7,15 @@ Two workloads through an in-process Engine, wall clock:
   two turns of one conversation the others' prefills evict its history. Reported: the
   working-set / pool ratio, TTFT P50/P99, prompt tokens computed, the tier's hit rate, output
   throughput.
+- with --disk-gib, a third row: a small host tier (--disk-host-gib) over a disk tier
+  (--kv-offloading-disk in a fresh temporary directory), so the history goes pool -> host ->
+  disk and comes back through the host tier.
 - no reuse: the same number of requests and lengths with unrelated random prompts (nothing
   to hit), the tier's overhead on output throughput (goal <= 3%).
 
     python benchmarks/kv_tier.py                    # 20M random Llama
     python benchmarks/kv_tier.py --size 100m --reps 2
+    python benchmarks/kv_tier.py --disk-gib 1       # + the host+disk row
 
 Timing numbers come from a machine other processes share: read the ratios of the rows
 measured in the same run, not the absolute values.
@@ -21,6 +25,8 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import shutil
+import tempfile
 import time
 
 from common import benchmark_checkpoint, percentile, print_side_by_side, write_result
@@ -100,6 +106,8 @@ def run(engine: Engine, convs: list[list[list[int]]], args, reuse: bool) -> dict
         "tier_hit_rate": counted["tier_hits"] / max(counted["tier_queries"], 1),
         "tier_blocks_loaded": tier.counters.loaded if tier is not None else 0,
         "tier_blocks_stored": tier.counters.stored if tier is not None else 0,
+        "disk_blocks_stored": tier.disk.counters.stored if tier is not None and tier.disk is not None else 0,
+        "disk_blocks_loaded": tier.disk.counters.loaded if tier is not None and tier.disk is not None else 0,
         "output_throughput": out_tokens / duration,
         # This thread's CPU seconds (torch runs in it with OMP_NUM_THREADS=1): what the work cost,
         # less exposed than the wall clock to the other processes sharing the machine.
@@ -118,6 +126,10 @@ def main() -> None:
     ap.add_argument("--output-len", type=int, default=32)
     ap.add_argument("--pool-tokens", type=int, default=2048, help="the device pool, in tokens")
     ap.add_argument("--tier-gib", type=float, default=0.25, help="--kv-offloading-size for the 'tier on' runs")
+    ap.add_argument("--disk-gib", type=float, default=0.0,
+                    help="> 0: a third row, a small host tier (--disk-host-gib) over a disk tier of this many GiB")
+    ap.add_argument("--disk-host-gib", type=float, default=0.02, help="--kv-offloading-size for the disk row")
+    ap.add_argument("--disk-path", default=None, help="the disk tier's directory (default: a fresh temporary one)")
     ap.add_argument("--max-num-seqs", type=int, default=4)
     ap.add_argument("--reps", type=int, default=1,
                     help="alternate on/off this many times; the run with the least engine CPU time is kept")
@@ -129,6 +141,10 @@ def main() -> None:
     max_model_len = final_len + args.output_len + 16
     working_set = args.conversations * final_len
     results, raw = {}, {}
+    rows = [("tier off", None, False), ("tier on", args.tier_gib, False)]
+    if args.disk_gib > 0:
+        rows.append(("host+disk", args.disk_host_gib, True))
+    names = [name for name, _, _ in rows]
     for workload, reuse in (("multi-turn", True), ("no reuse", False)):
         convs = conversations(args, vocab, reuse, args.seed)
         if not reuse:  # each request as long as the multi-turn ones are on average
@@ -137,14 +153,20 @@ def main() -> None:
             convs = [[[rng.randrange(16, vocab) for _ in range(mean_len)] for _ in range(args.turns)]
                      for _ in range(args.conversations)]
         for rep in range(args.reps):
-            for name, size in (("tier off", None), ("tier on", args.tier_gib)):
+            for name, size, disk in rows:
+                disk_knobs = {}
+                if disk:  # a fresh directory per run: each starts cold, as the others do
+                    disk_knobs = dict(kv_offloading_disk=tempfile.mkdtemp(dir=args.disk_path),
+                                      kv_offloading_disk_size=args.disk_gib)
                 config = EngineConfig(model=str(path), dtype="float32", num_kv_blocks=args.pool_tokens // 16,
                                       max_model_len=max_model_len, max_num_seqs=args.max_num_seqs,
                                       max_num_batched_tokens=max(512, args.max_num_seqs), kv_offloading_size=size,
-                                      swap_space="256MiB")
+                                      swap_space="256MiB", **disk_knobs)
                 engine = Engine(config)
                 got = run(engine, convs, args, reuse)
                 engine.shutdown()
+                if disk:
+                    shutil.rmtree(disk_knobs["kv_offloading_disk"], ignore_errors=True)
                 raw.setdefault(f"{workload}: {name}", []).append(got)
                 key = f"{workload}: {name}"
                 if key not in results or got["engine_cpu_s"] < results[key]["engine_cpu_s"]:
@@ -155,10 +177,11 @@ def main() -> None:
           f"{args.max_num_seqs}; pool {args.pool_tokens} tokens, working set {working_set} tokens = {ratio:.1f}x "
           f"the pool; tier {args.tier_gib} GiB; best of {args.reps}; shared machine (other processes running)")
     keys = ["p50_ttft_ms", "p99_ttft_ms", "prompt_tokens", "prompt_tokens_computed", "prefix_hit_rate",
-            "tier_hit_rate", "tier_blocks_stored", "tier_blocks_loaded", "output_throughput", "engine_cpu_s",
+            "tier_hit_rate", "tier_blocks_stored", "tier_blocks_loaded"] + (
+            ["disk_blocks_stored", "disk_blocks_loaded"] if args.disk_gib > 0 else []) + ["output_throughput", "engine_cpu_s",
             "preemptions"]
     for workload in ("multi-turn", "no reuse"):
-        print_side_by_side(f"\n{workload}", {n: results[f"{workload}: {n}"] for n in ("tier off", "tier on")}, keys,
+        print_side_by_side(f"\n{workload}", {n: results[f"{workload}: {n}"] for n in names}, keys,
                            ratio_of=("tier on", "tier off"))
     on, off = results["no reuse: tier on"], results["no reuse: tier off"]
     overhead = 1 - on["output_throughput"] / off["output_throughput"]

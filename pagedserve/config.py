@@ -173,6 +173,9 @@ class EngineConfig:
     # that keeps prefix blocks the device pool evicts (core/kv_tier.py); None = no tier.
     kv_offloading_size: float | None = None
     kv_offloading_backend: str | None = None  # vLLM's --kv-offloading-backend: only "native" here
+    # The disk tier below the host tier (core/kv_disk.py): a directory, and GiB over all ranks.
+    kv_offloading_disk: str | None = None
+    kv_offloading_disk_size: float | None = None
     enable_prefix_caching: bool = True
     scheduling_policy: SchedulingPolicy | str = SchedulingPolicy.FCFS
     max_logprobs: int = 20
@@ -262,6 +265,17 @@ class EngineConfig:
                    f"must be a number of GiB > 0, got {self.kv_offloading_size!r}")
             _check(self.enable_prefix_caching, "kv_offloading_size",
                    "the host KV tier keeps prefix-cache blocks: it needs enable_prefix_caching")
+        if self.kv_offloading_disk is not None or self.kv_offloading_disk_size is not None:
+            _check(isinstance(self.kv_offloading_disk, str) and self.kv_offloading_disk != "", "kv_offloading_disk",
+                   f"needs a directory for the disk KV tier (with kv_offloading_disk_size), got {self.kv_offloading_disk!r}")
+            size = self.kv_offloading_disk_size
+            _check(isinstance(size, (int, float)) and not isinstance(size, bool) and size > 0,
+                   "kv_offloading_disk_size", f"must be a number of GiB > 0 (with kv_offloading_disk), got {size!r}")
+            _check(self.kv_offloading_size is not None, "kv_offloading_disk",
+                   "the disk tier sits below the host tier: it needs kv_offloading_size too")
+            _check(self.tensor_parallel_size * self.pipeline_parallel_size == 1, "kv_offloading_disk",
+                   "the disk tier runs with one rank only for now (tensor_parallel_size and "
+                   "pipeline_parallel_size 1): only the driver rank reports its disk reads")
         if self.kv_offloading_backend is not None:
             _check(self.kv_offloading_backend == "native", "kv_offloading_backend",
                    f"only 'native' (the built-in host tier) is implemented, got {self.kv_offloading_backend!r}")

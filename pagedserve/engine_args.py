@@ -33,6 +33,10 @@ _FLAGS: list[tuple[str, dict]] = [
     ("--kv-offloading-size", dict(type=float, default=None,
                                   help="GiB of host memory (over all ranks) for a KV tier that keeps prefix "
                                        "blocks the pool evicts and loads them back on a hit")),
+    ("--kv-offloading-disk", dict(default=None,
+                                  help="a directory for a disk KV tier below the host tier (kept across restarts)")),
+    ("--kv-offloading-disk-size", dict(type=float, default=None,
+                                       help="GiB of disk (over all ranks) for the --kv-offloading-disk tier")),
     ("--kv-offloading-backend", dict(choices=("native",), default=None, help="the tier's backend (vLLM's flag)")),
     ("--enable-prefix-caching", dict(action=argparse.BooleanOptionalAction, default=None)),
     ("--scheduling-policy", dict(choices=SCHEDULING_POLICIES, default=None)),

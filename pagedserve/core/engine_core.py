@@ -15,12 +15,14 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import time
 from dataclasses import asdict, dataclass, replace
 from typing import Callable, Iterable
 
 from pagedserve.config import EngineConfig, PreemptionMode
 from pagedserve.core.executor import Executor
+from pagedserve.core.kv_disk import DiskTier, check_disk_fits, measure_disk_read_bandwidth, num_disk_slots_for
 from pagedserve.core.kv_events import KVEvent, KVEventLog, device_medium
 from pagedserve.core.outputs import EngineCoreOutputs, SchedulerStats
 from pagedserve.core.request import Request, RequestStatus
@@ -179,6 +181,36 @@ def check_tier_fits(config: EngineConfig, pool: KVPoolSize, num_tier_blocks: int
                          f"lower --kv-offloading-size")
 
 
+def open_disk_tier(config: EngineConfig, pool: KVPoolSize, executor: Executor, fingerprint: dict,
+                   costs: PreemptionCosts | None) -> DiskTier:
+    """The disk tier: sized, checked against the free disk, its index opened (refused when
+    another model or layout wrote it), the ranks' files opened, its read bandwidth measured."""
+    path = os.path.abspath(config.kv_offloading_disk)
+    world = config.tensor_parallel_size * config.pipeline_parallel_size
+    size = config.kv_offloading_disk_size
+    if config.data_parallel_size > 1:  # each core its own directory and share of the size
+        path = os.path.join(path, f"dp{config.data_parallel_rank}")
+        size /= config.data_parallel_size
+    os.makedirs(path, exist_ok=True)
+    num_slots = num_disk_slots_for(size, pool.bytes_per_block, world)
+    check_disk_fits(path, size, num_slots, pool.bytes_per_block, world)
+    open_files = getattr(executor, "open_disk_tier", None)
+    if open_files is None:
+        raise ValueError(f"kv_offloading_disk: the {type(executor).__name__} executor has no disk tier")
+    disk = DiskTier(path, num_slots, config.block_size,
+                    dict(fingerprint, block_size=config.block_size, bytes_per_block=pool.bytes_per_block,
+                         tensor_parallel_size=config.tensor_parallel_size,
+                         pipeline_parallel_size=config.pipeline_parallel_size))
+    open_files(path, num_slots)
+    disk.read_bandwidth = measure_disk_read_bandwidth(path)
+    if costs is not None:
+        costs.disk_read_bandwidth = disk.read_bandwidth
+    logger.info("disk KV tier: %d blocks x %.0f KiB = %.2f GiB in %s (%d prefix tokens), read %.2f GB/s",
+                num_slots, pool.bytes_per_block / 2**10, num_slots * pool.bytes_per_block / 2**30, path,
+                num_slots * config.block_size, disk.read_bandwidth / 1e9)
+    return disk
+
+
 class EngineCore:
     def __init__(self, config: EngineConfig, scheduler: Scheduler, executor: Executor,
                  pool: KVPoolSize, trace_path: str | None = None,
@@ -199,13 +231,14 @@ class EngineCore:
               clock: Callable[[], float] = time.monotonic,
               prefix_extra_keys: Callable[[Request], bytes] | None = None,
               cpu_clock: Callable[[], float] | None = None,
-              host_memory: int | None = None) -> "EngineCore":
+              host_memory: int | None = None, disk_fingerprint: dict | None = None) -> "EngineCore":
         """The one way to make a core: check the pool, allocate it (and the host pool),
         measure what auto preemption weighs, build the scheduler. `prefix_extra_keys` names
         what else a request's KV depends on (see core/kv_cache.py). `cpu_clock` times the
         step trace's cpu_time (default: this thread's CPU time; the simulator passes its
         virtual clock). `host_memory`: bytes the host tier may take (default: MemAvailable
-        now; the simulator passes its deployment's)."""
+        now; the simulator passes its deployment's). `disk_fingerprint`: what the disk tier's
+        header must match (engine/llm_engine.py: model, config hash, dtypes, layout)."""
         check_pool_fits(pool, config)
         num_host_blocks = num_host_blocks_for(config, pool)
         num_tier_blocks = num_tier_blocks_for(config, pool)
@@ -230,6 +263,8 @@ class EngineCore:
         scheduler = Scheduler.from_config(config, pool.num_blocks, clock=clock, num_host_blocks=num_host_blocks,
                                           costs=costs, prefix_extra_keys=prefix_extra_keys,
                                           num_tier_blocks=num_tier_blocks)
+        if config.kv_offloading_disk:
+            scheduler.kv.tier.disk = open_disk_tier(config, pool, executor, disk_fingerprint or {}, costs)
         return cls(config, scheduler, executor, pool, config.step_trace_path, cpu_clock or time.thread_time)
 
     # -- requests -----------------------------------------------------------------------
@@ -254,6 +289,9 @@ class EngineCore:
             self.scheduler.kv.pool.events = KVEventLog(self.config.block_size, device_medium(self.config.device))
             if self.scheduler.kv.tier is not None:  # one log: the order across pool and tier is kept
                 self.scheduler.kv.tier.events = self.scheduler.kv.pool.events
+                if (disk := self.scheduler.kv.disk) is not None:
+                    disk.events = self.scheduler.kv.pool.events
+                    disk.announce()  # the blocks a previous run left
 
     def take_kv_events(self) -> list[KVEvent]:
         """The KV events since the last call (none unless --kv-events-config enables them)."""
@@ -263,8 +301,9 @@ class EngineCore:
     def cached_block_hashes(self) -> set[int]:
         """Read-only: the external keys of every block the prefix cache can serve now (the
         device pool's and the host tier's)."""
-        tier = self.scheduler.kv.tier
-        return self.scheduler.kv.pool.cached_block_hashes() | (tier.block_hashes() if tier is not None else set())
+        tier, disk = self.scheduler.kv.tier, self.scheduler.kv.disk
+        return (self.scheduler.kv.pool.cached_block_hashes() | (tier.block_hashes() if tier is not None else set())
+                | (disk.block_hashes() if disk is not None else set()))
 
     def reset_prefix_cache(self) -> bool:
         """Forget the prefix cache, the host tier's too (one AllBlocksCleared event); refused
@@ -273,6 +312,8 @@ class EngineCore:
             return False
         if self.scheduler.kv.tier is not None:
             self.scheduler.kv.tier.clear()
+        if self.scheduler.kv.disk is not None:
+            self.scheduler.kv.disk.clear()
         return True
 
     # -- the step -------------------------------------------------------------------------
@@ -321,5 +362,13 @@ class EngineCore:
         if self._trace is not None:
             self._trace.close()
             self._trace = None
+        if (disk := self.scheduler.kv.disk) is not None:
+            if disk.needs_sync:  # the writes since the last sync: durable, then recorded
+                try:
+                    self.executor.sync_disk_tier()
+                    disk.flush_index()
+                except Exception as e:  # noqa: BLE001 - a shutdown goes on; those blocks are just not kept
+                    logger.warning("disk KV tier: the last writes were not kept: %s", e)
+            disk.close()
         self.executor.shutdown()
 

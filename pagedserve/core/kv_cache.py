@@ -239,6 +239,23 @@ class KVCacheManager:
         return self.tier.lookup(chain.hashes[i:num_full], chain.contents[i:num_full],
                                 chain.hashes[i - 1] if i else None)
 
+    @property
+    def disk(self):
+        """The disk tier below the host tier (core/kv_disk.py); None = none."""
+        return self.tier.disk if self.tier is not None else None
+
+    def get_disk_hits(self, request: Request, num_hit_blocks: int) -> list:
+        """The disk tier's run of blocks right after the pool's and the host tier's hits."""
+        disk = self.disk
+        if disk is None or not disk.enabled:
+            return []
+        num_full = (request.num_tokens - 1) // self.block_size
+        if num_full <= num_hit_blocks:
+            return []
+        chain = self._chain(request, num_full)
+        i = num_hit_blocks
+        return disk.lookup(chain.hashes[i:num_full], chain.contents[i:num_full], chain.hashes[i - 1] if i else None)
+
     def _remember_evicted(self, key: bytes) -> None:
         self._evicted[key] = None
         self._evicted.move_to_end(key)
@@ -325,6 +342,8 @@ class KVCacheManager:
         """A new step: host blocks the previous step's copies read may be reused."""
         if self.tier is not None:
             self.tier.begin_step()
+            if self.tier.disk is not None:
+                self.tier.disk.begin_step()
 
     def take_tier_copies(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
         """This step's tier copies: (device, host) offloads and (host, device) loads."""

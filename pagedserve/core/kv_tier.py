@@ -68,6 +68,7 @@ class HostTier:
         self._offloads: list[tuple[int, int]] = []  # (device, host) copies this step
         self._release: list[KVBlock] = []           # host blocks read this step: free next step
         self.on_evict: Callable[[bytes], None] | None = None  # a key the tier drops for room (LRU, swap)
+        self.disk = None  # core/kv_disk.DiskTier: where the entries evicted for room go; None = lost
 
     # -- state --------------------------------------------------------------------------
     @property
@@ -110,6 +111,8 @@ class HostTier:
             self.counters.not_kept += 1
             return
         host = self.host_pool.allocate(1)[0]
+        if self.disk is not None:
+            self.disk.discard(key)  # one place at a time
         self.entries[key] = TierEntry(host, key, block.parent_key, block.content)
         self._offloads.append((block.block_id, host.block_id))
         self.counters.stored += 1
@@ -153,6 +156,21 @@ class HostTier:
         entry = self.entries.pop(key, None)
         if entry is not None:
             self._drop(entry)
+        if self.disk is not None:
+            self.disk.discard(key)
+
+    def adopt(self, host_block: KVBlock, key: bytes, parent_key: bytes | None, content: bytes) -> None:
+        """A block the disk tier read back into `host_block` (the tier takes its reference)."""
+        if key in self.entries:
+            self.host_pool.free([host_block])
+            return
+        while len(self.entries) >= self.capacity and self._evict_oldest():
+            pass
+        self.entries[key] = TierEntry(host_block, key, parent_key, content)
+        if self.events is not None:
+            tokens = array("q")
+            tokens.frombytes(content[:8 * self.block_size])
+            self.events.stored(key, parent_key, tokens.tolist(), content[8 * self.block_size:], medium=TIER_MEDIUM)
 
     # -- room -----------------------------------------------------------------------------
     def make_room(self, num_host_blocks: int) -> bool:
@@ -174,7 +192,12 @@ class HostTier:
             return False
         _, entry = self.entries.popitem(last=False)
         self.counters.evicted += 1
+        # To the disk tier, unless its bytes are this step's offload (the executor writes
+        # host -> disk before any device -> host copy, so those bytes are not there yet).
+        spilled = (self.disk is not None and all(p[1] != entry.host_block.block_id for p in self._offloads))
         self._drop(entry)
+        if spilled and self.disk.spill(entry.host_block, entry.key, entry.parent_key, entry.content):
+            return True
         if self.on_evict is not None:
             self.on_evict(entry.key)
         return True

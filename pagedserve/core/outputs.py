@@ -41,6 +41,10 @@ class StepResult(Struct, array_like=True):
     # request id -> why it cannot go on (its grammar matcher failed): it samples nothing this
     # step and the scheduler ends it with FINISHED_ERROR
     errors: dict[str, str] = field(default_factory=dict)
+    # The disk tier: why its copies failed this step ("" = they did not), and the slots whose
+    # reads came back torn, corrupted or of another key (missed, never served)
+    disk_error: str = ""
+    disk_failed_reads: list[int] = field(default_factory=list)
 
 
 class SchedulerStats(Struct, array_like=True):

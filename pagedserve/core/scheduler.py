@@ -58,6 +58,12 @@ class PreemptionCosts:
         """A host-tier hit: one copy in (the copy out was paid when the pool evicted it)."""
         return num_blocks * self.bytes_per_block / self.host_bandwidth
 
+    disk_read_bandwidth: float = 0.0   # bytes/s, disk -> host (measured at start-up with a disk tier)
+
+    def disk_load_seconds(self, num_blocks: int) -> float:
+        """A disk-tier hit: read into host blocks, then the host-tier load."""
+        return num_blocks * self.bytes_per_block / self.disk_read_bandwidth + self.load_seconds(num_blocks)
+
 
 @dataclass
 class SchedulerConfig:
@@ -110,10 +116,16 @@ class SchedulerOutput(Struct, array_like=True):
     blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device, host)
     blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)   # (host, device)
     stats: SchedulerStats = field(default_factory=SchedulerStats)
+    # The disk tier (core/kv_disk.py), each rank its own shard: (host block, slot, key) written
+    # first of all the step's copies, then (slot, host block, key) read after the swap-outs.
+    disk_writes: list[tuple[int, int, bytes]] = field(default_factory=list)
+    disk_reads: list[tuple[int, int, bytes]] = field(default_factory=list)
+    disk_sync: bool = False  # the ranks fsync their disk-tier files after this step's writes
 
     @property
     def is_empty(self) -> bool:
-        return not self.scheduled and not self.blocks_to_swap_out and not self.blocks_to_swap_in
+        return (not self.scheduled and not self.blocks_to_swap_out and not self.blocks_to_swap_in
+                and not self.disk_writes and not self.disk_reads)
 
 
 class Scheduler:
@@ -132,6 +144,7 @@ class Scheduler:
         self.total_blocks_swapped = {"out": 0, "in": 0}
         self.total_partial_prefills = 0  # prompt chunks that did not reach the end (chunked prefill)
         self.total_tier_blocks = {"stored": 0, "loaded": 0}  # host tier copies (out, in)
+        self._disk_prefetched: set[str] = set()  # requests that waited a step for the disk tier
         self._seq = itertools.count()
         self._order: dict[str, int] = {}
         self._finished_since_step: list[str] = []
@@ -184,6 +197,7 @@ class Scheduler:
         req = self.requests.pop(request_id, None)
         if req is None:
             return None
+        self._disk_prefetched.discard(request_id)
         queue = {RequestStatus.RUNNING: self.running, RequestStatus.WAITING: self.waiting,
                  RequestStatus.SWAPPED: self.swapped}.get(req.status)
         if queue is not None:
@@ -252,6 +266,22 @@ class Scheduler:
                              req.request_id, len(entries), load_s * 1e3, recompute_s * 1e3)
                 return []
         return entries
+
+    def _disk_prefetch(self, req: Request, num_hit_blocks: int) -> bool:
+        """Start reading the disk tier's run after the hits into the host tier, when the cost
+        rule says loading beats computing; the request waits one step for it (once)."""
+        if req.request_id in self._disk_prefetched:
+            return False
+        entries = self.kv.get_disk_hits(req, num_hit_blocks)
+        if not entries:
+            return False
+        costs = self.costs
+        if costs is not None and costs.host_bandwidth > 0 and costs.disk_read_bandwidth > 0:
+            load_s = costs.disk_load_seconds(len(entries))
+            if load_s > costs.recompute_seconds(len(entries) * self.kv.block_size):
+                return False
+        self._disk_prefetched.add(req.request_id)
+        return self.kv.disk.start_reads(entries, self.kv.host_pool) > 0
 
     def _preempt(self, victim: Request, stats: SchedulerStats, swap_out: list[tuple[int, int]]) -> None:
         """Swap: its blocks go to the host pool and it keeps its progress. Recompute: its
@@ -331,6 +361,9 @@ class Scheduler:
             hits, num_hit_tokens = self.kv.get_computed_blocks(req) if looks_up else ([], 0)
             tier_hits = self._tier_hits(req, num_hit_tokens) if looks_up else []
             num_tier_tokens = len(tier_hits) * self.kv.block_size
+            if looks_up and self.kv.disk is not None and self._disk_prefetch(
+                    req, (num_hit_tokens + num_tier_tokens) // self.kv.block_size):
+                break  # its blocks come up from disk this step; it is admitted on the next
             num_remaining = req.num_tokens - req.num_computed_tokens - num_hit_tokens - num_tier_tokens
             num_new = self._grant(num_remaining, budget)
             if not cfg.enable_chunked_prefill and num_new < num_remaining:
@@ -379,7 +412,12 @@ class Scheduler:
             stats.num_blocks_offloaded, stats.num_blocks_loaded = len(offloads), len(loads)
             self.total_tier_blocks["stored"] += len(offloads)
             self.total_tier_blocks["loaded"] += len(loads)
+        disk_writes, disk_reads, disk_sync = (self.kv.disk.take_copies() if self.kv.disk is not None
+                                              else ([], [], False))
         out = SchedulerOutput(
+            disk_writes=disk_writes,
+            disk_reads=disk_reads,
+            disk_sync=disk_sync,
             scheduled=scheduled,
             num_batched_tokens=stats.num_batched_tokens,
             new_requests=new_requests,
@@ -408,6 +446,18 @@ class Scheduler:
             sample=start + num_new == req.num_tokens,
         )
 
+    def _finish_disk_copies(self, out: SchedulerOutput, result: StepResult) -> None:
+        """The disk tier's writes are durable (indexed now); its reads that came back whole
+        join the host tier, the others are freed (a miss: those tokens are computed)."""
+        if not out.disk_writes and not out.disk_reads and not out.disk_sync and not result.disk_error:
+            return
+        tier = self.kv.tier
+        for entry, host in self.kv.disk.finish_step(result.disk_error, result.disk_failed_reads):
+            if entry is None:
+                self.kv.host_pool.free([host])
+            else:
+                tier.adopt(host, entry.key, entry.parent_key, entry.content)
+
     def fill_state(self, stats: SchedulerStats) -> None:
         """Queue and pool state, as of now."""
         stats.num_running = len(self.running)
@@ -429,6 +479,8 @@ class Scheduler:
         """
         now = self.clock()
         outputs: list[EngineCoreOutput] = []
+        if self.kv.disk is not None:
+            self._finish_disk_copies(out, result)
         for sr in out.scheduled:
             req = self.requests.get(sr.request_id)
             if req is None or req.status != RequestStatus.RUNNING:

@@ -73,6 +73,18 @@ class EngineFrontend:
         return str(next(self._ids))
 
 
+def disk_tier_fingerprint(settings: ResolvedConfig) -> dict:
+    """What a disk KV tier's files must have been written by to be served (core/kv_disk.py):
+    the model's path and a hash of its config, the compute and KV dtypes (the engine core adds
+    the block size, bytes per block and the tp/pp shape)."""
+    import hashlib
+    import json
+    mc = settings.model_config
+    config_hash = hashlib.sha256(json.dumps(mc.hf_config, sort_keys=True, default=str).encode()).hexdigest()
+    return {"model": str(getattr(mc, "path", settings.config.model)), "model_config_sha256": config_hash,
+            "dtype": settings.dtype, "kv_cache_dtype": settings.kv_cache_dtype}
+
+
 def build_engine_core(settings: ResolvedConfig, executor=None, grammar_compiler=None,
                       load_grammar_compiler: bool = False) -> EngineCore:
     """The executor the settings ask for (unless given), the pool sized as `plan` sizes it (per
@@ -108,7 +120,8 @@ def build_engine_core(settings: ResolvedConfig, executor=None, grammar_compiler=
             # Dynamic NTK RoPE: a long prompt's K depends on its length, so prefix-cache keys must too.
             rope = model_config.rope
             prefix_extra_keys = lambda req: rope.prefix_cache_key(req.num_prompt_tokens)  # noqa: E731
-        core = EngineCore.build(config, executor, pool, prefix_extra_keys=prefix_extra_keys)
+        core = EngineCore.build(config, executor, pool, prefix_extra_keys=prefix_extra_keys,
+                                disk_fingerprint=disk_tier_fingerprint(settings) if config.kv_offloading_disk else None)
         if (kv_events := make_kv_events_hook(config)) is not None:  # binds its sockets now: a bad one fails the start
             core.record_kv_events()
             core.observers.append(kv_events)

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import os
 import time
 from dataclasses import dataclass
 
@@ -212,6 +213,43 @@ class ModelRunner:
         if self.host_cache is not None and self.device.type == "cuda":
             self.host_cache = self.host_cache.pin_memory()
 
+    def open_disk_tier(self, path: str, num_slots: int) -> None:
+        """This rank's file of the disk KV tier (core/kv_disk.py): slots of its shard of a block."""
+        from pagedserve.core.kv_disk import rank_file_name
+        from pagedserve.worker.disk_store import DiskStore
+        parts = [self._blocks(t)[:, :, 0].numel() * t.element_size() for t in self._pool_tensors(self.host_cache)]
+        self.disk_store = DiskStore(os.path.join(path, rank_file_name(self.shard.rank, self.stage.pp_rank)),
+                                    num_slots, parts)
+
+    def sync_disk_tier(self) -> None:
+        """Make every disk-tier write so far durable (the engine's shutdown, before its last records)."""
+        if getattr(self, "disk_store", None) is not None:
+            os.fsync(self.disk_store.fd)
+
+    def _disk_copies(self, out: SchedulerOutput, reads: bool, result: StepResult) -> None:
+        """The disk tier's copies: writes (host -> disk) before every other copy, reads
+        (disk -> host) after the swap-outs. An error ends the disk tier's work this step."""
+        from pagedserve.worker.disk_store import block_payload, load_payload
+        store = getattr(self, "disk_store", None)
+        if store is None or result.disk_error:
+            if store is None and (out.disk_writes or out.disk_reads):
+                result.disk_error = "this rank has no disk tier"
+            return
+        host = [self._blocks(t) for t in self._pool_tensors(self.host_cache)]
+        try:
+            if not reads:
+                store.write([(slot, key, block_payload(host, hb)) for hb, slot, key in out.disk_writes],
+                            sync=out.disk_sync)
+                return
+            for slot, hb, key in out.disk_reads:
+                payload = store.read(slot, key)
+                if payload is None:
+                    result.disk_failed_reads.append(slot)
+                else:
+                    load_payload(host, hb, payload)
+        except OSError as e:
+            result.disk_error = f"{type(e).__name__}: {e}"
+
     def _allocate_pool(self, shape: tuple, device: torch.device) -> torch.Tensor | QuantizedKVCache:
         if self.kv_format is None:
             return allocate_zeroed(shape, self.dtype, device)
@@ -325,12 +363,17 @@ class ModelRunner:
     def execute(self, out: SchedulerOutput) -> StepResult:
         t0 = time.perf_counter()
         states = self._apply_diffs(out)
-        # Swap-outs first: their device blocks may be handed to others in this very step.
+        result = StepResult()
+        # The disk tier's writes first: the host blocks they read may be rewritten this step.
+        if out.disk_writes or out.disk_sync:
+            self._disk_copies(out, False, result)
+        # Swap-outs next: their device blocks may be handed to others in this very step.
         if out.blocks_to_swap_out:
             self.copy_blocks(out.blocks_to_swap_out, self.kv_cache, self.host_cache)
+        if out.disk_reads:  # into fresh host blocks; the host tier has them from the next step
+            self._disk_copies(out, True, result)
         if out.blocks_to_swap_in:
             self.copy_blocks(out.blocks_to_swap_in, self.host_cache, self.kv_cache)
-        result = StepResult()
         if out.scheduled:
             inputs = self._prepare_inputs(out, states)
             t1 = time.perf_counter()

@@ -247,6 +247,12 @@ class RankCalls:
     def measure_host_bandwidth(self) -> float:
         return min(self._call("measure_host_bandwidth"))
 
+    def open_disk_tier(self, path: str, num_slots: int) -> None:
+        self._call("open_disk_tier", path, num_slots)
+
+    def sync_disk_tier(self) -> None:
+        self._call("sync_disk_tier")
+
     def set_comm_observer(self, enabled: bool = True) -> None:
         """Have every rank time its collectives and sends (Worker.set_comm_observer); stats() then
         report them. Off by default: benchmarks turn it on."""
