@@ -35,6 +35,7 @@ from dataclasses import dataclass
 
 from pagedserve.core.block_pool import BlockPool, KVBlock
 from pagedserve.core.kv_events import KVEventLog, external_block_hash
+from pagedserve.core.kv_tier import longest_chain
 
 logger = logging.getLogger(__name__)
 
@@ -277,17 +278,10 @@ class DiskTier:
 
     # -- out: prefetch into the host tier ---------------------------------------------------
     def lookup(self, keys: list[bytes], contents: list[bytes], parent_key: bytes | None) -> list[DiskEntry]:
-        found: list[DiskEntry] = []
         if not self.enabled:
-            return found
-        for key, content in zip(keys, contents):
-            entry = self.entries.get(key)
-            if entry is None or entry.content != content or entry.parent_key != parent_key:
-                break
-            found.append(entry)
-            parent_key = key
+            return []
         self.counters.lookups += len(keys)
-        return found
+        return longest_chain(self.entries, keys, contents, parent_key)
 
     def start_reads(self, entries: list[DiskEntry], host_pool: BlockPool) -> int:
         """Read these entries into free host blocks this step (as many as are free); they leave

@@ -35,6 +35,21 @@ from pagedserve.core.kv_events import KVEventLog, external_block_hash
 TIER_MEDIUM = "CPU"  # vLLM's medium string for host memory
 
 
+
+def longest_chain(entries, keys: list[bytes], contents: list[bytes], parent_key: bytes | None) -> list:
+    """The longest run of `entries` (a tier's index by prefix key) for these chain positions,
+    the first after `parent_key`: each entry must hold that key, that content and, as its
+    parent, the key before it (the device pool checks the parent by identity; a tier below it
+    cannot, its parent block having left, and relies on the SHA-256 key chain)."""
+    found = []
+    for key, content in zip(keys, contents):
+        entry = entries.get(key)
+        if entry is None or entry.content != content or entry.parent_key != parent_key:
+            break
+        found.append(entry)
+        parent_key = key
+    return found
+
 @dataclass(eq=False)
 class TierEntry:
     host_block: KVBlock
@@ -125,15 +140,8 @@ class HostTier:
     # -- out: prefix lookups past the device pool ------------------------------------------
     def lookup(self, keys: list[bytes], contents: list[bytes], parent_key: bytes | None) -> list[TierEntry]:
         """The longest run of entries for these chain positions, the first after `parent_key`."""
-        found: list[TierEntry] = []
-        for key, content in zip(keys, contents):
-            entry = self.entries.get(key)
-            if entry is None or entry.content != content or entry.parent_key != parent_key:
-                break
-            found.append(entry)
-            parent_key = key
         self.counters.lookups += len(keys)
-        return found
+        return longest_chain(self.entries, keys, contents, parent_key)
 
     def count_hits(self, num_blocks: int) -> None:
         self.counters.hits += num_blocks
