@@ -159,15 +159,19 @@ def test_a_killed_replica_costs_only_its_in_flight_requests(fleet):
     names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
              if "EngineReplica" in a["name"]]
     assert len(names) == 2
-    victim_name = names[0]
-    victim_id = victim_name.rsplit("#", 1)[1]
-    victim = ray.get_actor(victim_name, namespace="serve")
     started = [threading.Event() for _ in range(8)]
     with concurrent.futures.ThreadPoolExecutor(8) as pool:
-        # 100 tokens each (prompt 9 + 100 < max_model_len 128), 4 per replica: still running at the kill.
+        # 100 tokens each (prompt 9 + 100 < max_model_len 128): still running at the kill.
         futures = [pool.submit(completion, url, model, [i + 2] * 9, 100, True, 300.0, started[i]) for i in range(8)]
         for event in started:           # every stream has its first token: the kill lands under load
             assert event.wait(240), "a stream did not start"
+        # The victim is a replica the router has streams on now (a burst can land on one replica
+        # before the queue-length probes catch up: killing the other would cost nothing).
+        in_flight = per_replica(metric_samples(url), "pagedserve:router_in_flight")
+        victim_id = max(in_flight, key=in_flight.get)
+        assert in_flight[victim_id] >= 1, in_flight
+        victim_name = next(n for n in names if n.rsplit("#", 1)[1] == victim_id)
+        victim = ray.get_actor(victim_name, namespace="serve")
         ray.kill(victim, no_restart=True)
         results = [f.result(timeout=300) for f in futures]   # nothing hangs
     finished = errored = 0
