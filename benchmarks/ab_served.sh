@@ -2,7 +2,7 @@
 # Before/after in one sitting for the renovation's "no slowdown" check (issue 29): in-process 19M at
 # 1 sequence and served 246M at 8 and 32 streams, alternating the two checkouts each round, with
 # ../shared/peers' own scripts (bench_pagedserve.py, serve_bench.sh -> bench_http.py).
-# usage: benchmarks/ab_served.sh BEFORE_CHECKOUT [ROUNDS]   (checkpoints under /tmp/pagedserve-bench:
+# usage: [CONCS="8 32"] [INPROC=1] benchmarks/ab_served.sh BEFORE_CHECKOUT [ROUNDS]   (checkpoints under /tmp/pagedserve-bench:
 #   llama-19m = peers' tiny-llama shape, llama-246m = small-llama shape; random weights, fp32)
 set -eu
 BEFORE=$(cd "$1" && pwd); AFTER=$(cd "$(dirname "$0")/.." && pwd); ROUNDS=${2:-2}
@@ -12,8 +12,10 @@ for r in $(seq 1 "$ROUNDS"); do
   for side in before after; do
     root=$BEFORE; [ $side = after ] && root=$AFTER
     echo "# round $r $side $(git -C "$root" rev-parse --short HEAD)"
-    (cd "$root" && PYTHONPATH="$root" python3 "$PEERS/bench_pagedserve.py" $M19 1 | sed "s/^/$side inproc /")
-    (cd "$root" && PYTHONPATH="$root" bash "$PEERS/serve_bench.sh" ps-$side 8123 vllm "8 32" -- \
+    if [ "${INPROC:-1}" = 1 ]; then
+      (cd "$root" && PYTHONPATH="$root" python3 "$PEERS/bench_pagedserve.py" $M19 1 | sed "s/^/$side inproc /")
+    fi
+    (cd "$root" && PYTHONPATH="$root" bash "$PEERS/serve_bench.sh" ps-$side 8123 vllm "${CONCS:-8 32}" -- \
         python3 -m pagedserve.cli serve --model $M246 --port 8123 --max-model-len 512 --max-num-seqs 32 \
         --no-enable-prefix-caching --kv-cache-memory 2GiB 2>/dev/null | sed "s/^/$side served /")
   done
