@@ -8,6 +8,14 @@ set -eu
 BEFORE=$(cd "$1" && pwd); AFTER=$(cd "$(dirname "$0")/.." && pwd); ROUNDS=${2:-2}
 PEERS=${PEERS_SCRIPTS:-$AFTER/../shared/peers}
 M19=/tmp/pagedserve-bench/llama-19m; M246=/tmp/pagedserve-bench/llama-246m
+# The peers' two shapes (make_models.py), random weights, made once with the installed transformers.
+(cd "$AFTER/tests" && python3 -c "
+from pathlib import Path; from checkpoints import make_checkpoint
+for p, (h, l, a, kv, i) in {'$M19': (256, 4, 4, 2, 688), '$M246': (1024, 16, 16, 4, 2816)}.items():
+    if not (Path(p) / 'config.json').exists():
+        make_checkpoint(Path(p), 'llama', hidden=h, layers=l, heads=a, kv_heads=kv, inter=i, vocab=32000,
+                        max_pos=4096, init_std=0.02, tie_word_embeddings=False)
+")
 for r in $(seq 1 "$ROUNDS"); do
   for side in before after; do
     root=$BEFORE; [ $side = after ] && root=$AFTER
