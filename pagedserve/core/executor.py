@@ -14,18 +14,27 @@ the engine-core loop steps in lockstep with the other cores through it.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Protocol, runtime_checkable
+from typing import Protocol, runtime_checkable
 
 from pagedserve.core.outputs import StepResult
 from pagedserve.core.scheduler import SchedulerOutput
 
-if TYPE_CHECKING:
-    from pagedserve.worker.dp_lockstep import DPLockstep
+
+class Lockstep(Protocol):
+    """What the engine-core loop asks of a data-parallel core that steps with the others (DP
+    attention + EP; worker/dp_lockstep.py implements it): agree each turn whether any core has
+    work or stops, count this core's forwards, run a pass with no tokens of its own."""
+
+    num_forwards: int
+
+    def agree(self, has_work: bool, stopping: bool) -> tuple[bool, bool]: ...
+
+    def dummy_step(self) -> None: ...
 
 
 @runtime_checkable
 class Executor(Protocol):
-    dp_lockstep: "DPLockstep | None"   # DP attention + EP only (see above); None everywhere else
+    dp_lockstep: Lockstep | None   # DP attention + EP only (see above); None everywhere else
 
     def profile_kv_budget(self, gpu_memory_utilization: float, max_num_batched_tokens: int,
                           max_num_seqs: int) -> int:
