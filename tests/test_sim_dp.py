@@ -79,6 +79,13 @@ def test_lockstep_turn_is_the_slowest_core_plus_the_exchange_and_an_idle_core_ru
     one = cost.turn([([1], [41], 0, 1), None])
     assert one.dummy == [False, True] and one.cores[1] == cost.dummy_pass(1) > 0
     assert one.total == max(one.cores) + one.exchange
+    # a core's experts work for every core's tokens: more tokens elsewhere, a longer step and dummy pass
+    assert cost.core_step([20], [20], 0, 1, 60) > cost.core_step([20], [20], 0, 1, 20)
+    assert cost.dummy_pass(60) > cost.dummy_pass(1)
+    # and it holds (reads) only its half of the experts: a decode costs less than the whole model's
+    whole = deployment(moe).cost_model
+    assert cost.core_step([1], [41], 0, 1, 1) < whole.predict([1], [41])
+    assert cost.exchange([40, 20]) > cost.exchange([1, 0]) > cost.exchange([0, 0]) > 0   # bytes, then the agreement
 
 
 def test_simulate_dp2_ep_stamps_both_cores_at_each_turn_end_and_counts_dummy_passes(moe):
