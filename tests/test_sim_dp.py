@@ -170,3 +170,13 @@ def test_gpu_dp_ep_pool_is_plans_per_gpu_pool_and_the_exchange_is_all_to_all():
     assert with_ep.lockstep_cost.exchange_kind == "all-to-all" and without.lockstep_cost is None
     result = simulate_dp(with_ep, [request(list(range(16, 16 + 64 + k)), 8, 0.01 * k) for k in range(16)])
     assert result.metrics["completed"] == 16 and sum(c["requests"] for c in result.per_core) == 16
+    # vLLM's idle DP ranks are woken for a request, not polled: no idle tick on a GPU preset
+    (rec,) = simulate_dp(with_ep, [request(list(range(16, 80)), 1, 0.1)]).records
+    assert rec.first_token_time < 0.1 + IDLE_TICK_S / 2
+
+
+def test_tune_over_dp_layouts_prints_the_dp_flag_in_its_command(capsys):
+    rc = main(["tune", "--model", "mixtral-8x7b", "--gpu", "H200", "--layouts", "DP8+EP8", "--max-model-len", "4096",
+               "--num-prompts", "20", "--random-input-len", "128", "--random-output-len", "8", "--request-rate", "10"])
+    out = capsys.readouterr().out
+    assert rc == 0 and "--data-parallel-size 8 --enable-expert-parallel" in out, out

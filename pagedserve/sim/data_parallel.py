@@ -18,9 +18,10 @@ requests sent to it that it had not yet taken in (a burst alternates).
   result does not depend on the threads' order), a core with nothing scheduled or no work
   runs a dummy pass, and the turn lasts the slowest core plus the MoE exchange
   (sim/parallel_cost.py `DPExpertParallelCost`: the engine's all-gather + all-reduce on CPU,
-  priced on the cost model's link; vLLM's all-to-all on a GPU preset). After an idle spell
-  the first turn starts on the cores' next idle tick (engine/core_loop.py IDLE_WAIT: every
-  idle core waits that long for messages before the cores agree again).
+  priced on the cost model's link; vLLM's all-to-all on a GPU preset). On CPU, after an idle
+  spell the first turn starts on the cores' next idle tick (engine/core_loop.py IDLE_WAIT:
+  every idle core waits that long for messages before the cores agree again); on a GPU preset
+  (vLLM's DP coordinator wakes idle ranks at once) there is none.
 
 The serving layer is charged per request (admission before the request reaches the balancer,
 delivery after each step), not as one event loop (`serving.serial` is not modelled here).
@@ -281,6 +282,9 @@ def simulate_dp(deployment, workload: Sequence[WorkloadRequest], *, max_concurre
             record_timeline(outs.timestamp, pre, outs.stats.num_batched_tokens)
     else:
         now, idle, idle_since = 0.0, True, 0.0  # idle: the cores wait in idle ticks since idle_since
+        # pagedserve's engine (CPU) polls in idle ticks; a GPU preset prices vLLM's DP + EP, whose
+        # coordinator wakes the idle ranks when a request arrives: no tick
+        idle_tick = IDLE_TICK_S if deployment.device == "cpu" else 0.0
         pool = ThreadPoolExecutor(max_workers=n, thread_name_prefix="sim-dp-core")
         try:
             while True:
@@ -295,8 +299,8 @@ def simulate_dp(deployment, workload: Sequence[WorkloadRequest], *, max_concurre
                         break
                     now = min(next_send(), next_entry())
                     continue
-                if idle:  # work after an idle spell: the cores next agree on an idle tick, the first turn then
-                    tick = idle_since + IDLE_TICK_S * math.ceil((now - idle_since) / IDLE_TICK_S - 1e-9)
+                if idle and idle_tick:  # work after an idle spell: the cores next agree on an idle tick
+                    tick = idle_since + idle_tick * math.ceil((now - idle_since) / idle_tick - 1e-9)
                     if tick > now:
                         now = tick  # what is sent or taken in by then joins the first turn
                         continue
