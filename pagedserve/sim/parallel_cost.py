@@ -112,8 +112,8 @@ class ParallelCostModel:
     def __init__(self, shape: ModelShape, weight_dtype: str, kv_dtype: str | None, layout: ParallelLayout,
                  params: CostParams, topology: Topology = Topology(), block_size: int = 16) -> None:
         if layout.dp > 1:
-            raise ValueError("data_parallel_size: the simulator runs one engine (one DP replica); "
-                             "simulate one replica and multiply")
+            raise ValueError("data_parallel_size: ParallelCostModel prices one engine core; -dp N is N cores "
+                             "(sim/data_parallel.py, DPExpertParallelCost for DP + EP)")
         if layout.expert_parallel and not shape.is_moe:
             raise ValueError("enable_expert_parallel: the model has no experts")
         self.shape, self.layout, self.topology, self.params = shape, layout, topology, params
