@@ -24,11 +24,13 @@ this machine, in one run (issue 30).
    exchanged in every MoE layer, the cores in lockstep). The prompts of a batch are spread
    over the cores, so a core's steps are half the batch. Each core's step trace
    (<trace>.dp<rank>) and its collectives (PAGEDSERVE_COMM_STATS, engine/core_proc.py) are
-   read back. The simulator runs one engine and refuses -dp ("simulate one replica and
-   multiply"); its column for these rows is that: one replica's steps priced by the
-   1-rank model, plus, for DP + EP, the fitted all-gather / all-reduce lines priced on the
-   calls and bytes the busiest core made (`line ms`; the simulator has no DP + EP
-   exchange term of its own).
+   read back. The simulator's column for these rows is `simulate -dp 2 [--enable-expert-parallel]`
+   (sim/data_parallel.py) on the same batch, sent at once: two simulated engine cores behind the
+   DP client's own placement rule, each step priced by the compute fitted on the 1-rank run;
+   under DP + EP the cores step in lockstep and each turn adds the MoE exchange
+   (sim/parallel_cost.py DPExpertParallelCost: per MoE layer the engine's all-gathers of counts,
+   tokens and routing and its all-reduce of the outputs, on the fitted all_reduce line as the
+   link). Its step is the mean over both cores' steps, as the measured one is.
 
 Measured communication per step is that of the rank with the most (its all-reduces
 include waiting for the slower rank; under pp=2 the last stage's receive is mostly waiting
@@ -288,10 +290,8 @@ def predict(shape, params, flags: dict, row: dict) -> dict:
     from pagedserve.plan.parallel import ParallelLayout
     from pagedserve.sim.parallel_cost import ParallelCostModel
 
-    dp = flags.get("data_parallel_size", 1)
-    # -dp: the simulator prices one replica (one core, the whole model, no EP of its own)
     layout = ParallelLayout(flags.get("tensor_parallel_size", 1), flags.get("pipeline_parallel_size", 1),
-                            enable_expert_parallel=flags.get("enable_expert_parallel", False) and dp == 1)
+                            enable_expert_parallel=flags.get("enable_expert_parallel", False))
     model = ParallelCostModel(shape, "float32", None, layout, params)
     parts = [model.breakdown(r.new_tokens, r.context_lens, r.num_swap_blocks, r.num_outputs) for r in row["steps"]]
     n = len(parts)
@@ -299,6 +299,31 @@ def predict(shape, params, flags: dict, row: dict) -> dict:
             "allreduce_s": sum(p.allreduce for p in parts) / n, "all_to_all_s": sum(p.all_to_all for p in parts) / n,
             "pipeline_s": sum(p.pipeline for p in parts) / n,
             "comm_s_per_step": sum(p.allreduce + p.all_to_all + p.pipeline for p in parts) / n}
+
+
+def predict_dp(path: Path, params, flags: dict, row: dict, batches: list[int], prompt_len: int,
+               new_tokens: int) -> dict:
+    """`simulate -dp N [--enable-expert-parallel]` on the row's batch, every request sent at once
+    (as the measured run submits them), with the engine config run_dp_layout gave the cores."""
+    from pagedserve.bench.workloads import WorkloadRequest
+    from pagedserve.config import EngineConfig
+    from pagedserve.plan.parallel import ParallelLayout
+    from pagedserve.sim.simulator import build_deployment, simulate
+
+    config = EngineConfig(model=str(path), max_model_len=1024, kv_cache_memory="256MiB", max_num_seqs=max(batches),
+                          max_num_batched_tokens=2048, enable_prefix_caching=False)
+    layout = ParallelLayout(1, 1, flags["data_parallel_size"],
+                            enable_expert_parallel=flags.get("enable_expert_parallel", False))
+    dep = build_deployment(config, str(path), cost_params=params, layout=layout)
+    result = simulate(dep, [WorkloadRequest(None, None, prompt_len, new_tokens, arrival_time=0.0)
+                            for _ in range(row["batch"])])
+    cores = result.per_core
+    steps = sum(c["num_steps"] for c in cores)
+    return {"step_s": sum(c["step_seconds"] for c in cores) / steps,
+            "comm_s_per_step": sum(c["exchange_seconds"] for c in cores) / steps,
+            "steps_by_core": [c["num_steps"] for c in cores], "requests_by_core": [c["requests"] for c in cores],
+            "turns": result.data_parallel["turns"], "dummy_passes": [c["num_dummy_passes"] for c in cores],
+            "simulate_dp": True}
 
 
 def main() -> None:
@@ -343,11 +368,10 @@ def main() -> None:
     table = []
     for label, flags in LAYOUTS + DP_LAYOUTS:
         for row in measured[label]:
-            sim = predict(shape, params, flags, row)
-            if flags.get("data_parallel_size", 1) > 1 and flags.get("enable_expert_parallel"):
-                exchange = line_cost(row["busiest_rank_comm"], fits, max(1, len(row["steps"])))
-                sim = sim | {"step_s": sim["step_s"] + exchange, "comm_s_per_step": exchange,
-                             "exchange_from_fitted_lines": True}
+            if flags.get("data_parallel_size", 1) > 1:
+                sim = predict_dp(path, params, flags, row, args.batches, args.prompt_len, args.new_tokens)
+            else:
+                sim = predict(shape, params, flags, row)
             share, sim_share = row["comm_s_per_step"] / row["step_s"], sim["comm_s_per_step"] / sim["step_s"]
             comm_ratio = row["comm_s_per_step"] / sim["comm_s_per_step"] if sim["comm_s_per_step"] > 0 else None
             line_s = line_cost(row["busiest_rank_comm"], fits, row["num_steps"])

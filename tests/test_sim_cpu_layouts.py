@@ -1,7 +1,8 @@
 """`simulate --device cpu` prices the layouts the engine runs on CPU ranks (gloo): TP with
 --enable-expert-parallel and -pp, with a calibrated cost model, as it prices them on a
 GPU (sim/parallel_cost.py); the pool is the one engine.size_pool gives the engine for the
-same flags. A dense model with EP and a DP layout are still refused, by name."""
+same flags. A dense model with EP and DP combined with TP are still refused, by name (-dp
+itself: tests/test_sim_dp.py)."""
 from __future__ import annotations
 
 import json
@@ -65,15 +66,4 @@ def test_cpu_refusals_that_remain_name_the_field(moe, tmp_path):
                          cost_params=cpu_params(), layout=ParallelLayout(2, enable_expert_parallel=True))
     with pytest.raises(ValueError, match="data_parallel_size"):
         build_deployment(EngineConfig(model=str(moe), max_model_len=256, kv_cache_memory="1MiB"), str(moe),
-                         cost_params=cpu_params(), layout=ParallelLayout(1, 1, 2))
-
-
-@pytest.mark.parametrize("flags", [["-dp", "2"], ["--data-parallel-size", "2", "--enable-expert-parallel"]],
-                         ids=["dp2", "dp2-ep"])
-def test_simulate_dp_flag_is_refused_by_name(moe, flags, capsys):
-    """`serve`'s -dp means the same words in simulate, and is refused there with the field's
-    name (it used to fall through argparse as an unknown option and name the next word as a
-    bad subcommand)."""
-    rc = main(["simulate", "--device", "cpu", "--model", str(moe), *flags])
-    err = capsys.readouterr().err
-    assert rc != 0 and "data_parallel_size: 2 is not simulated" in err, (rc, err)
+                         cost_params=cpu_params(), layout=ParallelLayout(2, 1, 2))

@@ -6,7 +6,7 @@ one core.
                 place, route    ├─ ProcessCoreClient ─ engine-core process, data-parallel rank 1
                 aborts, merge   └─ ...
 
-- Placement (`choose_engine`): each request (the samples of one prompt together) goes to
+- Placement (core/dp_balance.py, the rule `simulate -dp` calls too): each request (the samples of one prompt together) goes to
   the core with the least 4 x waiting + running (vLLM's DP load-balancing score; waiting
   counts the requests sent to it that it has not taken in yet, so a burst spreads at once);
   a tie goes to the core holding more of the prompt's leading blocks (`PrefixRecord`: the
@@ -26,78 +26,21 @@ one core.
 """
 from __future__ import annotations
 
-import dataclasses
 import logging
 import socket
 import threading
-from collections import OrderedDict
 from typing import Callable
 
 import msgspec
 
+from pagedserve.core.dp_balance import (DPBalancer, EngineLoad, PrefixRecord,  # noqa: F401  (re-exported)
+                                        WAITING_WEIGHT, choose_engine)
 from pagedserve.core.outputs import EngineCoreOutputs, SchedulerStats
 from pagedserve.core.request import Request, RequestStatus
 from pagedserve.engine.core_client import EngineCoreDied, ProcessCoreClient
 from pagedserve.engine.core_wire import PoolLayout
 
 logger = logging.getLogger("pagedserve.server")
-
-WAITING_WEIGHT = 4  # vLLM's DP load-balancing score: 4 x waiting + running
-
-
-@dataclasses.dataclass
-class EngineLoad:
-    """One core as the balancer sees it."""
-
-    waiting: int       # sent but not yet taken in, plus the core's own waiting queue
-    running: int
-    kv_usage: float    # used / total blocks
-
-    @property
-    def score(self) -> int:
-        return WAITING_WEIGHT * self.waiting + self.running
-
-
-def choose_engine(loads: list[EngineLoad], prefix_blocks: list[int] | None = None) -> int:
-    """The rank a request goes to: the least load score; then the most leading prompt blocks
-    already placed there (prefix-cache hits); then the lower KV-cache usage; then the lower rank."""
-    prefix_blocks = prefix_blocks or [0] * len(loads)
-    return min(range(len(loads)), key=lambda r: (loads[r].score, -prefix_blocks[r], loads[r].kv_usage, r))
-
-
-class PrefixRecord:
-    """The block hashes of the prompts placed on one core, most recent last, at most
-    `capacity` of them (the core's pool size: it cannot cache more). Chained as the prefix
-    cache chains them, so a hit on block i means blocks 0..i match too. It records what was
-    sent, not what the core still caches (it may have evicted some): a tie-breaker."""
-
-    def __init__(self, block_size: int, capacity: int) -> None:
-        self.block_size = block_size
-        self.capacity = max(1, capacity)
-        self._hashes: OrderedDict[int, None] = OrderedDict()
-
-    def block_hashes(self, token_ids: list[int]) -> list[int]:
-        out, parent = [], None
-        for start in range(0, len(token_ids) - self.block_size + 1, self.block_size):
-            parent = hash((parent, tuple(token_ids[start:start + self.block_size])))
-            out.append(parent)
-        return out
-
-    def num_cached_blocks(self, hashes: list[int]) -> int:
-        n = 0
-        for h in hashes:
-            if h not in self._hashes:
-                break
-            n += 1
-        return n
-
-    def add(self, hashes: list[int]) -> None:
-        for h in hashes:
-            self._hashes[h] = None
-            self._hashes.move_to_end(h)
-        while len(self._hashes) > self.capacity:
-            self._hashes.popitem(last=False)
-
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -130,10 +73,9 @@ class DPCoreClient:
             raise
         self._lock = threading.Lock()
         self._owner: dict[str, int] = {}
-        self.num_placed = [0] * self.size  # requests (prompts) placed on each core so far
         self._state: list[SchedulerStats] = [c.initial_snapshot().stats for c in self.clients]
-        layout = self.clients[0].pool_layout()
-        self._prefixes = [PrefixRecord(layout.block_size, c.pool_layout().num_blocks) for c in self.clients]
+        self._balancer = DPBalancer(self.clients[0].pool_layout().block_size,
+                                    [c.pool_layout().num_blocks for c in self.clients])
         self._post: Callable[[object], None] | None = None
         self._dead = False
         logger.info("%d data-parallel engine cores: pids %s%s", self.size, [c.process.pid for c in self.clients],
@@ -195,15 +137,14 @@ class DPCoreClient:
         for rank, batch in by_rank.items():
             self.clients[rank].add_requests(batch)
 
+    @property
+    def num_placed(self) -> list[int]:
+        """Requests (prompts) placed on each core so far."""
+        return self._balancer.num_placed
+
     def _place(self, group: list[Request]) -> int:
-        loads = [EngineLoad(c.num_pending_adds + s.num_waiting, s.num_running,
-                            s.num_used_blocks / s.num_total_blocks if s.num_total_blocks else 0.0)
-                 for c, s in zip(self.clients, self._state)]
-        hashes = self._prefixes[0].block_hashes(group[0].prompt_token_ids)
-        rank = choose_engine(loads, [p.num_cached_blocks(hashes) for p in self._prefixes])
-        self._prefixes[rank].add(hashes)
-        self.num_placed[rank] += 1
-        return rank
+        loads = [EngineLoad.of(s, c.num_pending_adds) for c, s in zip(self.clients, self._state)]
+        return self._balancer.place(group[0].prompt_token_ids, loads)
 
     def finish_requests(self, request_ids: list[str], status: RequestStatus, stop_reason=None) -> None:
         by_rank: dict[int, list[str]] = {}

@@ -45,7 +45,8 @@ def _add_deployment_args(p: argparse.ArgumentParser, engine_flags: bool = True) 
     g.add_argument("--pipeline-parallel-size", "-pp", "--pp", dest="pp", type=int, default=1,
                    help="pipeline stages (layers split between them; TP x PP GPUs in all)")
     g.add_argument("--data-parallel-size", "-dp", "--dp", dest="dp", type=int, default=1,
-                   help="not simulated: only 1 (the serve flag's engine cores are not modelled; see --replicas)")
+                   help="engine cores behind the DP balancer, each its own pool (serve's -dp; with "
+                        "--enable-expert-parallel on an MoE model: DP attention + EP, the cores in lockstep)")
     if not engine_flags:  # otherwise the engine's own --enable-expert-parallel (same meaning) is there
         g.add_argument("--enable-expert-parallel", action="store_true",
                        help="MoE: spread whole experts over the TP group (all-to-all dispatch and combine)")
@@ -142,10 +143,9 @@ def deployment_layout(args, layout: str | None = None, tp: int | None = None) ->
     from pagedserve.plan.parallel import ParallelLayout, parse_layout
     from pagedserve.sim.parallel_cost import Topology
 
-    if getattr(args, "dp", 1) != 1:
-        raise ValueError(f"data_parallel_size: {args.dp} is not simulated: the simulator runs one engine core, "
-                         "not N behind the DP balancer, and not DP + EP's lockstep exchange; simulate -dp 1, "
-                         "or N independent engines with --replicas N")
+    dp = getattr(args, "dp", 1)
+    if dp < 1:
+        raise ValueError(f"data_parallel_size: must be >= 1, got {dp}")
     if layout is not None:
         chosen = parse_layout(layout)
     else:
@@ -154,7 +154,7 @@ def deployment_layout(args, layout: str | None = None, tp: int | None = None) ->
             raise ValueError(f"tensor_parallel_size: must be >= 1, got {tp}")
         if args.pp < 1:
             raise ValueError(f"pipeline_parallel_size: must be >= 1, got {args.pp}")
-        chosen = ParallelLayout(tp, args.pp, enable_expert_parallel=bool(args.enable_expert_parallel))
+        chosen = ParallelLayout(tp, args.pp, dp, enable_expert_parallel=bool(args.enable_expert_parallel))
     return {"layout": chosen, "topology": Topology(args.gpus_per_node, args.inter_node_bandwidth)}
 
 
@@ -199,6 +199,9 @@ def run(args) -> int:
     gpus = shape["layout"].num_gpus
     where = (f"{gpus} x {dep.device} ({dep.layout}, {-(-gpus // shape['topology'].gpus_per_node)} node(s))"
              if gpu is not None else dep.device)
+    if dep.dp > 1:
+        where += (f", {dep.dp} data-parallel engine cores "
+                  + ("in lockstep (DP attention + EP)" if dep.lockstep_cost is not None else "(independent)"))
     print(f"pagedserve simulate: {dep.model_name} on {where}; KV pool {dep.pool_note}; "
           f"max_num_seqs={cfg.max_num_seqs} max_num_batched_tokens={cfg.max_num_batched_tokens} "
           f"max_model_len={cfg.max_model_len}; cost model: {dep.cost_model.params.source}", flush=True)
@@ -208,6 +211,12 @@ def run(args) -> int:
     cp = dep.cost_model.params
     print(f"host CPU per step: {cp.step_overhead_s * 1e6:.0f} us + {cp.per_request_overhead_s * 1e6:.1f} us/request + "
           f"{cp.per_token_overhead_s * 1e6:.2f} us/token", flush=True)
+    if dep.lockstep_cost is not None:
+        print(f"DP + EP exchange: {dep.lockstep_cost.exchange_kind} per MoE layer, "
+              f"{cp.allreduce_latency_s * 1e6:.0f} us per collective + "
+              + (f"{cp.link_bandwidth * cp.link_efficiency / 1e9:.2f} GB/s" if cp.link_bandwidth else
+                 "no link bandwidth in the cost model (bytes priced free: fit one, benchmarks/parallel_layouts.py)"),
+              flush=True)
     if cfg.step_trace_path:
         print(f"step trace (virtual time): {cfg.step_trace_path}", flush=True)
     if getattr(args, "replicas", None) is not None:
@@ -225,6 +234,8 @@ def _run_fleet(args, dep, workload, slos) -> int:
 
     if args.replicas < 1:
         raise ValueError(f"replicas: must be >= 1, got {args.replicas}")
+    if dep.dp > 1:
+        raise ValueError(f"replicas: a fleet of -dp {dep.dp} engines is not simulated (give -dp or --replicas)")
     if args.max_concurrency is not None or args.dashboard:
         raise ValueError("replicas: the fleet simulation is open loop without a dashboard (drop --max-concurrency, "
                          "--dashboard)")
@@ -252,6 +263,9 @@ def _check_dashboard_args(args) -> None:
 def _run_with_dashboard(args, dep, workload, slos) -> int:
     from pagedserve.dashboard.replay import SimReplay, replay_info, workload_prompt_len
     from pagedserve.sim.simulator import simulate
+
+    if dep.dp > 1:
+        raise ValueError(f"dashboard: replays one engine core's pool, not -dp {dep.dp} cores")
 
     speed = args.dashboard_speed
 
@@ -283,6 +297,16 @@ def _report(args, dep, result, slos) -> None:
           f"recomputed tokens {result.num_recomputed_tokens}, blocks swapped out/in "
           f"{result.num_blocks_swapped_out}/{result.num_blocks_swapped_in}; "
           f"{result.num_steps} steps simulated in {result.sim_wall_s:.1f} s")
+    for core in result.per_core:
+        print(f"data-parallel engine {core['rank']}: {core['requests']} requests, {core['num_steps']} steps, busy "
+              f"{core['busy_fraction']:.1%}, KV usage max {core['max_kv_usage']:.1%} (mean {core['mean_kv_usage']:.1%}), "
+              f"preemptions {core['num_preemptions']}, prefix hits {core['prefix_cache_hits']} of "
+              f"{core['prefix_cache_queries']} tokens" + (f", dummy passes {core['num_dummy_passes']}"
+                                                          if result.data_parallel.get("lockstep") else ""))
+    if result.data_parallel.get("lockstep"):
+        dp = result.data_parallel
+        print(f"lockstep: {dp['turns']} turns, MoE exchange {dp['exchange_s'] * 1e3:.1f} ms in all "
+              f"({dp['exchange_s'] / dp['turns'] * 1e3 if dp['turns'] else 0:.3f} ms per turn)")
     if result.host_tier:
         t = result.host_tier
         print(f"host KV tier: {t['hit_tokens']:,} of {t['query_tokens']:,} prompt tokens loaded from it "

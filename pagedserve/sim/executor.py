@@ -71,11 +71,15 @@ class SimExecutor:
                 k = (k + 1) % len(ids)
         self._next = k
         self._note_shape(out)
-        duration = self.cost_model.step_time(out) if not out.is_empty else 0.0
+        duration = self.step_duration(out)
 
         if self.clock is not None:
             self.clock.now += duration
         return StepResult(sampled=sampled, duration=duration, forward_time=duration)
+
+    def step_duration(self, out) -> float:
+        """How long the step takes (the DP + EP lockstep's executor waits for the turn here)."""
+        return self.cost_model.step_time(out) if not out.is_empty else 0.0
 
     def _note_shape(self, out) -> None:
         shapes = self.shapes

@@ -39,6 +39,12 @@ NVLink (~160 GB/s) and 43-58 GB/s over 400 Gb/s CX7 RDMA (~50 GB/s) at EP 16-64
 default link_efficiency (0.7, from NCCL all-reduce) is on the safe side for EP.
 Invariant: TP inside one node, PP = 1, no EP and a dense model give exactly
 cost_model.CostModel's step time.
+
+DP attention + EP (`-dp N --enable-expert-parallel`, `DPExpertParallelCost`) is priced per
+lockstep turn of the N cores, not per engine: each core's own step (TP 1, its ceil(E/N)
+experts over every core's tokens), a dummy pass for a core with nothing scheduled, and the
+turn's exchange (pagedserve's all-gather + all-reduce per MoE layer, or vLLM's all-to-all);
+the turn lasts the slowest core plus the exchange. sim/data_parallel.py drives it.
 """
 from __future__ import annotations
 
@@ -48,7 +54,7 @@ from typing import Sequence
 
 from pagedserve.plan.kv_budget import ModelShape, dtype_bytes
 from pagedserve.plan.parallel import ParallelLayout, stage_layer_counts
-from pagedserve.sim.cost_model import CostModel, CostParams, ModelCost, step_features
+from pagedserve.sim.cost_model import CostModel, CostParams, ModelCost, StepFeatures, step_features
 
 DEFAULT_GPUS_PER_NODE = 8
 DEFAULT_INTER_NODE_GBPS = 50.0  # GB/s per GPU, one direction: one 400 Gb/s NIC per GPU
@@ -106,8 +112,8 @@ class ParallelCostModel:
     def __init__(self, shape: ModelShape, weight_dtype: str, kv_dtype: str | None, layout: ParallelLayout,
                  params: CostParams, topology: Topology = Topology(), block_size: int = 16) -> None:
         if layout.dp > 1:
-            raise ValueError("data_parallel_size: the simulator runs one engine (one DP replica); "
-                             "simulate one replica and multiply")
+            raise ValueError("data_parallel_size: ParallelCostModel prices one engine core; -dp N is N cores "
+                             "(sim/data_parallel.py, DPExpertParallelCost for DP + EP)")
         if layout.expert_parallel and not shape.is_moe:
             raise ValueError("enable_expert_parallel: the model has no experts")
         self.shape, self.layout, self.topology, self.params = shape, layout, topology, params
@@ -241,3 +247,130 @@ def _micro_batches(new: list[int], ctx: list[int], pp: int) -> list[tuple[list[i
             cur_new, cur_ctx = [], []
     groups.append((cur_new, cur_ctx))
     return [g for g in groups if g[0]]
+
+
+# -- DP attention + EP: the cores of one server in lockstep ---------------------------------------
+@dataclass
+class LockstepTurn:
+    """One turn of the data-parallel cores under DP attention + EP, priced (seconds): each
+    core's own work (`cores[r]`; a core with nothing scheduled runs a dummy pass:
+    `dummy[r]`) and the exchange every core takes part in. The turn lasts the slowest
+    core's work plus the exchange: every MoE layer waits for every core."""
+
+    cores: list[float]
+    dummy: list[bool]
+    exchange: float
+    token_counts: list[int]
+
+    @property
+    def total(self) -> float:
+        return max(self.cores, default=0.0) + self.exchange
+
+
+class DPExpertParallelCost:
+    """A step of N data-parallel cores whose MoE layers share the experts (`-dp N
+    --enable-expert-parallel`; worker/dp_lockstep.py, model/moe.py `_forward_dp`). Per core
+    (TP 1): attention, dense layers, shared experts, router and LM head over its own tokens;
+    its ceil(E / N) whole routed experts over every core's tokens routed to them (uniform
+    routing: T x k / N token-expert pairs of the turn's T tokens) and only the experts those
+    touch read; a core with nothing scheduled runs the MoE layers alone (a dummy pass: no
+    tokens of its own, its experts for the others').
+
+    The exchange, per MoE layer (`exchange="all-gather"`, what pagedserve's engine does over
+    gloo, model/parallel.py ep_dispatch / ep_combine): an all-gather of the cores' token
+    counts, of their tokens (hidden x act bytes each) and of their routing (2 k fp32 each),
+    both padded to the largest core's count, then an all-reduce of every token's output
+    (T x hidden x act bytes); plus, per turn, the cores' agreement (an all-reduce of 16 bytes).
+    `exchange="all-to-all"` prices vLLM's instead (its DP + EP dispatch and combine: each core
+    sends its tokens' k copies, (N-1)/N of them off-GPU, each way; the largest core sets it).
+    A ring all-gather of D bytes per rank moves (N-1) x D per rank, an all-reduce
+    2 (N-1)/N x D; each collective costs `allreduce_latency_s` on top. The link is
+    `link_bandwidth x link_efficiency`: on a GPU the preset's NVLink (the NIC past
+    `gpus_per_node`), on CPU the calibrated gloo line (benchmarks/parallel_layouts.py fits
+    it: all_reduce's per-call and per-byte cost on this machine).
+    """
+
+    def __init__(self, shape: ModelShape, weight_dtype: str, kv_dtype: str | None, dp: int, params: CostParams,
+                 topology: Topology = Topology(), block_size: int = 16, exchange: str = "all-gather") -> None:
+        if not shape.is_moe:
+            raise ValueError("enable_expert_parallel: the model has no experts")
+        if exchange not in ("all-gather", "all-to-all"):
+            raise ValueError(f"exchange: 'all-gather' or 'all-to-all', got {exchange!r}")
+        self.shape, self.dp, self.params, self.block_size, self.exchange_kind = shape, dp, params, block_size, exchange
+        self.act_bytes = 4 if dtype_bytes(weight_dtype) == 4 else 2
+        # one core's roofline without communication (this class adds the exchange)
+        self.inner = CostModel(ModelCost.from_shape(shape, weight_dtype, kv_dtype, 1),
+                               replace(params, link_bandwidth=0.0, allreduce_latency_s=0.0), block_size)
+        self.model = self.inner.model
+        self.moe_layers = shape.num_layers - shape.first_dense_layers
+        expert = 3 * shape.hidden_size * shape.moe_intermediate_size
+        self._routed_active = self.moe_layers * shape.num_experts_per_tok * expert   # params per token
+        self.experts_per_core = math.ceil(shape.num_experts / dp)
+        held = self.moe_layers * self.experts_per_core * expert * dtype_bytes(weight_dtype)
+        self._held_bytes = held
+        # ModelCost (TP 1) reads all E experts; a core holds only its share
+        self._not_held_bytes = self.moe_layers * (shape.num_experts - self.experts_per_core) * expert \
+            * dtype_bytes(weight_dtype)
+        link = params.link_bandwidth * params.link_efficiency
+        inv_intra = 1.0 / link if link > 0 else 0.0
+        inv_inter = 1.0 / (topology.inter_node_gbps * 1e9 * params.link_efficiency)
+        self._inv_link = inv_inter if topology.spans_nodes(0, dp) else inv_intra
+
+    def _touched(self, total_tokens: int) -> float:
+        return 1.0 - (1.0 - self.shape.num_experts_per_tok / self.shape.num_experts) ** total_tokens
+
+    def core_step(self, new_tokens: Sequence[int], context_lens: Sequence[int], num_swap_blocks: int,
+                  num_outputs: int | None, total_tokens: int) -> float:
+        """One core's own work in a turn of `total_tokens` (all cores' tokens)."""
+        f = step_features(self.model, new_tokens, context_lens, num_swap_blocks, self.block_size, num_outputs)
+        if f.num_tokens:
+            # its experts compute their share of every core's tokens, not its own tokens' k experts
+            f.linear_flops += 2.0 * self._routed_active * (total_tokens / self.dp - f.num_tokens)
+            f.linear_bytes -= self._not_held_bytes + (1.0 - self._touched(total_tokens)) * self._held_bytes
+        return self.inner.breakdown(f).total
+
+    def dummy_pass(self, total_tokens: int) -> float:
+        """A core with no tokens of its own: only the MoE layers, its experts over the others'
+        tokens (the GEMM term alone: no attention, no head, no sampling, no step overhead)."""
+        if not total_tokens:
+            return 0.0
+        # num_reqs 1 only so that breakdown prices the work; its linear part is the GEMMs alone
+        f = StepFeatures(0, 1, 0, 2.0 * self._routed_active * total_tokens / self.dp,
+                         self._touched(total_tokens) * self._held_bytes, 0.0, 0.0, 0.0, 0)
+        return self.inner.breakdown(f).linear
+
+    def _all_gather(self, bytes_per_rank: float) -> float:
+        return self.params.allreduce_latency_s + (self.dp - 1) * bytes_per_rank * self._inv_link
+
+    def _all_reduce(self, nbytes: float) -> float:
+        return self.params.allreduce_latency_s + 2 * (self.dp - 1) / self.dp * nbytes * self._inv_link
+
+    def exchange(self, token_counts: Sequence[int]) -> float:
+        """The turn's collectives, every core in them."""
+        agree = self._all_reduce(16)
+        most, total = max(token_counts, default=0), sum(token_counts)
+        if not total:
+            return agree
+        h, a, k = self.shape.hidden_size, self.act_bytes, self.shape.num_experts_per_tok
+        if self.exchange_kind == "all-to-all":
+            sent = most * k * h * a * (self.dp - 1) / self.dp
+            per_layer = 2 * (self.params.allreduce_latency_s + sent * self._inv_link)
+        else:
+            per_layer = (self._all_gather(8) + self._all_gather(most * h * a) + self._all_gather(most * 2 * k * 4)
+                         + self._all_reduce(total * h * a))
+        return agree + self.moe_layers * per_layer
+
+    def turn(self, steps: Sequence[tuple[Sequence[int], Sequence[int], int, int | None] | None]) -> LockstepTurn:
+        """`steps[r]`: core r's (new tokens, context lengths, swap blocks, outputs), or None
+        (no work: a dummy pass)."""
+        counts = [sum(s[0]) if s is not None else 0 for s in steps]
+        total = sum(counts)
+        cores, dummy = [], []
+        for s, n in zip(steps, counts):
+            if n:
+                cores.append(self.core_step(s[0], s[1], s[2], s[3], total))
+            else:  # nothing scheduled (a swap alone, at most): the MoE layers run for the others
+                swap = self.core_step([], [], s[2], 0, total) if s is not None and s[2] else 0.0
+                cores.append(swap + self.dummy_pass(total))
+            dummy.append(not n)
+        return LockstepTurn(cores, dummy, self.exchange(counts), counts)

@@ -78,6 +78,8 @@ class Deployment:
     bytes_per_block: int = 0    # one rank's bytes per KV block (sizes the host swap pool)
     layout: str = ""            # e.g. "TP4xPP2+EP4" (GPU deployments)
     plan: object = None         # the `pagedserve plan` that sized a GPU pool (plan.budget.Plan)
+    dp: int = 1                 # -dp: engine cores, each this pool and cost model (sim/data_parallel.py)
+    lockstep_cost: object = None  # DP attention + EP: the turn's price (parallel_cost.DPExpertParallelCost)
 
     @property
     def pool(self) -> KVPoolSize:
@@ -140,6 +142,13 @@ def build_deployment(config: EngineConfig, model: str, *, gpu: str | None = None
     if isinstance(cost_params, (str, Path)):
         cost_params = load_params(cost_params)
     layout = layout or ParallelLayout(tp)
+    lockstep = None
+    if layout.dp > 1:  # each core prices its own step; DP + EP's exchange is the lockstep cost's
+        from pagedserve.sim.data_parallel import check_dp_layout
+        from pagedserve.sim.parallel_cost import DPExpertParallelCost
+
+        check_dp_layout(layout, shape, "cpu" if gpu is None else "cuda")
+    core_layout = ParallelLayout(layout.tp, layout.pp) if layout.dp > 1 else layout
     if gpu is not None:
         from pagedserve.plan.budget import PlanRequest, compute_plan, default_max_num_batched_tokens
         from pagedserve.plan.gpus import get_gpu
@@ -169,13 +178,13 @@ def build_deployment(config: EngineConfig, model: str, *, gpu: str | None = None
         else:
             params = cost_params
         bytes_per_block = plan.pool.bytes_per_block
-        cost_model = ParallelCostModel(shape, weight_dtype, plan.kv_dtype, layout, params, topology or Topology(),
-                                       config.block_size)
+        cost_model = ParallelCostModel(shape, weight_dtype, plan.kv_dtype, core_layout, params,
+                                       topology or Topology(), config.block_size)
+        if layout.dp > 1 and layout.expert_parallel:  # priced as vLLM's DP + EP: all-to-all
+            lockstep = DPExpertParallelCost(shape, weight_dtype, plan.kv_dtype, layout.dp, params,
+                                            topology or Topology(), config.block_size, exchange="all-to-all")
         device = spec.name
     else:
-        if layout.dp != 1:
-            raise ValueError("data_parallel_size: the simulator runs one engine (one DP replica); "
-                             "simulate one replica and multiply")
         if layout.expert_parallel and not shape.is_moe:
             raise ValueError("enable_expert_parallel: the model has no experts")
         # the engine runs TP, EP and PP on CPU ranks (gloo): the pool is sized per stage as it sizes it
@@ -193,18 +202,21 @@ def build_deployment(config: EngineConfig, model: str, *, gpu: str | None = None
             raise ValueError("cost_model: on --device cpu give --cost-model COST.json "
                              "(made by `pagedserve simulate calibrate` from an engine step trace)")
         params = cost_params
-        if layout.pp > 1 or layout.expert_parallel:
+        if core_layout.pp > 1 or core_layout.expert_parallel:
             # the CPU ranks sit on one machine: every link is the cost model's link_bandwidth
             # (a calibrated gloo rate, benchmarks/parallel_layouts.py fits one)
-            cost_model = ParallelCostModel(shape, dtype, kv_dtype, layout, params, topology or Topology(),
+            cost_model = ParallelCostModel(shape, dtype, kv_dtype, core_layout, params, topology or Topology(),
                                            config.block_size)
         else:
             cost_model = CostModel(ModelCost.from_shape(shape, dtype, kv_dtype, tp), params, config.block_size)
+        if layout.dp > 1 and layout.expert_parallel:  # the engine's exchange: all-gather + all-reduce over gloo
+            lockstep = DPExpertParallelCost(shape, dtype, kv_dtype, layout.dp, params, topology or Topology(),
+                                            config.block_size)
         device = "cpu"
     check_pool_fits(KVPoolSize(num_blocks, config.block_size, bytes_per_block // config.block_size), config)
     return Deployment(config, num_blocks, cost_model, info.name, shape.vocab_size or 32000, device, tp, note,
                       bytes_per_block, layout.describe() if gpu is not None or layout.pp > 1 or layout.expert_parallel
-                      else "", plan if gpu is not None else None)
+                      or layout.dp > 1 else "", plan if gpu is not None else None, layout.dp, lockstep)
 
 
 @dataclass
@@ -275,6 +287,9 @@ class SimResult:
     serving: ServingOverhead = field(default_factory=ServingOverhead)
     # The host KV tier (--kv-offloading-size): its counters, hit rate and what loading cost ({} = none)
     host_tier: dict = field(default_factory=dict)
+    # -dp: each core's requests, steps, KV usage, preemptions (sim/data_parallel.py), and the lockstep's turns
+    per_core: list = field(default_factory=list)
+    data_parallel: dict = field(default_factory=dict)
 
     def server_view(self) -> dict:
         """What `pagedserve bench` reads from a live server's /metrics during a run, from the
@@ -322,6 +337,8 @@ class SimResult:
             "step_shapes": self.shapes,
             "timeline": self.timeline.to_dict(),
         })
+        if self.per_core:
+            out.update(data_parallel=self.data_parallel, per_core=self.per_core)
         if deployment is not None:
             cfg = deployment.config
             out["deployment"] = {
@@ -386,6 +403,12 @@ def simulate(deployment: Deployment, workload: Sequence[WorkloadRequest], *, max
     replay), `on_step` also gets a PoolSnapshot after each step the gate says, and when the
     run ends a last state report (no step) and a snapshot of the drained pool.
     """
+    if deployment.dp > 1:
+        if executor is not None or on_step is not None or max_steps is not None or clock is not None \
+                or pool_snapshots is not None:
+            raise ValueError("data_parallel_size: a -dp simulation takes no executor, clock, step hook or dashboard")
+        from pagedserve.sim.data_parallel import simulate_dp
+        return simulate_dp(deployment, workload, max_concurrency=max_concurrency, goodput_slos=goodput_slos, seed=seed)
     wall0 = time.perf_counter()
     config = deployment.config
     clock = clock or VirtualClock()

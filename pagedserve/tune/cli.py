@@ -201,11 +201,15 @@ def _serve_flags(base, knobs: dict, args) -> str:
         fixed["tensor_parallel_size"] = layout.tp
         if layout.pp > 1:
             fixed["pipeline_parallel_size"] = layout.pp
+        if layout.dp > 1:  # a DP layout is simulated now (sim/data_parallel.py): its command must say so
+            fixed["data_parallel_size"] = layout.dp
         if layout.expert_parallel:
             fixed["enable_expert_parallel"] = True
     else:
         if getattr(args, "pp", 1) > 1:
             fixed["pipeline_parallel_size"] = args.pp
+        if getattr(args, "dp", 1) > 1:
+            fixed["data_parallel_size"] = args.dp
         if getattr(args, "enable_expert_parallel", False):
             fixed["enable_expert_parallel"] = True
     if "gpu_memory_utilization" not in knobs and args.device != "cpu":
