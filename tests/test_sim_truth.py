@@ -217,6 +217,21 @@ def test_a_burst_queues_at_a_serial_serving_layer(tmp_path):
     assert all(r.finish is not None for r in queued.records)  # none lost, none stuck
 
 
+def test_one_loop_takes_turns_a_bursts_admissions_do_not_hold_the_first_streams_tokens(tmp_path):
+    # 6 requests at once, 0.1 s of the loop's work each to admit, 0.01 s per step's delivery: the
+    # loop alternates (an asyncio loop runs its ready callbacks in turn), so the first stream gets
+    # its tokens while the other five are still being admitted, not after the last admission at 0.6 s
+    burst = [WorkloadRequest(None, None, 40, 3, arrival_time=0.0) for _ in range(6)]
+    res = simulate(_cpu_dep(tmp_path, ServingOverhead(admit_s=0.1, deliver_per_output_s=0.01, serial=True)), burst)
+    first = min(res.records, key=lambda r: r.ttft)
+    assert first.ttft < 0.1 + 0.1 + 0.05  # its admission, at most one more admission's turn, a step and a delivery
+    assert first.token_times[0] < 0.5
+    ttfts = sorted(r.ttft for r in res.records)
+    for k, t in enumerate(ttfts):  # still one loop: the k-th admission ends no earlier than (k + 1) x 0.1 s
+        assert t >= 0.1 * (k + 1) - 1e-9
+    assert all(r.finish is not None for r in res.records)
+
+
 def test_serial_delivery_work_spaces_a_streams_tokens_and_its_latency_does_not(tmp_path):
     many = [WorkloadRequest(None, None, 20, 6, arrival_time=0.0) for _ in range(4)]
     busy = simulate(_cpu_dep(tmp_path, ServingOverhead(deliver_per_output_s=0.05, serial=True)), many)

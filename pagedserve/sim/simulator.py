@@ -407,6 +407,12 @@ def simulate(deployment: Deployment, workload: Sequence[WorkloadRequest], *, max
     # waits for the one before it. So a burst of arrivals queues at the HTTP loop and the
     # tokenizer, and a step feeding many streams delays the next admissions (serving.serial).
     api_free_at = 0.0
+    # The loop takes turns (asyncio runs its ready callbacks in order, and a request's handling
+    # yields at its awaits): while it is behind, one admission, then the streams' tokens of the
+    # steps that ended meanwhile, then the next admission; a burst does not hold every stream's
+    # first token until the last of its requests is admitted.
+    last_admit_end = 0.0
+    delivered_since_admit = True
     steps = 0
     preemptions = recomputed = swapped_out = swapped_in = 0
     tier_queries = 0  # prompt tokens of requests that looked past the pool into the host tier
@@ -425,10 +431,11 @@ def simulate(deployment: Deployment, workload: Sequence[WorkloadRequest], *, max
         """When the next thing can reach the engine: an admission under way, else the next send."""
         if pending:
             return pending[0][0]
-        return sent_at(workload[order[next_idx]])
+        sent = sent_at(workload[order[next_idx]])
+        return max(sent, last_admit_end) if serving.serial else sent
 
     def admit() -> None:
-        nonlocal next_idx, in_flight, api_free_at
+        nonlocal next_idx, in_flight, api_free_at, last_admit_end, delivered_since_admit
         while next_idx < len(order):
             if max_concurrency is not None and in_flight >= max_concurrency:
                 break
@@ -437,6 +444,9 @@ def simulate(deployment: Deployment, workload: Sequence[WorkloadRequest], *, max
             sent = sent_at(w)
             if sent > clock.now:
                 break
+            if serving.serial and api_free_at > clock.now and (not delivered_since_admit
+                                                                or last_admit_end > clock.now):
+                break  # the loop is busy: this admission's turn comes after the tokens queued before it
             next_idx += 1
             rec = RequestRecord(str(i), sent, w.prompt_len, w.output_len)
             records[i] = rec
@@ -451,7 +461,8 @@ def simulate(deployment: Deployment, workload: Sequence[WorkloadRequest], *, max
             begin = max(sent, api_free_at) if serving.serial else sent
             entry = begin + serving.admit(w.prompt_len)
             if serving.serial:
-                api_free_at = entry
+                api_free_at = last_admit_end = entry
+                delivered_since_admit = False
             heapq.heappush(pending, (entry, i))
             in_flight += 1
         while pending and pending[0][0] <= clock.now:
@@ -490,6 +501,7 @@ def simulate(deployment: Deployment, workload: Sequence[WorkloadRequest], *, max
                 # for the loop and occupies it; deliver_s is latency on top (the hand-over from the
                 # engine to the loop), occupying nothing.
                 api_free_at = max(now, api_free_at) + serving.deliver_per_output_s * len(outs.outputs)
+                delivered_since_admit = True
                 now = api_free_at + serving.deliver_s
             else:
                 now += serving.deliver(len(outs.outputs))
