@@ -232,6 +232,18 @@ def test_one_loop_takes_turns_a_bursts_admissions_do_not_hold_the_first_streams_
     assert all(r.finish is not None for r in res.records)
 
 
+def test_admissions_shorter_than_a_step_follow_one_another_during_it(tmp_path):
+    # 0.5 ms per admission, steps of ~2 ms: the loop admits the six back to back while the engine
+    # steps (it does not wait for a step's end to take the next one), so all six are in the engine
+    # within 3 ms and have a first token within two steps after that
+    burst = [WorkloadRequest(None, None, 40, 20, arrival_time=0.0) for _ in range(6)]
+    res = simulate(_cpu_dep(tmp_path, ServingOverhead(admit_s=0.0005, deliver_per_output_s=0.0001, serial=True)),
+                   burst)
+    first = min(res.records, key=lambda r: r.ttft)
+    step = max(b - a for a, b in zip(first.token_times, first.token_times[1:]))
+    assert max(r.ttft for r in res.records) <= 6 * 0.0005 + 2 * step + 1e-9
+
+
 def test_serial_delivery_work_spaces_a_streams_tokens_and_its_latency_does_not(tmp_path):
     many = [WorkloadRequest(None, None, 20, 6, arrival_time=0.0) for _ in range(4)]
     busy = simulate(_cpu_dep(tmp_path, ServingOverhead(deliver_per_output_s=0.05, serial=True)), many)

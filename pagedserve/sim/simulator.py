@@ -408,11 +408,9 @@ def simulate(deployment: Deployment, workload: Sequence[WorkloadRequest], *, max
     # tokenizer, and a step feeding many streams delays the next admissions (serving.serial).
     api_free_at = 0.0
     # The loop takes turns (asyncio runs its ready callbacks in order, and a request's handling
-    # yields at its awaits): while it is behind, one admission, then the streams' tokens of the
-    # steps that ended meanwhile, then the next admission; a burst does not hold every stream's
-    # first token until the last of its requests is admitted.
-    last_admit_end = 0.0
-    delivered_since_admit = True
+    # yields at its awaits): an admission is taken up when the loop reaches it, after the tokens
+    # of the steps that ended before that; a burst does not hold every stream's first token until
+    # the last of its requests is admitted (admit(until=...) before each step's delivery).
     steps = 0
     preemptions = recomputed = swapped_out = swapped_in = 0
     tier_queries = 0  # prompt tokens of requests that looked past the pool into the host tier
@@ -432,10 +430,13 @@ def simulate(deployment: Deployment, workload: Sequence[WorkloadRequest], *, max
         if pending:
             return pending[0][0]
         sent = sent_at(workload[order[next_idx]])
-        return max(sent, last_admit_end) if serving.serial else sent
+        return max(sent, api_free_at) if serving.serial else sent
 
-    def admit() -> None:
-        nonlocal next_idx, in_flight, api_free_at, last_admit_end, delivered_since_admit
+    def admit(until: float | None = None) -> None:
+        """Start the admissions the serving loop reaches by now (or, with `until`, before then: the
+        end of a step whose tokens it delivers next; those only start), then hand the ones done
+        to the engine."""
+        nonlocal next_idx, in_flight, api_free_at
         while next_idx < len(order):
             if max_concurrency is not None and in_flight >= max_concurrency:
                 break
@@ -444,9 +445,9 @@ def simulate(deployment: Deployment, workload: Sequence[WorkloadRequest], *, max
             sent = sent_at(w)
             if sent > clock.now:
                 break
-            if serving.serial and api_free_at > clock.now and (not delivered_since_admit
-                                                                or last_admit_end > clock.now):
-                break  # the loop is busy: this admission's turn comes after the tokens queued before it
+            if serving.serial and (max(sent, api_free_at) >= until if until is not None
+                                   else max(sent, api_free_at) > clock.now):
+                break  # the loop reaches it later: what is ready before that goes first
             next_idx += 1
             rec = RequestRecord(str(i), sent, w.prompt_len, w.output_len)
             records[i] = rec
@@ -461,10 +462,11 @@ def simulate(deployment: Deployment, workload: Sequence[WorkloadRequest], *, max
             begin = max(sent, api_free_at) if serving.serial else sent
             entry = begin + serving.admit(w.prompt_len)
             if serving.serial:
-                api_free_at = last_admit_end = entry
-                delivered_since_admit = False
+                api_free_at = entry
             heapq.heappush(pending, (entry, i))
             in_flight += 1
+        if until is not None:
+            return
         while pending and pending[0][0] <= clock.now:
             entry, i = heapq.heappop(pending)
             w, rec = workload[i], records[i]
@@ -499,9 +501,9 @@ def simulate(deployment: Deployment, workload: Sequence[WorkloadRequest], *, max
             if serving.serial:
                 # The loop's work for this step (a detokenizer step and a frame per stream) waits
                 # for the loop and occupies it; deliver_s is latency on top (the hand-over from the
-                # engine to the loop), occupying nothing.
+                # engine to the loop), occupying nothing. Admissions it reached during the step go first.
+                admit(until=now)
                 api_free_at = max(now, api_free_at) + serving.deliver_per_output_s * len(outs.outputs)
-                delivered_since_admit = True
                 now = api_free_at + serving.deliver_s
             else:
                 now += serving.deliver(len(outs.outputs))
