@@ -65,6 +65,27 @@ def test_simulate_takes_fp8_weights_on_a_gpu_preset():
     assert dep.cost_model.params.fp8_peak_flops == 1979e12
 
 
+def test_gemms_run_at_the_chips_measured_matmul_share_of_its_datasheet():
+    # MAMF (stas00/ml-engineering): H100 794.5 / 989 bf16 and 1402.6 / 1979 fp8 are the reference the
+    # GEMM MFU was stated on; MI300X reaches 668.4 of 1307.4 bf16 and has no fp8 figure (its bf16
+    # share stands in); H200's fp8 was measured on H200 (1453.4)
+    from pagedserve.sim.cost_params import matmul_share
+
+    assert matmul_share(get_gpu("H100-SXM"), "bf16") == 1.0 and matmul_share(get_gpu("H100-SXM"), "fp8") == 1.0
+    mi300x = (668.4 / 1307.4) / (794.5 / 989)
+    assert matmul_share(get_gpu("MI300X"), "bf16") == pytest.approx(mi300x)
+    assert matmul_share(get_gpu("MI300X"), "fp8") == pytest.approx(mi300x)
+    assert matmul_share(get_gpu("H200"), "fp8") == pytest.approx(1453.4 / 1402.6)
+    assert matmul_share(get_gpu("L4"), "bf16") == 1.0  # nobody measured it: the datasheet as before
+    # a compute-bound prefill's GEMMs on the MI300X preset: datasheet x share x MFU, bf16 and fp8 alike
+    p = CostParams.for_gpu(get_gpu("MI300X"))
+    assert p.peak_flops == 1307.4e12 and p.fp8_peak_flops == 2614.9e12  # the datasheet is kept as such
+    for dtype, peak in (("bfloat16", 1307.4e12), ("fp8", 2614.9e12)):
+        m = ModelCost.from_shape(SHAPE, dtype, None, 1)
+        f = step_features(m, [4000], [4000])
+        assert CostModel(m, p).breakdown(f).linear == pytest.approx(f.linear_flops / (peak * mi300x * p.gemm_mfu))
+
+
 # -- mixed steps --------------------------------------------------------------------------------
 def test_mixed_step_adds_the_chunks_and_the_decodes_attention():
     m = ModelCost.from_shape(SHAPE, "bfloat16", None, 1)
@@ -194,6 +215,33 @@ def test_a_burst_queues_at_a_serial_serving_layer(tmp_path):
     for k, t in enumerate(ttft_queued):
         assert t >= 0.1 * (k + 1) - 1e-9
     assert all(r.finish is not None for r in queued.records)  # none lost, none stuck
+
+
+def test_one_loop_takes_turns_a_bursts_admissions_do_not_hold_the_first_streams_tokens(tmp_path):
+    # 6 requests at once, 0.1 s of the loop's work each to admit, 0.01 s per step's delivery: the
+    # loop alternates (an asyncio loop runs its ready callbacks in turn), so the first stream gets
+    # its tokens while the other five are still being admitted, not after the last admission at 0.6 s
+    burst = [WorkloadRequest(None, None, 40, 3, arrival_time=0.0) for _ in range(6)]
+    res = simulate(_cpu_dep(tmp_path, ServingOverhead(admit_s=0.1, deliver_per_output_s=0.01, serial=True)), burst)
+    first = min(res.records, key=lambda r: r.ttft)
+    assert first.ttft < 0.1 + 0.1 + 0.05  # its admission, at most one more admission's turn, a step and a delivery
+    assert first.token_times[0] < 0.5
+    ttfts = sorted(r.ttft for r in res.records)
+    for k, t in enumerate(ttfts):  # still one loop: the k-th admission ends no earlier than (k + 1) x 0.1 s
+        assert t >= 0.1 * (k + 1) - 1e-9
+    assert all(r.finish is not None for r in res.records)
+
+
+def test_admissions_shorter_than_a_step_follow_one_another_during_it(tmp_path):
+    # 0.5 ms per admission, steps of ~2 ms: the loop admits the six back to back while the engine
+    # steps (it does not wait for a step's end to take the next one), so all six are in the engine
+    # within 3 ms and have a first token within two steps after that
+    burst = [WorkloadRequest(None, None, 40, 20, arrival_time=0.0) for _ in range(6)]
+    res = simulate(_cpu_dep(tmp_path, ServingOverhead(admit_s=0.0005, deliver_per_output_s=0.0001, serial=True)),
+                   burst)
+    first = min(res.records, key=lambda r: r.ttft)
+    step = max(b - a for a, b in zip(first.token_times, first.token_times[1:]))
+    assert max(r.ttft for r in res.records) <= 6 * 0.0005 + 2 * step + 1e-9
 
 
 def test_serial_delivery_work_spaces_a_streams_tokens_and_its_latency_does_not(tmp_path):

@@ -27,6 +27,8 @@ class GpuSpec:
     host_link_gbps: float  # GPU-host, one direction
     fp8_tflops: float = 0.0  # dense fp8 tensor-core peak; 0 = no fp8 tensor cores
     source: str = ""  # the datasheet the figures come from
+    matmul_bf16_tflops: float = 0.0  # measured max-achievable bf16 matmul (MAMF); 0 = not measured
+    matmul_fp8_tflops: float = 0.0   # measured max-achievable fp8 matmul; 0 = not measured
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -36,12 +38,15 @@ _NV = "https://www.nvidia.com/en-us/data-center/"
 GPU_PRESETS: dict[str, GpuSpec] = {
     spec.name.lower(): spec
     for spec in [
-        GpuSpec("A100-40GB", 40960 * MiB, 1555, 312, 600, 32, 0, _NV + "a100/"),
+        GpuSpec("A100-40GB", 40960 * MiB, 1555, 312, 600, 32, 0, _NV + "a100/", matmul_bf16_tflops=271.2),
         # CUDA reports 79.15 GiB total on A100-80GB in vLLM's start-up logs.
-        GpuSpec("A100-80GB", int(79.15 * GiB), 2039, 312, 600, 32, 0, _NV + "a100/"),
+        GpuSpec("A100-80GB", int(79.15 * GiB), 2039, 312, 600, 32, 0, _NV + "a100/", matmul_bf16_tflops=271.2),
         # 79.22 GiB: vLLM's "total_gpu_memory" on H100 (vllm-project/vllm PR #10511).
-        GpuSpec("H100-SXM", int(79.22 * GiB), 3350, 989, 900, 64, 1979, _NV + "h100/"),
-        GpuSpec("H200", 143771 * MiB, 4800, 989, 900, 64, 1979, _NV + "h200/"),
+        GpuSpec("H100-SXM", int(79.22 * GiB), 3350, 989, 900, 64, 1979, _NV + "h100/", matmul_bf16_tflops=794.5,
+                matmul_fp8_tflops=1402.6),
+        # MAMF bf16: "H200 is the same" as H100 (the table's note); fp8 measured on H200 itself
+        GpuSpec("H200", 143771 * MiB, 4800, 989, 900, 64, 1979, _NV + "h200/", matmul_bf16_tflops=794.5,
+                matmul_fp8_tflops=1453.4),
         # no NVLink: peers talk over PCIe 4.0
         GpuSpec("L40S", 46068 * MiB, 864, 362, 32, 32, 733, _NV + "l40s/"),
         GpuSpec("RTX-4090", 24564 * MiB, 1008, 165, 32, 32, 330,  # nvidia-smi: 24564MiB; fp8 w/ fp16 accumulate
@@ -52,15 +57,19 @@ GPU_PRESETS: dict[str, GpuSpec] = {
         # B200 (HGX/DGX B200): 180 GB HBM3e at 8 TB/s per GPU (DGX B200: 1,440 GB and 64 TB/s for
         # eight), bf16 2.25 / fp8 4.5 dense PFLOP/s, NVLink 5 1.8 TB/s, PCIe 5.0 x16.
         # Capacity: the datasheet's 180 GB (no driver figure at hand).
-        GpuSpec("B200", 180 * 10**9, 8000, 2250, 1800, 64, 4500, _NV + "dgx-b200/"),
+        GpuSpec("B200", 180 * 10**9, 8000, 2250, 1800, 64, 4500, _NV + "dgx-b200/", matmul_bf16_tflops=1745.0,
+                matmul_fp8_tflops=3432.5),
         # GH200 (96 GB HBM3 version): 4 TB/s, H100's tensor cores (bf16 989 / fp8 1979 dense),
         # NVLink 900 GB/s to peers, and NVLink-C2C to the Grace CPU: 900 GB/s bidirectional, so
         # the host link (swap) is 450 GB/s one way. Capacity: the datasheet's 96 GB.
-        GpuSpec("GH200", 96 * 10**9, 4000, 989, 900, 450, 1979, _NV + "grace-hopper-superchip/"),
+        # (MAMF measured on the 141 GB HBM3e GH200: the same Hopper tensor cores)
+        GpuSpec("GH200", 96 * 10**9, 4000, 989, 900, 450, 1979, _NV + "grace-hopper-superchip/",
+                matmul_bf16_tflops=828.6, matmul_fp8_tflops=1535.0),
         # MI300X: 192 GB HBM3 at 5.3 TB/s, bf16 1,307.4 / fp8 2,614.9 dense TFLOP/s, Infinity Fabric
         # 896 GB/s aggregate to its 7 peers, PCIe 5.0 x16. Capacity: the datasheet's 192 GB.
+        # MAMF bf16 668.4 (ROCm 6.3, TunableOp on; 51% of the datasheet, against H100's 80%); fp8 not measured.
         GpuSpec("MI300X", 192 * 10**9, 5300, 1307.4, 896, 64, 2614.9,
-                "https://www.amd.com/en/products/accelerators/instinct/mi300/mi300x.html"),
+                "https://www.amd.com/en/products/accelerators/instinct/mi300/mi300x.html", matmul_bf16_tflops=668.4),
     ]
 }
 

@@ -402,8 +402,9 @@ def fit(records: Iterable[StepTrace], model: ModelCost, base: CostParams, *, blo
         return float(1.0 / (inv_rate * peak)) if inv_rate > 0 else 0.0
 
     # the peak CostModel will divide the GEMM FLOPs by (fp8 weights on fp8 tensor cores)
-    gemm_peak = (base.fp8_peak_flops if model.weight_bytes_per_param == 1 and base.fp8_peak_flops > 0
-                 else base.peak_flops)
+    gemm_peak = (base.fp8_peak_flops * base.fp8_matmul_share
+                 if model.weight_bytes_per_param == 1 and base.fp8_peak_flops > 0
+                 else base.peak_flops * base.matmul_share)
 
     coverage = trace_coverage(records)
     host_note = None

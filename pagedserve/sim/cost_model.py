@@ -94,9 +94,9 @@ class CostModel:
         self.block_size = block_size
         p = params
         # Inverse rates, precomputed: the simulator calls step_time once per step.
-        gemm_peak = p.peak_flops
+        gemm_peak = p.peak_flops * p.matmul_share  # the share a GEMM reaches on this chip (cost_params)
         if model.weight_bytes_per_param == 1 and p.fp8_peak_flops > 0:
-            gemm_peak = p.fp8_peak_flops  # fp8 weights and activations on fp8 tensor cores
+            gemm_peak = p.fp8_peak_flops * p.fp8_matmul_share  # fp8 weights and activations on fp8 tensor cores
         self._inv_gemm_f = 1.0 / (gemm_peak * p.gemm_mfu) if p.gemm_mfu > 0 else 0.0
         self._inv_gemm_b = 1.0 / (p.mem_bandwidth * p.gemm_mbu) if p.gemm_mbu > 0 else 0.0
         self._inv_attn_f = 1.0 / (p.peak_flops * p.attn_mfu) if p.attn_mfu > 0 else 0.0

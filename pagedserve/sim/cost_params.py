@@ -26,6 +26,27 @@ from pagedserve.sim.host_overhead import HostOverhead, default_host_overhead
 #    2.7x throughput improvement", 2024) found CPU work (scheduling, input preparation,
 #    detokenization) of a few ms per step before overlap; V1 overlaps part of it.
 # ---------------------------------------------------------------------------------------
+# The GEMM MFU above was stated on H100, whose best GEMM reaches 80% of its datasheet peak (794.5 of
+# 989 bf16, 1402.6 of 1979 fp8 TFLOP/s: the measured max-achievable matmul, MAMF, in
+# stas00/ml-engineering's table, plan/gpus.py). Other GPUs reach a different share of their own
+# datasheet (A100 87%, B200 78%, MI300X 51%): their GEMMs run at the datasheet peak x
+# (their MAMF share / H100's) x gemm_mfu, so the MFU keeps its meaning and a chip whose GEMMs
+# cannot reach its datasheet is not priced as if they could (`matmul_share`).
+REFERENCE_MATMUL_SHARE = {"bf16": 794.5 / 989, "fp8": 1402.6 / 1979}
+
+
+def matmul_share(gpu, kind: str) -> float:
+    """The GEMM peak factor of `gpu` for `kind` ("bf16" / "fp8"): its measured max-achievable matmul
+    over its datasheet peak, relative to H100's (1.0 for H100 and for a GPU nobody measured). fp8
+    not measured on a chip whose bf16 was: its bf16 share stands in (the same silicon and BLAS)."""
+    bf16_mamf, bf16 = getattr(gpu, "matmul_bf16_tflops", 0.0), gpu.bf16_tflops
+    bf16_share = bf16_mamf / bf16 / REFERENCE_MATMUL_SHARE["bf16"] if bf16_mamf and bf16 else 1.0
+    if kind == "bf16":
+        return bf16_share
+    fp8_mamf, fp8 = getattr(gpu, "matmul_fp8_tflops", 0.0), getattr(gpu, "fp8_tflops", 0.0)
+    return fp8_mamf / fp8 / REFERENCE_MATMUL_SHARE["fp8"] if fp8_mamf and fp8 else bf16_share
+
+
 GPU_EFFICIENCY = {
     "gemm_mfu": 0.6, "gemm_mbu": 0.7, "attn_mfu": 0.4, "attn_mbu": 0.6,
     "link_efficiency": 0.7, "host_link_efficiency": 0.8,
@@ -61,6 +82,11 @@ class CostParams:
     # FLOP/s of the device's fp8 tensor cores (dense); 0 = none. GEMMs of fp8 weights run at it
     # (vLLM's fp8 W8A8 path on Hopper/Ada/Blackwell/MI300); without it they compute in bf16.
     fp8_peak_flops: float = 0.0
+    # The GEMMs run at peak x share x gemm_mfu (fp8 weights: fp8_peak_flops x fp8_matmul_share): a GPU
+    # preset sets matmul_share(gpu, ...), the chip's measured max-achievable matmul relative to H100's
+    # (attention keeps the datasheet peak: its efficiency is stated against it). 1 = the datasheet.
+    matmul_share: float = 1.0
+    fp8_matmul_share: float = 1.0
     gemm_mfu: float = GPU_EFFICIENCY["gemm_mfu"]
     gemm_mbu: float = GPU_EFFICIENCY["gemm_mbu"]
     attn_mfu: float = GPU_EFFICIENCY["attn_mfu"]
@@ -127,6 +153,7 @@ class CostParams:
         host = host or default_host_overhead()
         params = cls(peak_flops=gpu.bf16_tflops * 1e12, mem_bandwidth=gpu.hbm_bandwidth_gbps * 1e9,
                      fp8_peak_flops=getattr(gpu, "fp8_tflops", 0.0) * 1e12,
+                     matmul_share=matmul_share(gpu, "bf16"), fp8_matmul_share=matmul_share(gpu, "fp8"),
                      link_bandwidth=gpu.gpu_link_gbps * 1e9 / 2, host_bandwidth=gpu.host_link_gbps * 1e9,
                      source=f"defaults for {gpu.name}")
         host.apply(params, serving=serving_overhead)

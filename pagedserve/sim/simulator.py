@@ -430,6 +430,10 @@ def simulate(deployment: Deployment, workload: Sequence[WorkloadRequest], *, max
     # waits for the one before it. So a burst of arrivals queues at the HTTP loop and the
     # tokenizer, and a step feeding many streams delays the next admissions (serving.serial).
     api_free_at = 0.0
+    # The loop takes turns (asyncio runs its ready callbacks in order, and a request's handling
+    # yields at its awaits): an admission is taken up when the loop reaches it, after the tokens
+    # of the steps that ended before that; a burst does not hold every stream's first token until
+    # the last of its requests is admitted (admit(until=...) before each step's delivery).
     steps = 0
     preemptions = recomputed = swapped_out = swapped_in = 0
     tier_queries = 0  # prompt tokens of requests that looked past the pool into the host tier
@@ -448,9 +452,13 @@ def simulate(deployment: Deployment, workload: Sequence[WorkloadRequest], *, max
         """When the next thing can reach the engine: an admission under way, else the next send."""
         if pending:
             return pending[0][0]
-        return sent_at(workload[order[next_idx]])
+        sent = sent_at(workload[order[next_idx]])
+        return max(sent, api_free_at) if serving.serial else sent
 
-    def admit() -> None:
+    def admit(until: float | None = None) -> None:
+        """Start the admissions the serving loop reaches by now (or, with `until`, before then: the
+        end of a step whose tokens it delivers next; those only start), then hand the ones done
+        to the engine."""
         nonlocal next_idx, in_flight, api_free_at
         while next_idx < len(order):
             if max_concurrency is not None and in_flight >= max_concurrency:
@@ -460,6 +468,9 @@ def simulate(deployment: Deployment, workload: Sequence[WorkloadRequest], *, max
             sent = sent_at(w)
             if sent > clock.now:
                 break
+            if serving.serial and (max(sent, api_free_at) >= until if until is not None
+                                   else max(sent, api_free_at) > clock.now):
+                break  # the loop reaches it later: what is ready before that goes first
             next_idx += 1
             rec = RequestRecord(str(i), sent, w.prompt_len, w.output_len)
             records[i] = rec
@@ -477,6 +488,8 @@ def simulate(deployment: Deployment, workload: Sequence[WorkloadRequest], *, max
                 api_free_at = entry
             heapq.heappush(pending, (entry, i))
             in_flight += 1
+        if until is not None:
+            return
         while pending and pending[0][0] <= clock.now:
             entry, i = heapq.heappop(pending)
             w, rec = workload[i], records[i]
@@ -511,7 +524,8 @@ def simulate(deployment: Deployment, workload: Sequence[WorkloadRequest], *, max
             if serving.serial:
                 # The loop's work for this step (a detokenizer step and a frame per stream) waits
                 # for the loop and occupies it; deliver_s is latency on top (the hand-over from the
-                # engine to the loop), occupying nothing.
+                # engine to the loop), occupying nothing. Admissions it reached during the step go first.
+                admit(until=now)
                 api_free_at = max(now, api_free_at) + serving.deliver_per_output_s * len(outs.outputs)
                 now = api_free_at + serving.deliver_s
             else:
