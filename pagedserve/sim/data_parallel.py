@@ -44,6 +44,7 @@ from pagedserve.core.dp_balance import DPBalancer, EngineLoad
 from pagedserve.core.outputs import SchedulerStats
 from pagedserve.core.request import Request
 from pagedserve.sampling import SamplingParams
+from pagedserve.sim.core_run import SimResult, Timeline, VirtualClock, _prompt_ids, build_core
 from pagedserve.sim.cost_model import ServingOverhead
 from pagedserve.sim.executor import SimExecutor
 from pagedserve.sim.report import compute_metrics
@@ -104,8 +105,6 @@ class LockstepSimExecutor(SimExecutor):
 
 class _Core:
     def __init__(self, rank: int, deployment, seed: int, lockstep: bool) -> None:
-        from pagedserve.sim.simulator import VirtualClock, build_core
-
         self.rank = rank
         self.clock = VirtualClock()
         if deployment.config.step_trace_path:  # one trace per core, as the engine's cores write them
@@ -143,7 +142,6 @@ def simulate_dp(deployment, workload: Sequence[WorkloadRequest], *, max_concurre
     DP attention + EP in lockstep). `on_place(request_index, rank)` sees every placement.
     Returns a SimResult whose totals are the fleet's and whose `per_core` holds each core's."""
     from pagedserve.core.engine_core import check_request_length
-    from pagedserve.sim.simulator import SimResult, Timeline, _prompt_ids
 
     if max_concurrency is not None and max_concurrency < 1:
         raise ValueError(f"max_concurrency: must be >= 1, got {max_concurrency}")
