@@ -74,3 +74,51 @@ def test_cli_simulate_replicas(tmp_path, capsys):
     assert main(["simulate", "--model", "llama-3.1-8b", "--gpu", "H100-SXM", "--num-prompts", "2",
                  "--replicas", "0"]) != 0
     assert "replicas: must be >= 1" in capsys.readouterr().err
+
+
+def _lone_requests(model_dir, hop=None, serving=None, arrivals=(0.0,), output_len=4):
+    from pagedserve.bench.workloads import WorkloadRequest
+
+    dep = build_deployment(EngineConfig(**ENGINE), str(model_dir), cost_params=cpu_params())
+    work = [WorkloadRequest([20 + i] * 40, None, 40, output_len, arrival_time=t) for i, t in enumerate(arrivals)]
+    return simulate_fleet(dep, work, 2, "round-robin", hop=hop, serving=serving).records
+
+
+def test_the_fleet_hop_adds_what_a_lone_request_crosses(tmp_path):
+    """One request alone: its TTFT is the engine's plus the inbound hop, the admission, the
+    delivery and one chunk's way back; each later token is a step plus the replica's end of the
+    stream later (the replica's lock with its engine). It reaches its engine only after the hop:
+    never scheduled before."""
+    from pagedserve.sim.cost_model import ServingOverhead
+    from pagedserve.sim.fleet import FleetHop
+
+    model = write_config(tmp_path / "m")
+    (bare,) = _lone_requests(model)
+    hop = FleetHop(request_s=0.5, per_prompt_token_s=0.001, chunk_s=0.03, replica_cpu_per_chunk_s=0.002)
+    serving = ServingOverhead(admit_s=0.004, deliver_s=0.006, serial=True)
+    (rec,) = _lone_requests(model, hop, serving)
+    ttft = lambda r: r.first_token_time - r.arrival   # noqa: E731
+    assert ttft(rec) == pytest.approx(ttft(bare) + 0.5 + 0.04 + 0.004 + 0.006 + 0.03)
+    gaps = lambda r: [b - a for a, b in zip(r.token_times, r.token_times[1:])]   # noqa: E731
+    assert gaps(rec) == pytest.approx([g + 0.002 for g in gaps(bare)])
+
+
+def test_the_proxy_and_the_ingress_queue_a_burst(tmp_path):
+    """Two requests at once, one per replica (round-robin). Alone, each takes request_s (0.07 s:
+    the proxy's 0.02 s of CPU, then the ingress's 0.05 s) to reach its replica; together, the
+    second waits out the first's turn at the ingress (0.05 s), and the first's token, back
+    through the ingress, waits for the ingress to finish the second's request work."""
+    from pagedserve.sim.fleet import FleetHop, _Stages
+
+    model = write_config(tmp_path / "m")
+    (bare,) = _lone_requests(model)
+    engine_ttft = bare.first_token_time - bare.arrival
+    hop = FleetHop(request_s=0.07, proxy_cpu_per_request_s=0.02, ingress_cpu_per_request_s=0.05)
+    (alone,) = _lone_requests(model, hop)
+    assert alone.first_token_time == pytest.approx(0.07 + engine_ttft)
+    first, second = _lone_requests(model, hop, arrivals=(0.0, 0.0))
+    assert second.first_token_time == pytest.approx(0.07 + 0.05 + engine_ttft)
+    assert first.first_token_time == pytest.approx(0.07 + 0.05)   # the ingress busy with the second until then
+    stages = _Stages()   # a cheap proxy then a dear ingress: only the ingress queues
+    path = (("proxy", 0.01), ("ingress", 0.05))
+    assert [stages.wait(0.0, path) for _ in range(3)] == pytest.approx([0.0, 0.05, 0.10])
