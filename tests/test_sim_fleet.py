@@ -122,3 +122,22 @@ def test_the_proxy_and_the_ingress_queue_a_burst(tmp_path):
     stages = _Stages()   # a cheap proxy then a dear ingress: only the ingress queues
     path = (("proxy", 0.01), ("ingress", 0.05))
     assert [stages.wait(0.0, path) for _ in range(3)] == pytest.approx([0.0, 0.05, 0.10])
+
+
+def test_a_replica_steps_slower_by_its_share_of_a_core(tmp_path):
+    """step_scale: each step of a replica takes that many times the cost model's (its TTFT and its
+    gaps, for one request alone); contention_scale is the fleet probe's step wall / CPU over the
+    calibration trace's (here 3 against a trace whose steps took twice their CPU time)."""
+    import json
+
+    from pagedserve.sim.fleet import FleetHop, contention_scale
+
+    model = write_config(tmp_path / "m")
+    (bare,) = _lone_requests(model)
+    (slow,) = _lone_requests(model, FleetHop(step_scale=2.0))
+    assert slow.first_token_time == pytest.approx(2 * bare.first_token_time)
+    assert slow.token_times == pytest.approx([2 * t for t in bare.token_times])
+    trace = tmp_path / "steps.jsonl"
+    trace.write_text("\n".join(json.dumps({"new_tokens": [1], "context_lens": [9 + k], "step_time": 0.004 + k * 1e-3,
+                                           "duration": 0.004, "cpu_time": 0.002 + k * 5e-4}) for k in range(3)))
+    assert contention_scale({"replica_step_stretch": 3.0}, trace) == pytest.approx(1.5)

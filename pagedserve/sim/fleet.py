@@ -24,7 +24,9 @@ Around each replica, what a request crosses (each term measured, never fitted to
   engine back by that much before its next step;
 * the replica's serving layer (ServingOverhead, the deployment's `serving` terms, as simulate()
   charges them): admission before the request reaches its engine, delivery after each step; one
-  event loop per replica when `serial`.
+  event loop per replica when `serial`;
+* the core a replica's engine thread gets (``step_scale``): the probe's step wall / CPU time over
+  the calibration run's, every step's duration times that (`contention_scale`).
 
 A request is routed at its arrival (the router runs in the ingress, a few hundred microseconds
 after the proxy takes it; not modelled apart) and reaches its replica's engine when the hop and
@@ -66,6 +68,10 @@ class FleetHop:
     ingress_cpu_per_request_s: float = 0.0   # the ingress (and the router in it): one process
     ingress_cpu_per_chunk_s: float = 0.0
     replica_cpu_per_chunk_s: float = 0.0     # the replica's end of a stream, one lock with its engine
+    # A replica's step takes step_scale x the cost model's: the engine thread's share of a core
+    # inside the fleet against the share it had when the cost model was calibrated (both
+    # measured: contention_scale). 1: as calibrated.
+    step_scale: float = 1.0
     source: str = "none"
 
     def inbound(self, prompt_len: int) -> float:
@@ -73,7 +79,8 @@ class FleetHop:
 
     @property
     def is_zero(self) -> bool:
-        return not any(getattr(self, f.name) for f in fields(self) if f.name != "source")
+        return self.step_scale == 1.0 and not any(getattr(self, f.name) for f in fields(self)
+                                                   if f.name not in ("source", "step_scale"))
 
     def describe(self) -> str:
         if self.is_zero:
@@ -82,7 +89,7 @@ class FleetHop:
                 f"{self.chunk_s * 1e3:.1f} ms per chunk out; CPU per request / chunk: proxy "
                 f"{self.proxy_cpu_per_request_s * 1e3:.1f} / {self.proxy_cpu_per_chunk_s * 1e3:.2f} ms, ingress "
                 f"{self.ingress_cpu_per_request_s * 1e3:.1f} / {self.ingress_cpu_per_chunk_s * 1e3:.2f} ms, replica "
-                f"- / {self.replica_cpu_per_chunk_s * 1e3:.2f} ms ({self.source})")
+                f"- / {self.replica_cpu_per_chunk_s * 1e3:.2f} ms; steps x{self.step_scale:.2f} ({self.source})")
 
     @classmethod
     def from_dict(cls, d: dict | None) -> "FleetHop":
@@ -122,6 +129,16 @@ def default_fleet_hop(path: str | Path | None = None, engine_thread: bool = True
     p = Path(path) if path is not None else FLEET_OVERHEAD_PATH
     hop = FleetHop.from_dict(load_fleet_overhead(p)) if p.is_file() else FleetHop()
     return hop if engine_thread else replace(hop, replica_cpu_per_chunk_s=0.0)
+
+
+def contention_scale(probe_fit: dict, calibration_trace: str | Path) -> float:
+    """FleetHop.step_scale: a calibrated cost model holds the wall-clock stretch its own run had
+    (its steps' median wall / CPU time: 1 with a core to itself, 2 with half of one); a replica in
+    the fleet gets the stretch the fleet probe measured on its steps. The ratio of the two."""
+    from pagedserve.sim.calibration import read_trace
+    from pagedserve.sim.fleet_probe import step_stretch
+
+    return probe_fit.get("replica_step_stretch", 1.0) / step_stretch(read_trace(calibration_trace))
 
 
 def probe_serving(path: str | Path | None = None) -> ServingOverhead:
@@ -262,6 +279,9 @@ def simulate_fleet(deployment: Deployment, workload: Sequence[WorkloadRequest], 
         replica = min((r for t, r in events if t == next_at), key=lambda r: r.replica_id)
         replica.take_arrived()
         outs = replica.core.step()
+        if hop.step_scale != 1.0 and outs.execute_time:
+            replica.clock.now += (hop.step_scale - 1.0) * outs.execute_time   # the step ends later
+            outs.timestamp = replica.clock.now
         steps += 1
         st = outs.stats
         preemptions += sum(st.num_preempted.values())

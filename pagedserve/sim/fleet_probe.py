@@ -21,6 +21,9 @@ each request splits into:
   streams put on the cores its replicas run on; the same for the replica's process outside its
   engine's steps (its serving layer and its end of the stream: one interpreter lock with the
   engine thread); and Ray's CPU while the fleet idles (raylet, GCS, controller, probes), in cores;
+* the replica's engine steps: their median wall / CPU time (``replica_step_stretch``), the share
+  of a core the engine thread gets inside the fleet, to set against the calibration's own
+  (sim/fleet.py `contention_scale`);
 * the routing decision: fleet/routing.py's kv-aware `choose` on the benchmark's shape (two
   replicas, 8 tenants' prefixes cached), in-process.
 
@@ -69,6 +72,13 @@ def _proc_cpu(needles: tuple[str, ...]) -> dict[str, float]:
                 fields = stat.rsplit(")", 1)[1].split()
                 out[needle] = out.get(needle, 0.0) + (int(fields[11]) + int(fields[12])) / tick
     return out
+
+
+def step_stretch(steps) -> float:
+    """The median wall / CPU time of an engine's steps (StepTrace): 1 when its thread had a core
+    to itself, 2 when it got half of one (other processes, or the interpreter lock)."""
+    ratios = sorted(st.step_time / st.cpu_time for st in steps if st.cpu_time > 0 and st.num_reqs)
+    return ratios[len(ratios) // 2] if ratios else 1.0
 
 
 def routing_cost(repeats: int = 2000) -> float:
@@ -160,6 +170,7 @@ def fleet_requests(per_len: int = 6, output_lens=(2, 24)) -> tuple[list[dict], d
     from pagedserve.sim.calibration import read_trace
     steps = [st for path in tmp.glob("steps*.jsonl") if not path.name.endswith(".requests.jsonl")
              for st in read_trace(path)]
+    cpu["replica_step_stretch"] = step_stretch(steps)
     runs = sorted((v["t0"], n) for n, v in cpu.items() if isinstance(n, int))
     for j, (t0, n) in enumerate(runs):
         t1 = runs[j + 1][0] if j + 1 < len(runs) else float("inf")
@@ -195,7 +206,8 @@ def measure(per_len: int = 6) -> dict:
            "ingress_cpu_per_request_s": ingress_per_request, "ingress_cpu_per_chunk_s": ingress_per_chunk,
            "admit_s": admit_s, "admit_per_prompt_token_s": admit_per_token_s, "deliver_s": statistics.median(deliver),
            "replica_cpu_per_request_s": replica_per_request, "replica_cpu_per_chunk_s": replica_per_chunk,
-           "idle_cores": sum(cpu["idle_cores"].values()), "routing_s": routing_cost()}
+           "idle_cores": sum(cpu["idle_cores"].values()), "replica_step_stretch": cpu["replica_step_stretch"],
+           "routing_s": routing_cost()}
     load = os.getloadavg()[0]
     fit["source"] = (f"fleet_probe on {platform.processor() or platform.machine()} "
                      f"({time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, load {load:.1f})")
