@@ -141,3 +141,28 @@ def test_a_replica_steps_slower_by_its_share_of_a_core(tmp_path):
     trace.write_text("\n".join(json.dumps({"new_tokens": [1], "context_lens": [9 + k], "step_time": 0.004 + k * 1e-3,
                                            "duration": 0.004, "cpu_time": 0.002 + k * 5e-4}) for k in range(3)))
     assert contention_scale({"replica_step_stretch": 3.0}, trace) == pytest.approx(1.5)
+
+
+def test_cli_simulate_replicas_with_the_fleet_path(tmp_path, capsys):
+    """`simulate --replicas 2 --fleet-overhead shipped`: the probe's hop is printed and charged
+    (every TTFT at least its inbound hop and one chunk's way back later than without); a
+    missing FILE is refused by name."""
+    import json
+
+    from pagedserve.cli import main
+    from pagedserve.sim.fleet import default_fleet_hop
+
+    run = ["simulate", "--model", "llama-3.1-8b", "--gpu", "H100-SXM", "--max-num-seqs", "16", "--workload", "random",
+           "--random-input-len", "200", "--random-output-len", "8", "--num-prompts", "20", "--request-rate", "10",
+           "--replicas", "2", "--router", "round-robin"]
+    ttft = {}
+    for overhead in ("none", "shipped"):
+        out = tmp_path / f"{overhead}.json"
+        assert main([*run, "--fleet-overhead", overhead, "--result-json", str(out)]) == 0
+        ttft[overhead] = json.loads(out.read_text())["p50_ttft_ms"]
+    assert "fleet hop:" in capsys.readouterr().out
+    hop = default_fleet_hop(engine_thread=False)
+    assert hop.request_s > 0 and hop.replica_cpu_per_chunk_s == 0
+    assert ttft["shipped"] >= ttft["none"] + (hop.request_s + hop.chunk_s) * 1e3 - 1e-6
+    assert main([*run, "--fleet-overhead", str(tmp_path / "missing.json")]) == 2
+    assert "fleet_overhead: no file" in capsys.readouterr().err
