@@ -7,8 +7,9 @@ load costs only its in-flight streams, nothing hangs, Ray restarts it and the ro
 dead one.
 
 One module-scoped fleet serves every check (the kill last, since it costs a replica). Cheap to
-start, so it runs in the default suite: Ray with 2 CPUs (one per replica; Ray prestarts that many
-workers, which the replicas then take), a small object store, no dashboard, and no job
+start, so it runs in the default suite: Ray with 4 CPUs (one per replica, two for the tp=2
+replica of the one check that starts a second application; Ray prestarts that many workers,
+which the replicas then take), a small object store, no dashboard, and no job
 runtime_env (a local Ray's workers inherit this process's environment; a runtime_env would make
 Ray start fresh workers for it instead of using the prestarted ones); torn down by ray.shutdown
 alone (serve.shutdown waits out each replica's graceful drain first)."""
@@ -25,6 +26,8 @@ import pytest
 
 PROMPT_IDS = [(7 * i + 3) % 200 + 5 for i in range(41)]      # 10 full blocks of 4 + 1 token
 CONFIG = dict(num_kv_blocks=64, block_size=4, max_model_len=128, max_num_seqs=4, enable_prefix_caching=True)
+# Ray's logical CPUs: one per replica of the shared fleet, two for the tp=2 replica's ranks.
+NUM_CPUS = 4
 
 
 @pytest.fixture(scope="module")
@@ -39,7 +42,7 @@ def fleet(tiny_llama):
     omp = os.environ.get("OMP_NUM_THREADS")
     os.environ["OMP_NUM_THREADS"] = "1"
     try:
-        ray.init(address="local", num_cpus=2, object_store_memory=80 * 2**20, include_dashboard=False,
+        ray.init(address="local", num_cpus=NUM_CPUS, object_store_memory=80 * 2**20, include_dashboard=False,
                  _node_ip_address="127.0.0.1", log_to_driver=False)   # loopback only
     finally:
         if omp is None:
@@ -150,6 +153,38 @@ def test_a_client_that_disconnects_aborts_on_its_replica(fleet):
         s, "pagedserve:request_success_total", finished_reason="abort").values()) == before + 1
         and sum(per_replica(s, "pagedserve:num_requests_running").values()) == 0
         and sum(per_replica(s, "pagedserve:kv_cache_used_tokens").values()) == 0, "the abort reaching the engine", 120)
+
+
+def test_a_tensor_parallel_replica_matches_hf(fleet, tiny_llama):
+    """A replica that is a -tp 2 engine: its two ranks (mp, the replica's child processes) are
+    placed with it (Ray reserves both ranks' CPUs), and its greedy text through the fleet's
+    endpoint equals HF transformers' and the tp=1 fleet's. A second application on the same Ray
+    and Serve, torn down after."""
+    import ray
+    from ray import serve
+    from transformers import AutoTokenizer
+
+    from checkpoints import hf_greedy
+    from pagedserve.config import EngineConfig
+    from pagedserve.fleet.serve import build_fleet
+
+    url, model = fleet
+    app = build_fleet(EngineConfig(model=str(tiny_llama), tensor_parallel_size=2, **CONFIG), 1, "round-robin")
+    cpus_free = ray.available_resources().get("CPU", 0.0)
+    serve.run(app, name="pagedserve-tp2", route_prefix="/tp2", blocking=False)
+    try:
+        wait_for(lambda: httpx.get(url + "/tp2/v1/models", timeout=30).status_code == 200, "the tp=2 replica")
+        # (Ray's resource view lags the placement by a heartbeat or two.)
+        wait_for(lambda: ray.available_resources().get("CPU", 0.0) == cpus_free - 2, "both ranks' CPUs reserved", 30)
+        expected = AutoTokenizer.from_pretrained(tiny_llama).decode(hf_greedy(tiny_llama, [PROMPT_IDS], [6])[0])
+        status, body = completion(url + "/tp2", model, PROMPT_IDS, 6)
+        assert status == 200 and body["choices"][0]["text"] == expected
+        status, events = completion(url + "/tp2", model, PROMPT_IDS, 6, stream=True)
+        assert status == 200 and events[-1] == "[DONE]"
+        assert "".join(json.loads(e)["choices"][0]["text"] for e in events[:-1]) == expected
+        assert completion(url, model, PROMPT_IDS, 6)[1]["choices"][0]["text"] == expected   # the tp=1 fleet's
+    finally:
+        serve.delete("pagedserve-tp2")
 
 
 def test_a_killed_replica_costs_only_its_in_flight_requests(fleet):

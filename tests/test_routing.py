@@ -228,3 +228,41 @@ def test_autoscale_builds_a_deployment_carrying_ray_serves_autoscaling_config():
             build_fleet(config, None, "round-robin", autoscale=bad)
     with pytest.raises(ValueError, match="replicas"):
         build_fleet(config, 5, "round-robin", autoscale="1:4")
+
+
+def test_a_replica_reserves_every_rank_and_a_dp_replica_is_refused(capsys):
+    """A -tp/-pp replica's ranks are its own processes: Ray reserves each rank's CPUs (GPUs on
+    CUDA) for the one replica, and the ranks' torch threads are that share, not the actor's
+    whole OMP_NUM_THREADS. A -dp replica (several cores behind one KV-event endpoint) is refused
+    by name before Ray starts, as is the ray executor inside a replica. Nothing runs."""
+    pytest.importorskip("ray.serve")
+    from pagedserve.cli import main
+    from pagedserve.config import EngineConfig
+    from pagedserve.fleet.serve import build_fleet, rank_threads
+
+    def actor_options(app):
+        (engine_app,) = [a for a in app._bound_deployment.init_args if hasattr(a, "_bound_deployment")]
+        return engine_app._bound_deployment.ray_actor_options
+
+    assert actor_options(build_fleet(EngineConfig(model="m"), 2, "round-robin"))["num_cpus"] == 1
+    tp2 = actor_options(build_fleet(EngineConfig(model="m", tensor_parallel_size=2), 2, "kv-aware",
+                                    cpus_per_replica=1.5))
+    assert tp2["num_cpus"] == 3 and not tp2.get("num_gpus")
+    pp2 = actor_options(build_fleet(EngineConfig(model="m", pipeline_parallel_size=2), 1, "kv-aware"))
+    assert pp2["num_cpus"] == 2
+    gpu = actor_options(build_fleet(EngineConfig(model="m", tensor_parallel_size=2, device="cuda"), 1, "kv-aware"))
+    assert (gpu["num_cpus"], gpu["num_gpus"]) == (1, 2)
+    # Ray gave the tp=2 actor OMP_NUM_THREADS=2: each rank takes 1; an operator's 1 stays 1; tp=1 untouched.
+    assert [rank_threads(2, 1.0, "2"), rank_threads(2, 1.0, "1"), rank_threads(2, 4.0, None),
+            rank_threads(1, 1.0, "2")] == ["1", "1", "4", None]
+    with pytest.raises(ValueError, match="data_parallel_size: a replica is one engine core"):
+        build_fleet(EngineConfig(model="m", data_parallel_size=2), 2, "kv-aware")
+    with pytest.raises(ValueError, match="distributed_executor_backend"):
+        build_fleet(EngineConfig(model="m", tensor_parallel_size=2, distributed_executor_backend="ray"), 1,
+                    "kv-aware")
+    with pytest.raises(ValueError, match="cpus_per_replica"):
+        build_fleet(EngineConfig(model="m"), 1, "kv-aware", cpus_per_replica=0)
+    # The command line: refused with one line, before Ray (or any model load) starts.
+    assert main(["serve", "--model", "m", "--replicas", "2", "-dp", "2"]) == 2
+    err = capsys.readouterr().err
+    assert "data_parallel_size: a replica is one engine core" in err and "--replicas N x 2" in err

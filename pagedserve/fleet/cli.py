@@ -16,7 +16,7 @@ def wants_replicas(args) -> bool:
 
 def run_replicas(args) -> int:
     """`serve --replicas N` / `--autoscale MIN:MAX`: the Ray Serve application (fleet/serve.py) on host:port."""
-    from pagedserve.fleet.serve import autoscaling_config, run_fleet
+    from pagedserve.fleet.serve import autoscaling_config, replica_resources, run_fleet
 
     settings = server_settings(args)
     config = engine_config_from_args(args)
@@ -26,6 +26,7 @@ def run_replicas(args) -> int:
                                                "shutdown_timeout", "metric_names")}
     server_kwargs.update(enable_prompt_tokens_details=bool(settings["enable_prompt_tokens_details"]),
                          enable_auto_tool_choice=bool(settings["enable_auto_tool_choice"]), dashboard=False)
+    replica_resources(config, args.cpus_per_replica)   # what a replica cannot be is refused before Ray starts
     if settings["autoscale"] is not None:  # a bad MIN:MAX is refused before Ray starts
         autoscaling_config(settings["autoscale"], config, settings["replicas"])
     run_fleet(config, settings["replicas"], settings["router"], settings["host"], settings["port"],

@@ -30,6 +30,7 @@ import threading
 import time
 from collections import Counter
 from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 from pagedserve.fleet.registry import ENGINE_DEPLOYMENT
@@ -50,14 +51,73 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 # -- the replica ---------------------------------------------------------------------------------
+def replica_resources(config, cpus_per_rank: float = 1.0) -> dict:
+    """What Ray reserves for one replica (its `ray_actor_options`), or a ValueError naming what a
+    replica cannot be.
+
+    A replica's engine may be `-tp`/`-pp`: its ranks run as the replica's own child processes (the
+    mp executor, spawned from inside the Ray actor, killed with it: worker.set_parent_death_signal),
+    so Ray reserves every rank's share for the one replica: `cpus_per_rank` CPUs per rank on CPU,
+    one GPU per rank (and `cpus_per_rank` CPUs for the API and scheduler) on CUDA. Why mp and not
+    the Ray executor: the ranks of one tensor-parallel group belong on one node anyway (every
+    layer's all-reduce); Ray then places, restarts and scales the replica as one unit; the Ray
+    executor would ask for a placement group of its own from inside the replica, on top of the
+    CPUs the replica already holds (on a full node it waits out its placement timeout); and a
+    step is a pipe write, not a Ray call.
+
+    Not a DP engine: `-dp` runs several engine cores behind one front-end's own balancer, each
+    with its own pool, and they would publish their KV events on the one endpoint the replica
+    advertises; the fleet's router already is the balancer over cores, so DP is more replicas."""
+    if config.data_parallel_size > 1:
+        raise ValueError(f"data_parallel_size: a replica is one engine core, got -dp {config.data_parallel_size}; "
+                         f"the router balances the replicas as -dp balances cores: run "
+                         f"--replicas N x {config.data_parallel_size} replicas without -dp instead")
+    if config.distributed_executor_backend == "ray":
+        raise ValueError("distributed_executor_backend: a replica runs its ranks as its own processes (mp); "
+                         "ray (ranks as Ray actors) is not available inside a replica")
+    if not cpus_per_rank > 0:
+        raise ValueError(f"cpus_per_replica: must be > 0, got {cpus_per_rank}")
+    world = config.tensor_parallel_size * config.pipeline_parallel_size
+    if config.device == "cuda":
+        return {"num_cpus": cpus_per_rank, "num_gpus": world}
+    return {"num_cpus": cpus_per_rank * world}
+
+
+def rank_threads(world: int, cpus_per_rank: float, current: str | None) -> str | None:
+    """OMP_NUM_THREADS for a replica's ranks: the CPUs Ray reserved per rank, or fewer if the
+    environment asked for fewer. Ray sets an actor's OMP_NUM_THREADS to all its CPUs, which every
+    rank would take (threads_per_rank), oversubscribing them `world` times. None: leave it."""
+    if world <= 1:
+        return None
+    per_rank = max(1, int(cpus_per_rank))
+    if current is not None and current.isdigit() and 0 < int(current) < per_rank:
+        return current
+    return str(per_rank)
+
+
 class EngineReplica:
-    """One pagedserve server (AsyncLLM + the OpenAI app) on a loopback port of its node."""
+    """One pagedserve server (AsyncLLM + the OpenAI app) on a loopback port of its node; a
+    `-tp`/`-pp` engine's ranks are its child processes (replica_resources)."""
 
     def __init__(self, config, server_kwargs: dict | None = None, kv_events: bool = True,
-                 advertise_host: str = "127.0.0.1") -> None:
+                 advertise_host: str = "127.0.0.1", cpus_per_rank: float = 1.0) -> None:
         from pagedserve.config import KVEventsConfig
         from pagedserve.server.launcher import ServerThread, build_server
 
+        threads = rank_threads(config.tensor_parallel_size * config.pipeline_parallel_size, cpus_per_rank,
+                               os.environ.get("OMP_NUM_THREADS"))
+        if threads is not None:
+            os.environ["OMP_NUM_THREADS"] = threads   # the spawned ranks read it (threads_per_rank)
+
+        try:
+            from ray import serve
+            self.replica_id = serve.get_replica_context().replica_id.unique_id
+        except Exception:  # noqa: BLE001 - outside Ray (tests of the class itself)
+            self.replica_id = f"local-{os.getpid()}"
+        if config.step_trace_path:  # one trace (and request trace) per replica, never two writers on one file
+            trace = Path(config.step_trace_path)
+            config = replace(config, step_trace_path=str(trace.with_name(f"{trace.stem}.{self.replica_id}"
+                                                                          f"{trace.suffix or '.jsonl'}")))
         self.kv_endpoint = self.replay_endpoint = None
         if advertise_host == "auto":  # a cluster: the router may run on another node
             import ray
@@ -74,11 +134,6 @@ class EngineReplica:
         self.server = ServerThread(app).start(timeout=300)
         self.block_size = config.block_size
         self._client = None
-        try:
-            from ray import serve
-            self.replica_id = serve.get_replica_context().replica_id.unique_id
-        except Exception:  # noqa: BLE001 - outside Ray (tests of the class itself)
-            self.replica_id = f"local-{os.getpid()}"
 
     def _http(self):
         import httpx
@@ -327,7 +382,8 @@ def build_fleet(config, replicas: int | None, router: str, *, cpus_per_replica: 
                 advertise_host: str = "127.0.0.1", max_ongoing_requests: int = 1024,
                 autoscale: str | None = None):
     """The Ray Serve application: `replicas` EngineReplicas behind the ingress, routed by `router`;
-    with `autoscale` (MIN:MAX[:TARGET]) Ray Serve scales them on queue length, starting at `replicas`."""
+    with `autoscale` (MIN:MAX[:TARGET]) Ray Serve scales them on queue length, starting at `replicas`.
+    `cpus_per_replica`: Ray CPUs per rank of a replica's engine (a `-tp 2` replica takes twice)."""
     from ray import serve
     from ray.serve.config import RequestRouterConfig
 
@@ -341,9 +397,10 @@ def build_fleet(config, replicas: int | None, router: str, *, cpus_per_replica: 
     kwargs: dict = {"policy": router, "block_size": config.block_size, "seed": seed}
     if router == "kv-aware" and imbalance_threshold is not None:
         kwargs["imbalance_threshold"] = imbalance_threshold
+    resources = replica_resources(config, cpus_per_replica)
     engine = serve.deployment(EngineReplica, name=ENGINE_DEPLOYMENT).options(
         **scale, max_ongoing_requests=max_ongoing_requests,
-        ray_actor_options={"num_cpus": cpus_per_replica},
+        ray_actor_options=resources,
         health_check_period_s=2, health_check_timeout_s=30,
         request_router_config=RequestRouterConfig(
             request_router_class="pagedserve.fleet.ray_router:FleetRequestRouter", request_router_kwargs=kwargs,
@@ -351,7 +408,7 @@ def build_fleet(config, replicas: int | None, router: str, *, cpus_per_replica: 
     from pagedserve.fleet.ingress import build_ingress_class
 
     ingress = build_ingress_class()
-    return ingress.bind(engine.bind(config, server_kwargs, router == "kv-aware", advertise_host),
+    return ingress.bind(engine.bind(config, server_kwargs, router == "kv-aware", advertise_host, cpus_per_replica),
                         config.tokenizer or config.model, router)
 
 

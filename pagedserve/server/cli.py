@@ -86,7 +86,7 @@ def register(sub) -> None:
                        help="let Ray Serve scale the replicas between MIN and MAX on queue length: TARGET ongoing "
                             "requests per replica (default the engine's max_num_seqs); --replicas, if given, is "
                             "the start")
-    fleet.add_argument("--cpus-per-replica", type=float, default=1.0, help="Ray CPUs each replica takes (default 1)")
+    fleet.add_argument("--cpus-per-replica", type=float, default=1.0, help="Ray CPUs per rank of a replica's engine (default 1; a -tp 2 replica takes 2)")
     server.add_argument("--log-interval", type=float, default=10.0,
                         help="seconds between stats log lines (0 = off)")
     server.add_argument("--uvicorn-log-level", default="info")

@@ -87,6 +87,10 @@ def register(subparsers) -> None:
     fl.add_argument("--replicas", type=int, default=None,
                     help="simulate N replicas of this deployment behind --router (the serve --replicas code)")
     fl.add_argument("--router", default="kv-aware", choices=("round-robin", "power-of-two", "kv-aware"))
+    fl.add_argument("--fleet-overhead", default="none", metavar="none|shipped|FILE",
+                    help="charge the Ray path around each replica (proxy, ingress, handle, each chunk's way back; "
+                         "sim/fleet_probe.py's fit): shipped = pagedserve/sim/fleet_overhead.json, or a FILE the "
+                         "probe wrote on the host (default none: the engines and their serving layer only)")
     dash = p.add_argument_group("dashboard")
     dash.add_argument("--dashboard", action="store_true",
                       help="replay the run into the server's /dashboard page (it starts when the page connects; "
@@ -239,7 +243,18 @@ def _run_fleet(args, dep, workload, slos) -> int:
     if args.max_concurrency is not None or args.dashboard:
         raise ValueError("replicas: the fleet simulation is open loop without a dashboard (drop --max-concurrency, "
                          "--dashboard)")
-    result = simulate_fleet(dep, workload, args.replicas, args.router, seed=args.seed or 0, goodput_slos=slos)
+    hop = None
+    if args.fleet_overhead != "none":
+        from pagedserve.sim.fleet import default_fleet_hop
+
+        path = None if args.fleet_overhead == "shipped" else Path(args.fleet_overhead)
+        if path is not None and not path.is_file():
+            raise ValueError(f"fleet_overhead: no file {path} (python -m pagedserve.sim.fleet_probe --out {path})")
+        # On CUDA `serve` runs the engine core in its own process: no lock shared with the streams.
+        hop = default_fleet_hop(path, engine_thread=dep.config.device == "cpu")
+        print(hop.describe(), flush=True)
+    result = simulate_fleet(dep, workload, args.replicas, args.router, seed=args.seed or 0, goodput_slos=slos,
+                            hop=hop)
     summary = summarize(results_from_records(result.records), result.metrics["duration"], slos)
     print(format_summary(summary, f"Simulated Fleet Result ({args.replicas} x replica, router {args.router})"))
     print(f"prefix cache hit rate {result.prefix_hit_rate:.1%} ({result.prefix_cache_hits} of "

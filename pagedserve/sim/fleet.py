@@ -9,15 +9,37 @@ Discrete events: the next arrival is routed when no replica's step would end bef
 otherwise the replica whose clock is earliest steps. So a request is routed knowing exactly
 what every replica held at its arrival (the real router learns it a network hop later).
 
-The serving layer is charged per replica as simulate() charges it when not serial: the
-admission cost before the request reaches its engine, the delivery cost after each step. The
-router's own hop (the ingress and Ray's handle call) is not modelled.
+Around each replica, what a request crosses (each term measured, never fitted to a fleet run):
+
+* the fleet's hop (`FleetHop`, measured by sim/fleet_probe.py): client -> Ray Serve's proxy ->
+  the ingress -> the router -> the handle call -> the replica's loopback HTTP before its server
+  sees the request (``request_s + per_prompt_token_s x prompt``), and every streamed chunk's way
+  back (``chunk_s``), both as one request alone sees them. The proxy and the ingress are one
+  process each for the whole fleet, two stages in a row: their CPU per request and per chunk
+  queues there (a chunk waits for the ones before it at each stage), which adds to those latencies
+  once many streams share them;
+* the replica's own end of each stream (``replica_cpu_per_chunk_s``: its SSE frame read back by
+  the replica's loopback client and handed to Ray's streaming generator): in the replica's
+  process, under one interpreter lock with its engine thread, so each step's chunks hold the
+  engine back by that much before its next step;
+* the replica's serving layer (ServingOverhead, the deployment's `serving` terms, as simulate()
+  charges them): admission before the request reaches its engine, delivery after each step; one
+  event loop per replica when `serial`;
+* the core a replica's engine thread gets (``step_scale``): the probe's step wall / CPU time over
+  the calibration run's, every step's duration times that (`contention_scale`).
+
+A request is routed at its arrival (the router runs in the ingress, a few hundred microseconds
+after the proxy takes it; not modelled apart) and reaches its replica's engine when the hop and
+the admission are done: the engine schedules it from then on, not before.
 """
 from __future__ import annotations
 
+import heapq
+import json
 import random
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field, fields, replace
+from pathlib import Path
 from typing import Sequence
 
 from pagedserve.bench.report import RequestRecord
@@ -29,6 +51,102 @@ from pagedserve.sim.cost_model import ServingOverhead
 from pagedserve.sim.executor import SimExecutor
 from pagedserve.sim.report import compute_metrics
 from pagedserve.sim.simulator import Deployment, VirtualClock, _prompt_ids, build_core, check_request_length
+
+
+FLEET_OVERHEAD_PATH = Path(__file__).with_name("fleet_overhead.json")
+
+
+@dataclass(frozen=True)
+class FleetHop:
+    """What the fleet's own path adds around each replica's server (module docstring)."""
+
+    request_s: float = 0.0            # inbound: client -> proxy -> ingress -> router -> replica's HTTP
+    per_prompt_token_s: float = 0.0   # ... growing with the body (the prompt's ids as JSON, parsed thrice)
+    chunk_s: float = 0.0              # outbound, per streamed chunk: replica's HTTP -> ingress -> proxy -> client
+    proxy_cpu_per_request_s: float = 0.0     # Ray Serve's proxy: one process, its CPU queues
+    proxy_cpu_per_chunk_s: float = 0.0
+    ingress_cpu_per_request_s: float = 0.0   # the ingress (and the router in it): one process
+    ingress_cpu_per_chunk_s: float = 0.0
+    replica_cpu_per_chunk_s: float = 0.0     # the replica's end of a stream, one lock with its engine
+    # A replica's step takes step_scale x the cost model's: the engine thread's share of a core
+    # inside the fleet against the share it had when the cost model was calibrated (both
+    # measured: contention_scale). 1: as calibrated.
+    step_scale: float = 1.0
+    source: str = "none"
+
+    def inbound(self, prompt_len: int) -> float:
+        return self.request_s + self.per_prompt_token_s * prompt_len
+
+    @property
+    def is_zero(self) -> bool:
+        return self.step_scale == 1.0 and not any(getattr(self, f.name) for f in fields(self)
+                                                   if f.name not in ("source", "step_scale"))
+
+    def describe(self) -> str:
+        if self.is_zero:
+            return "fleet hop: none modelled"
+        return (f"fleet hop: {self.request_s * 1e3:.1f} ms + {self.per_prompt_token_s * 1e6:.2f} us/prompt token in, "
+                f"{self.chunk_s * 1e3:.1f} ms per chunk out; CPU per request / chunk: proxy "
+                f"{self.proxy_cpu_per_request_s * 1e3:.1f} / {self.proxy_cpu_per_chunk_s * 1e3:.2f} ms, ingress "
+                f"{self.ingress_cpu_per_request_s * 1e3:.1f} / {self.ingress_cpu_per_chunk_s * 1e3:.2f} ms, replica "
+                f"- / {self.replica_cpu_per_chunk_s * 1e3:.2f} ms; steps x{self.step_scale:.2f} ({self.source})")
+
+    @classmethod
+    def from_dict(cls, d: dict | None) -> "FleetHop":
+        known = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in (d or {}).items() if k in known})
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+class _Stages:
+    """Processes that each serve one thing at a time (the proxy, the ingress), passed in a given
+    order: `wait(t, [(stage, cost), ...])` is how long something that reaches the first at `t`
+    waits in them in all, beyond its own service there (its queueing)."""
+
+    def __init__(self) -> None:
+        self.free_at: dict[str, float] = {}
+
+    def wait(self, t: float, path: Sequence[tuple[str, float]]) -> float:
+        done = t
+        for stage, cost in path:
+            done = max(done, self.free_at.get(stage, 0.0)) + cost
+            self.free_at[stage] = done
+        return done - t - sum(cost for _, cost in path)
+
+
+def load_fleet_overhead(path: str | Path = FLEET_OVERHEAD_PATH) -> dict:
+    """The probe's fit (sim/fleet_probe.py --out): the hop's terms and the replica's serving layer's."""
+    data = json.loads(Path(path).read_text())
+    return data.get("fit", data)
+
+
+def default_fleet_hop(path: str | Path | None = None, engine_thread: bool = True) -> FleetHop:
+    """The shipped probe's hop (fleet_overhead.json), or that of a probe run on the host (`path`).
+    `engine_thread` False: the replica's engine core runs in its own process (`serve`'s default
+    on CUDA), so the replica's end of the streams holds no lock the engine needs."""
+    p = Path(path) if path is not None else FLEET_OVERHEAD_PATH
+    hop = FleetHop.from_dict(load_fleet_overhead(p)) if p.is_file() else FleetHop()
+    return hop if engine_thread else replace(hop, replica_cpu_per_chunk_s=0.0)
+
+
+def contention_scale(probe_fit: dict, calibration_trace: str | Path) -> float:
+    """FleetHop.step_scale: a calibrated cost model holds the wall-clock stretch its own run had
+    (its steps' median wall / CPU time: 1 with a core to itself, 2 with half of one); a replica in
+    the fleet gets the stretch the fleet probe measured on its steps. The ratio of the two."""
+    from pagedserve.sim.calibration import read_trace
+    from pagedserve.sim.fleet_probe import step_stretch
+
+    return probe_fit.get("replica_step_stretch", 1.0) / step_stretch(read_trace(calibration_trace))
+
+
+def probe_serving(path: str | Path | None = None) -> ServingOverhead:
+    """A replica's serving layer as the fleet probe measured it (one request at a time: service
+    times, so one event loop per replica, `serial`)."""
+    fit = load_fleet_overhead(path if path is not None else FLEET_OVERHEAD_PATH)
+    return ServingOverhead(fit.get("admit_s", 0.0), fit.get("admit_per_prompt_token_s", 0.0), fit.get("deliver_s", 0.0),
+                           0.0, source=fit.get("source", "fleet_probe"), serial=True)
 
 
 @dataclass
@@ -70,14 +188,32 @@ class _Replica:
         self.core = build_core(deployment, executor, self.clock)
         self.core.record_kv_events()
         self.live: dict[str, RequestRecord] = {}
+        self.pending: list[tuple[float, int, Request]] = []   # (entry, order, request): on their way in
+        self.api_free_at = 0.0                                # its serving layer's event loop (serial)
         self.num_requests = 0
         self.peak_kv_usage = 0.0
+
+    def next_event(self) -> float | None:
+        """When this replica next does something: its next step, else the next request's entry."""
+        if self.core.has_unfinished_requests():
+            return self.clock.now
+        return self.pending[0][0] if self.pending else None
+
+    def take_arrived(self) -> None:
+        """Requests whose hop and admission are done reach the engine (an idle one waits for them)."""
+        if not self.core.has_unfinished_requests() and self.pending:
+            self.clock.now = max(self.clock.now, self.pending[0][0])
+        while self.pending and self.pending[0][0] <= self.clock.now:
+            self.core.add_request(heapq.heappop(self.pending)[2])
 
 
 def simulate_fleet(deployment: Deployment, workload: Sequence[WorkloadRequest], replicas: int, router: str, *,
                    seed: int = 0, goodput_slos: dict[str, float] | None = None,
-                   router_kwargs: dict | None = None) -> FleetResult:
-    """Open loop: each request arrives at its arrival_time and is routed then."""
+                   router_kwargs: dict | None = None, hop: FleetHop | None = None,
+                   serving: ServingOverhead | None = None) -> FleetResult:
+    """Open loop: each request arrives at its arrival_time and is routed then. `hop`: the fleet's
+    path around the replicas (default none: FleetHop(); `default_fleet_hop()` is the shipped
+    probe's); `serving`: each replica's serving layer (default the deployment's cost model's)."""
     if replicas < 1:
         raise ValueError(f"replicas: must be >= 1, got {replicas}")
     wall0 = time.perf_counter()
@@ -86,22 +222,26 @@ def simulate_fleet(deployment: Deployment, workload: Sequence[WorkloadRequest], 
     by_id = {r.replica_id: r for r in fleet}
     policy = make_router(router, config.block_size, seed, **(router_kwargs or {}))
     policy.set_replicas(by_id)
-    serving = ServingOverhead.from_dict(deployment.cost_model.params.serving)
+    if serving is None:
+        serving = ServingOverhead.from_dict(deployment.cost_model.params.serving)
+    hop = hop or FleetHop()
+    # The proxy and the ingress, one process each for the fleet: requests pass proxy then ingress,
+    # chunks ingress then proxy (each process one queue, whichever way its work goes).
+    stages = _Stages()
+    in_costs = (("proxy", hop.proxy_cpu_per_request_s), ("ingress", hop.ingress_cpu_per_request_s))
+    out_costs = (("ingress", hop.ingress_cpu_per_chunk_s), ("proxy", hop.proxy_cpu_per_chunk_s))
+    queued = any(c for _, c in in_costs + out_costs)
     id_rng = random.Random(seed) if config.enable_prefix_caching else None
     order = sorted(range(len(workload)), key=lambda i: workload[i].arrival_time)
     records: list[RequestRecord] = []
     decisions: dict[str, int] = {}
-    owner: dict[str, _Replica] = {}
     steps = preemptions = 0
     next_idx = 0
 
-    def busy() -> list[_Replica]:
-        return [r for r in fleet if r.core.has_unfinished_requests()]
-
     while True:
-        stepping = busy()
-        next_step_at = min((r.clock.now for r in stepping), default=None)
-        if next_idx < len(order) and (next_step_at is None or workload[order[next_idx]].arrival_time <= next_step_at):
+        events = [(t, r) for r in fleet if (t := r.next_event()) is not None]
+        next_at = min((t for t, _ in events), default=None)
+        if next_idx < len(order) and (next_at is None or workload[order[next_idx]].arrival_time <= next_at):
             i = order[next_idx]
             next_idx += 1
             w = workload[i]
@@ -115,39 +255,63 @@ def simulate_fleet(deployment: Deployment, workload: Sequence[WorkloadRequest], 
             ids = _prompt_ids(w, i, deployment.vocab_size, id_rng)
             for r in fleet:
                 sched = r.core.scheduler
-                policy.report_load(r.replica_id, len(sched.waiting), len(sched.running), sched.kv.usage)
+                policy.report_load(r.replica_id, len(sched.waiting) + len(r.pending), len(sched.running),
+                                   sched.kv.usage)
             decision = policy.choose(ids)
             decisions[decision.reason] = decisions.get(decision.reason, 0) + 1
             target = by_id[decision.replica_id]
             policy.started(target.replica_id)
-            entry = w.arrival_time + serving.admit(w.prompt_len)
-            if not target.core.has_unfinished_requests():
-                target.clock.now = max(target.clock.now, entry)
+            at_replica = w.arrival_time + hop.inbound(w.prompt_len)
+            if queued:
+                at_replica += stages.wait(w.arrival_time, in_costs)
+            begin = max(at_replica, target.api_free_at) if serving.serial else at_replica
+            entry = begin + serving.admit(w.prompt_len)
+            if serving.serial:
+                target.api_free_at = entry
             params = SamplingParams(max_tokens=w.output_len, ignore_eos=True)
-            target.core.add_request(Request(rec.request_id, ids, params, frozenset(), entry, 0, config.max_model_len))
+            heapq.heappush(target.pending, (entry, i, Request(rec.request_id, ids, params, frozenset(), entry, 0,
+                                                              config.max_model_len)))
             target.live[rec.request_id] = rec
             target.num_requests += 1
-            owner[rec.request_id] = target
             continue
-        if next_step_at is None:
+        if next_at is None:
             break
-        replica = min(stepping, key=lambda r: r.clock.now)
+        replica = min((r for t, r in events if t == next_at), key=lambda r: r.replica_id)
+        replica.take_arrived()
         outs = replica.core.step()
+        if hop.step_scale != 1.0 and outs.execute_time:
+            replica.clock.now += (hop.step_scale - 1.0) * outs.execute_time   # the step ends later
+            outs.timestamp = replica.clock.now
         steps += 1
         st = outs.stats
         preemptions += sum(st.num_preempted.values())
         replica.peak_kv_usage = max(replica.peak_kv_usage, st.kv_usage)
         policy.apply_events(replica.replica_id, replica.core.take_kv_events())
         if not st.num_batched_tokens and not st.num_blocks_swapped_out and not st.num_blocks_swapped_in:
-            # Nothing could run on this replica: only an arrival can change that.
-            if next_idx < len(order):
-                replica.clock.now = max(replica.clock.now, workload[order[next_idx]].arrival_time)
+            # Nothing could run on this replica: only an arrival (routed, or reaching it) can change that.
+            upcoming = [t for t in ((workload[order[next_idx]].arrival_time if next_idx < len(order) else None),
+                                    replica.pending[0][0] if replica.pending else None) if t is not None]
+            if upcoming:
+                replica.clock.now = max(replica.clock.now, min(upcoming))
                 continue
             raise RuntimeError(f"fleet simulation stuck on {replica.replica_id} at t={replica.clock.now:.3f}s")
-        seen_at = outs.timestamp + (serving.deliver(len(outs.outputs)) if outs.outputs and not serving.is_zero else 0.0)
+        if not outs.outputs:
+            continue
+        seen_at = outs.timestamp
+        if not serving.is_zero:
+            if serving.serial:
+                replica.api_free_at = max(seen_at, replica.api_free_at) + serving.deliver_per_output_s * len(outs.outputs)
+                seen_at = replica.api_free_at + serving.deliver_s
+            else:
+                seen_at += serving.deliver(len(outs.outputs))
+        if hop.replica_cpu_per_chunk_s:
+            # The replica's end of the streams, under the engine's interpreter lock: its next step
+            # waits for it. (A lone chunk's latency, chunk_s, already holds it.)
+            replica.clock.now += hop.replica_cpu_per_chunk_s * len(outs.outputs)
         for out in outs.outputs:
             rec = replica.live[out.request_id]
-            seen = max(seen_at, rec.token_times[-1]) if rec.token_times else seen_at
+            seen = seen_at + hop.chunk_s + (stages.wait(seen_at, out_costs) if queued else 0.0)
+            seen = max(seen, rec.token_times[-1]) if rec.token_times else seen
             if rec.first_token_time is None:
                 rec.first_token_time = seen
             rec.token_times.append(seen)
