@@ -65,11 +65,30 @@ def start_dp_server(path, **engine_args):
     return st
 
 
+def two_free_ports() -> int:
+    """A TCP port p on loopback with p + 1 free as well (core 1 publishes KV events on p + 1)."""
+    import socket
+
+    for _ in range(50):
+        with socket.socket() as a:
+            a.bind(("127.0.0.1", 0))
+            port = a.getsockname()[1]
+            with socket.socket() as b:
+                try:
+                    b.bind(("127.0.0.1", port + 1))
+                except OSError:
+                    continue
+        return port
+    raise RuntimeError("no two free neighbouring ports")
+
+
 @pytest.fixture(scope="module")
 def dense(tmp_path_factory):
     path = make_checkpoint(tmp_path_factory.mktemp("llama"), "llama")
-    st = start_dp_server(path, **DENSE_ARGS)
-    st.path, st.ref = path, HFGreedyReference(path)
+    events_port = two_free_ports()
+    st = start_dp_server(path, **DENSE_ARGS, kv_events_config={
+        "enable_kv_cache_events": True, "endpoint": f"tcp://127.0.0.1:{events_port}", "topic": "kv"})
+    st.path, st.ref, st.events_port = path, HFGreedyReference(path), events_port
     yield st
     st.stop()
     st.async_engine.shutdown()
@@ -100,6 +119,59 @@ def test_dp2_matches_hf_under_chunking_and_preemption_on_both_cores(dense):
     # chunked prefill: the 150-token prompt cannot fit one 32-token step
     assert after["pagedserve:iteration_tokens_total_count{}"] - before["pagedserve:iteration_tokens_total_count{}"] \
         >= 150 // 32
+
+
+def test_each_core_publishes_its_kv_events_on_its_own_port_with_its_rank(dense):
+    """vLLM's layout under -dp: core r binds the configured port + r and stamps its batches
+    with data_parallel_rank r (two cores on one port: the second failed to start)."""
+    import msgspec
+    import zmq
+
+    ctx = zmq.Context()
+    subs = []
+    for rank in (0, 1):
+        sub = ctx.socket(zmq.SUB)
+        sub.setsockopt(zmq.LINGER, 0)
+        sub.setsockopt(zmq.SUBSCRIBE, b"kv")
+        monitor = sub.get_monitor_socket(zmq.EVENT_CONNECTED)
+        sub.connect(f"tcp://127.0.0.1:{dense.events_port + rank}")
+        assert monitor.poll(30_000), f"no publisher on port {dense.events_port + rank} (core {rank})"
+        sub.disable_monitor()
+        monitor.close()
+        subs.append(sub)
+    try:
+        time.sleep(0.3)  # the subscriptions reach the publishers
+        client = dense.async_engine.client
+        placed_before = list(client.num_placed)
+        prompts, max_tokens = parity_workload(6, fixed_lengths=(40, 60, 80, 100, 120, 140), seed=11)
+        generate(dense, prompts, max_tokens)
+        placed = [n - b for n, b in zip(client.num_placed, placed_before)]
+        assert min(placed) >= 1, placed  # both cores served, so both must have published
+        for rank, sub in enumerate(subs):
+            batches = []
+            while sub.poll(1500):
+                topic, _seq, payload = sub.recv_multipart()
+                batches.append(msgspec.msgpack.decode(payload))
+            if placed[rank]:
+                assert batches, f"core {rank} served {placed[rank]} requests but published no KV events"
+            assert all(b[2] == rank for b in batches), [b[2] for b in batches]   # [ts, events, data_parallel_rank]
+            stored = [e for b in batches for e in b[1] if e["type"] == "BlockStored"]
+            assert bool(stored) == bool(placed[rank]), (rank, placed, len(stored))
+    finally:
+        for sub in subs:
+            sub.close()
+        ctx.term()
+
+
+def test_events_endpoint_of_each_rank():
+    from pagedserve.engine.kv_events import endpoint_for_rank
+
+    assert endpoint_for_rank("tcp://127.0.0.1:5557", 0) == "tcp://127.0.0.1:5557"
+    assert endpoint_for_rank("tcp://127.0.0.1:5557", 3) == "tcp://127.0.0.1:5560"
+    assert endpoint_for_rank("tcp://[::1]:5557", 1) == "tcp://[::1]:5558"
+    assert endpoint_for_rank("ipc:///tmp/kv", 1) == "ipc:///tmp/kv_dp1"
+    with pytest.raises(ValueError, match="port"):
+        endpoint_for_rank("tcp://127.0.0.1:*", 1)
 
 
 def test_metrics_sum_the_cores_and_label_each_by_engine(dense):

@@ -12,6 +12,9 @@ Wire format (vLLM's vllm/distributed/kv_events.py, as of v0.28):
   every kept batch with seq >= start_seq as [identity, b"", seq, payload], then
   [identity, b"", -1 (8 bytes, signed), b""] to mark the end. A DEALER client sees
   (b"", seq, payload) frames; keep asking with DEALER (REQ takes one reply per request).
+- data parallelism (-dp N): each engine core publishes on its own sockets, as vLLM's do:
+  core r binds the configured TCP ports + r (an ipc/inproc address gets "_dp<r>"), and its
+  batches carry data_parallel_rank r (`endpoint_for_rank`).
 
 The publisher thread owns the sockets; the engine thread only hands it a step's events
 (never blocking: a full queue drops the batch and counts it, the sequence number then
@@ -109,6 +112,19 @@ def _binds(endpoint: str) -> bool:
     return host in ("*", "::", "", "localhost", "::1") or host.startswith("127.")
 
 
+def endpoint_for_rank(endpoint: str, rank: int) -> str:
+    """The address data-parallel core `rank` publishes on: the configured one for core 0, the
+    TCP port + rank, or an ipc/inproc path + "_dp<rank>", for the others."""
+    if rank == 0:
+        return endpoint
+    if endpoint.startswith(("ipc://", "inproc://")):
+        return f"{endpoint}_dp{rank}"
+    base, _, port = endpoint.rpartition(":")
+    if not port.isdigit():
+        raise ValueError(f"kv_events_config: {endpoint!r} names no TCP port to offset for data-parallel core {rank}")
+    return f"{base}:{int(port) + rank}"
+
+
 class ZmqEventPublisher:
     """PUB socket + optional ROUTER replay socket, both owned by one publisher thread."""
 
@@ -125,26 +141,29 @@ class ZmqEventPublisher:
         self._next_seq = 0
         self.num_published = 0  # events sent on the PUB socket
         self.num_dropped = 0    # events lost: queue full, or a failed encode/send
+        self.endpoint = endpoint_for_rank(config.endpoint, data_parallel_rank)
+        self.replay_endpoint = (endpoint_for_rank(config.replay_endpoint, data_parallel_rank)
+                                if config.replay_endpoint is not None else None)
         self._ctx = zmq.Context()
         self._pub = self._ctx.socket(zmq.PUB)
         self._replay = None
         try:
             self._pub.set_hwm(config.hwm)
             self._pub.setsockopt(zmq.LINGER, 0)
-            (self._pub.bind if _binds(config.endpoint) else self._pub.connect)(config.endpoint)
-            if config.replay_endpoint is not None:
+            (self._pub.bind if _binds(self.endpoint) else self._pub.connect)(self.endpoint)
+            if self.replay_endpoint is not None:
                 self._replay = self._ctx.socket(zmq.ROUTER)
                 self._replay.setsockopt(zmq.LINGER, 0)
-                self._replay.bind(config.replay_endpoint)
+                self._replay.bind(self.replay_endpoint)
         except zmq.ZMQError as e:
             self._close()
-            raise ValueError(f"kv_events_config: cannot open {config.endpoint}"
-                             f"{' / ' + config.replay_endpoint if config.replay_endpoint else ''}: {e}") from None
+            raise ValueError(f"kv_events_config: cannot open {self.endpoint}"
+                             f"{' / ' + self.replay_endpoint if self.replay_endpoint else ''}: {e}") from None
         self._thread = threading.Thread(target=self._run, name="pagedserve-kv-events", daemon=True)
         self._thread.start()
-        logger.info("KV events: publishing on %s%s%s", config.endpoint,
+        logger.info("KV events: publishing on %s%s%s", self.endpoint,
                     f" (topic {config.topic!r})" if config.topic else "",
-                    f", replay on {config.replay_endpoint}" if config.replay_endpoint else "")
+                    f", replay on {self.replay_endpoint}" if self.replay_endpoint else "")
 
     def publish(self, ts: float, events: list) -> None:
         """From the engine thread; never blocks."""
@@ -234,8 +253,10 @@ class KVEventsHook:
 
 
 def make_kv_events_hook(config) -> KVEventsHook | None:
-    """The hook an engine-core loop runs, or None when KV events are off."""
-    events = getattr(config, "kv_events_config", None)
+    """The hook an engine-core loop runs (an EngineConfig's; under -dp its core's own sockets),
+    or None when KV events are off."""
+    events = config.kv_events_config
     if events is None or not events.enable_kv_cache_events or not config.enable_prefix_caching:
         return None
-    return KVEventsHook(ZmqEventPublisher(events) if events.publishes else NullEventPublisher())
+    return KVEventsHook(ZmqEventPublisher(events, config.data_parallel_rank)
+                        if events.publishes else NullEventPublisher())
