@@ -6,7 +6,8 @@
 Both servers run the same tiny checkpoint on loopback with one OpenMP thread and the engine core in a
 process of its own (vLLM's V1 layout; pagedserve with --engine-core-mode process and --metric-names
 vllm, so the same /metrics names answer). One streamed request at a time, prompts of 16-800 tokens,
-1 and 16 output tokens; per request:
+1 and 16 output tokens (token ids; --text: text of about that many tokens, which each server
+tokenizes); per request:
 
 * the API process's CPU time (utime + stime of its /proc/PID/stat, every thread of it; the engine-core
   process is another PID): fitted as ``a + b x prompt tokens + c x output tokens``. CPU time hardly
@@ -125,7 +126,14 @@ def stream(port: int, model: str, prompt: list[int], max_tokens: int) -> dict:
     return {"ttft": times[0] - t0, "gaps": [b - a for a, b in zip(times, times[1:])], "chunks": len(times)}
 
 
-def prompt_ids(n: int, k: int) -> list[int]:
+_TEXT = None  # with --text: the checkpoint's tokenizer, and prompts are text of about n tokens
+
+
+def prompt_ids(n: int, k: int) -> list[int] | str:
+    if _TEXT is not None:
+        words = "the quick brown fox jumps over a lazy dog while seven bright stars watch".split()
+        text = " ".join(words[(i * 5 + k) % len(words)] for i in range(n + 8))
+        return _TEXT.decode(_TEXT.encode(text, add_special_tokens=False).ids[:n])
     return [16 + (i * 7 + k * 13) % 300 for i in range(n)]
 
 
@@ -193,7 +201,8 @@ def engine_times_from_trace(rows: list[dict], trace: Path) -> None:
     lines = [json.loads(x) for x in request_trace_path(trace).read_text().splitlines() if x.strip()]
     for r in rows:
         got = lines[r["trace_range"][0]:r["trace_range"][1]]
-        if any(q.get("prompt_len") != r["prompt"] for q in got):
+        slack = 0 if _TEXT is None else 2 + r["prompt"] // 10  # text: the servers count the tokens (BOS, merges)
+        if any(abs((q.get("prompt_len") or -99) - r["prompt"]) > slack for q in got):
             raise RuntimeError(f"request trace out of step with the requests sent at {r['trace_range']}")
         r["request_queue_time_seconds"] = statistics.mean(q["t_scheduled"] - q["t_submit"] for q in got)
         r["request_prefill_time_seconds"] = statistics.mean(q["t_first_token"] - q["t_scheduled"] for q in got)
@@ -274,7 +283,17 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--burst", type=int, default=16)
     ap.add_argument("--work", default="/tmp/vllm-host-probe")
+    ap.add_argument("--text", action="store_true",
+                    help="send text prompts (each server tokenizes them, as `vllm bench serve` makes them do) "
+                         "instead of token ids; writes no profile unless --out is given")
     args = ap.parse_args(argv)
+    if args.text:
+        global _TEXT
+        from tokenizers import Tokenizer
+
+        _TEXT = Tokenizer.from_file(str(Path(args.model) / "tokenizer.json"))
+        if args.out == str(OUT):
+            args.out = str(Path(args.work) / "text.json")
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
     model = Path(args.model)
