@@ -1,6 +1,6 @@
 """vLLM's own serving overhead on this CPU, measured from the outside, beside pagedserve's in the same sitting.
 
-    OMP_NUM_THREADS=1 python benchmarks/vllm_host_probe.py [--python /tmp/peers/vllm/bin/python]
+    OMP_NUM_THREADS=1 python benchmarks/vllm_host_probe.py --text [--python /tmp/peers/vllm/bin/python]
         [--model /tmp/peers/tiny-llama] [--out pagedserve/sim/host_overhead_vllm.json] [--rounds 3]
 
 Both servers run the same tiny checkpoint on loopback with one OpenMP thread and the engine core in a
@@ -285,15 +285,14 @@ def main(argv=None) -> int:
     ap.add_argument("--work", default="/tmp/vllm-host-probe")
     ap.add_argument("--text", action="store_true",
                     help="send text prompts (each server tokenizes them, as `vllm bench serve` makes them do) "
-                         "instead of token ids; writes no profile unless --out is given")
+                         "instead of token ids (the shipped profile was measured with --text)")
     args = ap.parse_args(argv)
     if args.text:
         global _TEXT
         from tokenizers import Tokenizer
 
         _TEXT = Tokenizer.from_file(str(Path(args.model) / "tokenizer.json"))
-        if args.out == str(OUT):
-            args.out = str(Path(args.work) / "text.json")
+
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
     model = Path(args.model)
@@ -326,7 +325,8 @@ def main(argv=None) -> int:
     base = load_host_overhead()
     profile = {k: (getattr(base, k) * ratio[k] if ratio[k] is not None else terms["vllm"][k]) for k in terms["vllm"]}
     source = (f"benchmarks/vllm_host_probe.py: vLLM's API server / pagedserve's, measured from outside in one "
-              f"sitting on {cpu_name()} ({started}, load {load0.split()[0]}-{load1.split()[0]}), times {base.source}")
+              f"sitting on {cpu_name()} ({started}, load {load0.split()[0]}-{load1.split()[0]}, "
+              f"{'text' if _TEXT is not None else 'token-id'} prompts), times {base.source}")
     data = {"fit": {**profile, "speed": 1.0, "source": source},
             "report": {"cpu": cpu_name(), "when": started, "load_before": load0, "load_after": load1,
                        "vllm_python": args.python, "model": str(model), "fits": fits, "terms": terms,
