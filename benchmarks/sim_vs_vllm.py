@@ -11,6 +11,7 @@ and pool size read from its cache_config_info) and that cost model, and is compa
 REPEATS runs each.
 
     OMP_NUM_THREADS=1 python benchmarks/sim_vs_vllm.py [--python /tmp/peers/vllm/bin/python] [--repeats 3]
+        [--serving-layer calibrated|measured]
 
 The vLLM CPU build lives in its own venv (see ../shared/peers/README.md); it is never a
 dependency of pagedserve. One OpenMP thread, bound to no core (the machine is shared).
@@ -80,6 +81,20 @@ def cache_config(text: str) -> dict:
     return {}
 
 
+def use_measured_serving(cost: Path) -> None:
+    """Replace the calibrated cost model's serving layer with vLLM's measured one (the probe machine's
+    speed: right for vLLM on this machine)."""
+    from pagedserve.sim.host_overhead import vllm_serving
+
+    measured = vllm_serving()
+    if measured is None:
+        raise SystemExit("--serving-layer measured: no pagedserve/sim/host_overhead_vllm.json")
+    data = json.loads(cost.read_text())
+    data["params"]["serving"] = {**measured, "serial": True}
+    cost.write_text(json.dumps(data, indent=2))
+    print(f"serving layer: vLLM's, measured ({measured['source']})", flush=True)
+
+
 def real_metrics(result: dict, before: str, after: str) -> dict:
     s = result["summary"]
 
@@ -147,6 +162,11 @@ def main() -> int:
     ap.add_argument("--kv-gib", type=int, default=1, help="VLLM_CPU_KVCACHE_SPACE")
     ap.add_argument("--calibration-rate", type=float, default=3.0)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--serving-layer", choices=("calibrated", "measured"), default="calibrated",
+                    help="the simulated serving layer: calibrated = the calibration run's client TTFT less the "
+                         "engine's (one constant admission); measured = vLLM's API server as "
+                         "benchmarks/vllm_host_probe.py measured it on this machine (pagedserve/sim/"
+                         "host_overhead_vllm.json: per request, per prompt token, per chunk; one event loop)")
     ap.add_argument("--out", default=str(ROOT / "results" / "sim_vs_vllm.json"))
     args = ap.parse_args()
     if not Path(args.python).exists():
@@ -185,6 +205,8 @@ def main() -> int:
         print(proc.stdout, proc.stderr[-2000:], flush=True)
         if proc.returncode:
             return 1
+        if args.serving_layer == "measured":
+            use_measured_serving(cost)
         rate = rate_for_busy(model, cost, block_size, num_blocks)
         print(f"request rate for 80% busy (simulated): {rate:.3f} req/s", flush=True)
         chosen = workloads(rate)

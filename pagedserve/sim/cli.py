@@ -68,7 +68,8 @@ def _add_deployment_args(p: argparse.ArgumentParser, engine_flags: bool = True) 
                         "deployment's host (default: the shipped probe, pagedserve/sim/host_overhead.json)")
     g.add_argument("--host-profile", choices=("pagedserve", "vllm"), default="pagedserve",
                    help="GPU: whose engine loop costs each step on the host: pagedserve = this project's loop as the "
-                        "host probe measured it (default), vllm = vLLM v0.6's published 2 ms + 20 us per request")
+                        "host probe measured it (default), vllm = vLLM v0.6's published 2 ms + 20 us per request, with vLLM's serving layer as "
+                        "benchmarks/vllm_host_probe.py measured it (pagedserve/sim/host_overhead_vllm.json)")
     g.add_argument("--no-serving-overhead", dest="serving_overhead", action="store_false",
                    help="GPU: leave the serving layer's per-request CPU time (tokenize, detokenize, SSE) out")
 

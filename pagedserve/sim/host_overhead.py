@@ -44,16 +44,30 @@ HOST_CPU_PRESETS = {"probe": 1.0}
 # Whose engine loop a GPU deployment runs (--host-profile):
 #  * "pagedserve" (the default): every term as the probe measured pagedserve's own loop and
 #    front-end;
-#  * "vllm": the serving layer as the probe measured it, but the engine loop per step at the
-#    figure vLLM v0.6.0's blog gives (2024: scheduling, input preparation and output processing
-#    took milliseconds per step on Llama-3-8B / H100 before overlap), 2 ms + 20 us per request,
-#    the simulator's old default. pagedserve's loop measures 10-200x less (its probe executor
-#    builds no device inputs and crosses no process boundary). On the published runs in
-#    benchmarks/data/published_gpu_runs.json (vLLM 0.6 multi-step, and V1 0.19-0.23) the
-#    measured profile is the closer of the two (benchmarks/README.md, sim_validation.py).
+#  * "vllm": the serving layer as benchmarks/vllm_host_probe.py measured vLLM's own API server
+#    (`vllm serve` of a tiny model on loopback, from outside: its API process's CPU time per request
+#    and per chunk, and TTFT minus the engine's queue and prefill time), stored in
+#    host_overhead_vllm.json with the machine and date (the probe's serving layer if that file is
+#    absent); the engine loop per step at the figure vLLM v0.6.0's blog gives (2024: scheduling,
+#    input preparation and output processing took milliseconds per step on Llama-3-8B / H100
+#    before overlap), 2 ms + 20 us per request, the simulator's old default. pagedserve's loop
+#    measures 10-200x less (its probe executor builds no device inputs and crosses no process
+#    boundary).
 VLLM_STEP_S = 2e-3
 VLLM_PER_REQUEST_S = 20e-6
 HOST_PROFILES = ("vllm", "pagedserve")
+VLLM_SERVING_PATH = Path(__file__).with_name("host_overhead_vllm.json")
+_SERVING_KEYS = ("admit_s", "admit_per_prompt_token_s", "deliver_s", "deliver_per_output_s")
+
+
+def vllm_serving(path: str | Path | None = None) -> dict | None:
+    """vLLM's measured serving-layer terms (the probe machine's speed) and their source, or None
+    when no measurement is shipped."""
+    try:
+        fit = json.loads(Path(path or VLLM_SERVING_PATH).read_text())["fit"]
+    except (OSError, KeyError, ValueError):
+        return None
+    return {**{k: float(fit[k]) for k in _SERVING_KEYS}, "source": fit.get("source", str(path))}
 
 
 @dataclass
@@ -138,9 +152,12 @@ class HostOverhead:
         if profile == "pagedserve":
             return self
         # vLLM's figure is its whole loop, input preparation included: no runner terms on top.
+        serving = vllm_serving()
+        layer = {k: serving[k] for k in _SERVING_KEYS} if serving else {}
         return replace(self, step_s=VLLM_STEP_S, per_request_s=VLLM_PER_REQUEST_S, per_token_s=0.0,
-                       runner_step_s=0.0, runner_per_request_s=0.0, runner_per_token_s=0.0,
-                       source=f"engine loop: vLLM v0.6.0 blog's 2 ms + 20 us/request; serving layer: {self.source}")
+                       runner_step_s=0.0, runner_per_request_s=0.0, runner_per_token_s=0.0, **layer,
+                       source="engine loop: vLLM v0.6.0 blog's 2 ms + 20 us/request; serving layer: "
+                              + (serving["source"] if serving else self.source))
 
     def scaled(self, speed: float) -> "HostOverhead":
         """The same work on a host `speed` times as fast per core as the probe machine."""
