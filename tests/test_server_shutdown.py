@@ -98,6 +98,8 @@ def _cut_properly(kind: str, status, payload, headers) -> bool:
     """A request ended by the shutdown: an OpenAI error body (503, Retry-After), or a stream whose
     last event is that error, then [DONE]."""
     if kind == "plain":
+        if status != 503:  # done before the cut (checked by _complete), or wrong
+            return False
         error = json.loads(payload)["error"]
         return (status == 503 and error["type"] == "ServiceUnavailableError" and error["code"] == 503
                 and "shutting down" in error["message"] and headers.get("retry-after") is not None)
