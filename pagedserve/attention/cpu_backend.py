@@ -69,28 +69,30 @@ class KernelMetadata:
         self.checked_slots = num_slots
 
 
-def make_plan(q_start: np.ndarray, q_len: np.ndarray, ctx_len: np.ndarray, tables: Sequence[Sequence[int]],
+def make_plan(q_start: Sequence[int], q_len: Sequence[int], ctx_len: Sequence[int], tables: Sequence[Sequence[int]],
               block_size: int, sliding_window: int | None) -> tuple[AttentionPlan, tuple[np.ndarray, ...]]:
     """tables[i] holds at least ceil(ctx_len[i] / block_size) block ids of sequence i (a list
-    or an array). One padded int32 table, filled by one masked assignment (a numpy call per
-    row was most of a decode step's metadata at 256 sequences)."""
-    needed = -(-np.asarray(ctx_len, dtype=np.int64) // block_size)
-    width = max(1, int(needed.max()))
-    needed_list = needed.tolist()
+    or an array). The padded int32 table is made from the ids in one pass, not a numpy call
+    per row (which was most of a decode step's metadata at 256 sequences)."""
+    needed = [-(-int(c) // block_size) for c in ctx_len]
+    width = max(1, max(needed))
     held = list(map(len, tables))
-    if held == needed_list:  # the usual case: each table is exactly its context's blocks
-        flat = np.fromiter(itertools.chain.from_iterable(tables), dtype=np.int32, count=sum(held))
+    if held == needed:  # the usual case: each table is exactly its context's blocks
+        flat = itertools.chain.from_iterable(tables)
     else:
-        for row, (num_held, n) in enumerate(zip(held, needed_list)):
+        for row, (num_held, n) in enumerate(zip(held, needed)):
             if num_held < n:
                 raise ValueError(f"block table {row} has {num_held} blocks for {int(ctx_len[row])} tokens of "
                                  f"{block_size}")
-        flat = np.fromiter(itertools.chain.from_iterable(t[:n] for t, n in zip(tables, needed_list)),
-                           dtype=np.int32, count=sum(needed_list))
-    table = np.zeros((len(held), width), dtype=np.int32)
-    table[np.arange(width)[None, :] < needed[:, None]] = flat
-    arrays = tuple(np.ascontiguousarray(a, dtype=np.int32) for a in (q_start, q_len, ctx_len)) + (table,)
-    plan = AttentionPlan(len(held), *(a.ctypes.data for a in arrays), width, block_size, sliding_window or 0)
+        flat = itertools.chain.from_iterable(t[:n] for t, n in zip(tables, needed))
+    total = sum(needed)
+    if total == width * len(needed):  # no padding (one sequence, or all of one length)
+        table = np.fromiter(flat, dtype=np.int32, count=total).reshape(len(needed), width)
+    else:
+        table = np.zeros((len(needed), width), dtype=np.int32)
+        table[np.arange(width)[None, :] < np.array(needed)[:, None]] = np.fromiter(flat, dtype=np.int32, count=total)
+    arrays = tuple(np.array(a, dtype=np.int32) for a in (q_start, q_len, ctx_len)) + (table,)
+    plan = AttentionPlan(len(needed), *(a.ctypes.data for a in arrays), width, block_size, sliding_window or 0)
     return plan, arrays
 
 
@@ -104,10 +106,12 @@ def build_metadata(decodes: list[tuple[Sequence[int], int]], prefills: list[tupl
     """
     num_decodes = len(decodes)
     tables: list[Sequence[int]] = [blocks for blocks, _ in decodes]
-    dec_pos = np.fromiter((p for _, p in decodes), dtype=np.int64, count=num_decodes)
-    positions: list[np.ndarray] = [dec_pos]
-    slots: list[np.ndarray] = []
-    q_start, q_len, ctx_len = list(range(num_decodes)), [1] * num_decodes, (dec_pos + 1).tolist()
+    dec_pos = [p for _, p in decodes]
+    positions: list[np.ndarray] = [np.array(dec_pos, dtype=np.int64)]
+    # each decode's slot: its position's offset in the block holding it
+    slots: list[np.ndarray] = [np.array([b[p // block_size] * block_size + p % block_size for b, p in decodes],
+                                        dtype=np.int64)] if decodes else []
+    q_start, q_len, ctx_len = list(range(num_decodes)), [1] * num_decodes, [p + 1 for p in dec_pos]
     sdpa_chunks: list[PrefillChunk] = []
     row = num_decodes
     for blocks, start, n in prefills:
@@ -126,13 +130,10 @@ def build_metadata(decodes: list[tuple[Sequence[int], int]], prefills: list[tupl
         row += n
     plan, arrays = AttentionPlan(0, 0, 0, 0, 0, 0, block_size, 0), ()
     if tables:
-        plan, arrays = make_plan(np.array(q_start), np.array(q_len), np.array(ctx_len), tables, block_size,
-                                 sliding_window)
-    if num_decodes:  # each decode's slot, in its last block: the plan's table holds it
-        last = arrays[3][np.arange(num_decodes), dec_pos // block_size].astype(np.int64)
-        slots.insert(0, last * block_size + dec_pos % block_size)
-    all_pos = np.concatenate(positions) if len(positions) > 1 else dec_pos
-    slot_mapping = torch.from_numpy(np.concatenate(slots) if slots else np.zeros(0, dtype=np.int64))
+        plan, arrays = make_plan(q_start, q_len, ctx_len, tables, block_size, sliding_window)
+    all_pos = np.concatenate(positions) if len(positions) > 1 else positions[0]
+    slot_mapping = torch.from_numpy(np.concatenate(slots) if len(slots) > 1 else
+                                    slots[0] if slots else np.zeros(0, dtype=np.int64))
     return KernelMetadata(slot_mapping, num_decodes, plan, sdpa_chunks, block_size, arrays), all_pos
 
 
