@@ -74,3 +74,37 @@ def test_first_matching_stop_wins_and_nothing_is_retracted(tokenizer):
     visible, final, hit = feed(tokenizer, ids, stop=["日本語の", "字符"])
     assert hit == "字符" and final == "中文"
     assert all(final.startswith(v) for v in visible)  # held-back text covered the longer stop too
+
+
+def test_rust_decode_only_where_hf_decode_adds_nothing(tokenizer, tmp_path):
+    """The detokenizer calls the Rust tokenizer directly only where HF's decode would return
+    its text unchanged; where HF cleans the text up (or a class decodes its own way) the text
+    is HF's. The reference: the tokenizer's own decode of the same ids."""
+    from transformers import AutoTokenizer
+
+    from pagedserve.engine.detokenizer import rust_decoder
+
+    assert rust_decoder(tokenizer) is not None  # the plain fast tokenizer: the direct path
+    text = "a , b . c ! d ?"
+    ids = tokenizer(text, add_special_tokens=False).input_ids + [tokenizer.eos_token_id]
+    for skip in (True, False):
+        assert rust_decoder(tokenizer)(ids, skip) == tokenizer.decode(ids, skip_special_tokens=skip)
+    make_tokenizer(tmp_path)
+    cleaning = AutoTokenizer.from_pretrained(
+        str(tmp_path), clean_up_tokenization_spaces=True,
+        clean_up_tokenization_spaces_for_bpe_even_though_it_will_corrupt_output=True)
+    assert cleaning.decode(ids) != tokenizer.decode(ids)  # the case matters: HF changes the text here
+    assert rust_decoder(cleaning) is None
+    for skip in (True, False):  # each window the detokenizer decodes reads as HF decodes it
+        assert IncrementalDetokenizer(cleaning, [], [], False, skip)._decode(ids) == cleaning.decode(
+            ids, skip_special_tokens=skip)
+
+    class OwnDecode(type(tokenizer)):
+        def decode(self, token_ids, skip_special_tokens=False, **kwargs):
+            return "x" * len(token_ids)
+
+    tokenizer.__class__, original = OwnDecode, tokenizer.__class__
+    try:
+        assert rust_decoder(tokenizer) is None
+    finally:
+        tokenizer.__class__ = original

@@ -19,7 +19,9 @@ output are then fp32.
 from __future__ import annotations
 
 import ctypes
+import itertools
 from dataclasses import dataclass, field
+from typing import Sequence
 
 import numpy as np
 import torch
@@ -67,46 +69,53 @@ class KernelMetadata:
         self.checked_slots = num_slots
 
 
-def make_plan(q_start: np.ndarray, q_len: np.ndarray, ctx_len: np.ndarray, tables: list[np.ndarray],
+def make_plan(q_start: Sequence[int], q_len: Sequence[int], ctx_len: Sequence[int], tables: Sequence[Sequence[int]],
               block_size: int, sliding_window: int | None) -> tuple[AttentionPlan, tuple[np.ndarray, ...]]:
-    """tables[i] holds at least ceil(ctx_len[i] / block_size) block ids of sequence i."""
-    width = max(1, max(-(-int(c) // block_size) for c in ctx_len))
-    table = np.zeros((len(tables), width), dtype=np.int32)
-    for row, (blocks, ctx) in enumerate(zip(tables, ctx_len)):
-        n = -(-int(ctx) // block_size)
-        if len(blocks) < n:
-            raise ValueError(f"block table {row} has {len(blocks)} blocks for {int(ctx)} tokens of {block_size}")
-        table[row, :n] = blocks[:n]
-    arrays = tuple(np.ascontiguousarray(a, dtype=np.int32) for a in (q_start, q_len, ctx_len)) + (table,)
-    plan = AttentionPlan(len(tables), *(a.ctypes.data for a in arrays), width, block_size, sliding_window or 0)
+    """tables[i] holds at least ceil(ctx_len[i] / block_size) block ids of sequence i (a list
+    or an array). The padded int32 table is made from the ids in one pass, not a numpy call
+    per row (which was most of a decode step's metadata at 256 sequences)."""
+    needed = [-(-int(c) // block_size) for c in ctx_len]
+    width = max(1, max(needed))
+    held = list(map(len, tables))
+    if held == needed:  # the usual case: each table is exactly its context's blocks
+        flat = itertools.chain.from_iterable(tables)
+    else:
+        for row, (num_held, n) in enumerate(zip(held, needed)):
+            if num_held < n:
+                raise ValueError(f"block table {row} has {num_held} blocks for {int(ctx_len[row])} tokens of "
+                                 f"{block_size}")
+        flat = itertools.chain.from_iterable(t[:n] for t, n in zip(tables, needed))
+    total = sum(needed)
+    if total == width * len(needed):  # no padding (one sequence, or all of one length)
+        table = np.fromiter(flat, dtype=np.int32, count=total).reshape(len(needed), width)
+    else:
+        table = np.zeros((len(needed), width), dtype=np.int32)
+        table[np.arange(width)[None, :] < np.array(needed)[:, None]] = np.fromiter(flat, dtype=np.int32, count=total)
+    arrays = tuple(np.array(a, dtype=np.int32) for a in (q_start, q_len, ctx_len)) + (table,)
+    plan = AttentionPlan(len(needed), *(a.ctypes.data for a in arrays), width, block_size, sliding_window or 0)
     return plan, arrays
 
 
-def build_metadata(decodes: list[tuple[np.ndarray, int]], prefills: list[tuple[np.ndarray, int, int]],
+def build_metadata(decodes: list[tuple[Sequence[int], int]], prefills: list[tuple[Sequence[int], int, int]],
                    block_size: int, sliding_window: int | None,
                    device: torch.device) -> tuple[KernelMetadata, np.ndarray]:
-    """decodes: (block_ids, position) per request; prefills: (block_ids, start_pos, q_len).
+    """decodes: (block_ids, position) per request; prefills: (block_ids, start_pos, q_len);
+    block ids as a list or an array.
 
     Returns the metadata and the positions of all tokens in layout order.
     """
-    positions: list[np.ndarray] = []
-    slots: list[np.ndarray] = []
-    q_start: list[int] = []
-    q_len: list[int] = []
-    ctx_len: list[int] = []
-    tables: list[np.ndarray] = []
-    for row, (blocks, pos) in enumerate(decodes):
-        q_start.append(row)
-        q_len.append(1)
-        ctx_len.append(pos + 1)
-        tables.append(blocks)
-    if decodes:
-        pos = np.array([p for _, p in decodes], dtype=np.int64)
-        positions.append(pos)
-        slots.append(np.array([b[p // block_size] for b, p in decodes], dtype=np.int64) * block_size + pos % block_size)
+    num_decodes = len(decodes)
+    tables: list[Sequence[int]] = [blocks for blocks, _ in decodes]
+    dec_pos = [p for _, p in decodes]
+    positions: list[np.ndarray] = [np.array(dec_pos, dtype=np.int64)]
+    # each decode's slot: its position's offset in the block holding it
+    slots: list[np.ndarray] = [np.array([b[p // block_size] * block_size + p % block_size for b, p in decodes],
+                                        dtype=np.int64)] if decodes else []
+    q_start, q_len, ctx_len = list(range(num_decodes)), [1] * num_decodes, [p + 1 for p in dec_pos]
     sdpa_chunks: list[PrefillChunk] = []
-    row = len(decodes)
+    row = num_decodes
     for blocks, start, n in prefills:
+        blocks = np.asarray(blocks, dtype=np.int64)
         pos = np.arange(start, start + n, dtype=np.int64)
         positions.append(pos)
         slots.append(slots_for(blocks, pos, block_size))
@@ -121,11 +130,11 @@ def build_metadata(decodes: list[tuple[np.ndarray, int]], prefills: list[tuple[n
         row += n
     plan, arrays = AttentionPlan(0, 0, 0, 0, 0, 0, block_size, 0), ()
     if tables:
-        plan, arrays = make_plan(np.array(q_start), np.array(q_len), np.array(ctx_len), tables, block_size,
-                                 sliding_window)
-    all_pos = np.concatenate(positions) if positions else np.zeros(0, dtype=np.int64)
-    slot_mapping = torch.from_numpy(np.concatenate(slots) if slots else np.zeros(0, dtype=np.int64))
-    return KernelMetadata(slot_mapping, len(decodes), plan, sdpa_chunks, block_size, arrays), all_pos
+        plan, arrays = make_plan(q_start, q_len, ctx_len, tables, block_size, sliding_window)
+    all_pos = np.concatenate(positions) if len(positions) > 1 else positions[0]
+    slot_mapping = torch.from_numpy(np.concatenate(slots) if len(slots) > 1 else
+                                    slots[0] if slots else np.zeros(0, dtype=np.int64))
+    return KernelMetadata(slot_mapping, num_decodes, plan, sdpa_chunks, block_size, arrays), all_pos
 
 
 TORCH_DTYPE_CODES = {getattr(torch, name): code for name, code in DTYPE_CODES.items()}

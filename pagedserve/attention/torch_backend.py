@@ -69,7 +69,8 @@ def prefill_chunk(blocks: np.ndarray, start: int, q_len: int, row: int, block_si
 
 def build_metadata(decodes: list[tuple[np.ndarray, int]], prefills: list[tuple[np.ndarray, int, int]],
                    block_size: int, sliding_window: int | None, device: torch.device) -> tuple[AttentionMetadata, np.ndarray]:
-    """decodes: (block_ids, position) per request; prefills: (block_ids, start_pos, q_len).
+    """decodes: (block_ids, position) per request; prefills: (block_ids, start_pos, q_len);
+    block ids as a list or an array.
 
     Returns the metadata and the positions of all tokens in layout order.
     """
@@ -94,6 +95,7 @@ def build_metadata(decodes: list[tuple[np.ndarray, int]], prefills: list[tuple[n
     chunks: list[PrefillChunk] = []
     row = len(decodes)
     for blocks, start, q_len in prefills:
+        blocks = np.asarray(blocks, dtype=np.int64)  # the runner passes its lists
         pos = np.arange(start, start + q_len, dtype=np.int64)
         positions.append(pos)
         slots.append(slots_for(blocks, pos, block_size))

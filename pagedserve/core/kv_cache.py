@@ -191,6 +191,11 @@ class KVCacheManager:
     def usage(self) -> float:
         return self.pool.usage
 
+    @property
+    def caches_blocks(self) -> bool:
+        """Whether cache_blocks publishes anything (prefix caching is on)."""
+        return self.pool.enable_caching
+
     def block_ids(self, request_id: str) -> list[int]:
         return [b.block_id for b in self.block_tables.get(request_id, ())]
 
@@ -316,6 +321,11 @@ class KVCacheManager:
         nothing when the pool cannot supply them.
         """
         table = self.block_tables.get(request.request_id)
+        if table is not None and not new_computed_block_ids and not tier_hits:
+            # A running request (a decode, the next chunk): usually its last block has room.
+            if cdiv(request.num_computed_tokens + num_new_computed_tokens + num_new_tokens,
+                    self.block_size) <= len(table):
+                return []
         new_computed_blocks = [self.pool.blocks[i] for i in new_computed_block_ids]
         if new_computed_blocks and table:
             raise RuntimeError("cached blocks can only be adopted by a request holding none")

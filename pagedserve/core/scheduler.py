@@ -394,14 +394,17 @@ class Scheduler:
             budget -= num_new
 
         new_requests = []
+        known, requests = self._known_to_executor, self.requests
+        num_decode_tokens = 0
         for sr in scheduled:
-            if sr.request_id not in self._known_to_executor:
-                self._known_to_executor.add(sr.request_id)
-                req = self.requests[sr.request_id]
+            req = requests[sr.request_id]
+            if sr.request_id not in known:
+                known.add(sr.request_id)
                 new_requests.append(NewRequestData(req.request_id, req.prompt_token_ids, req.sampling_params))
+            if len(sr.token_ids) == 1 and sr.start_pos >= len(req.prompt_token_ids):
+                num_decode_tokens += 1
         stats.num_batched_tokens = cfg.max_num_batched_tokens - budget
-        stats.num_decode_tokens = sum(1 for sr in scheduled if sr.num_new_tokens == 1
-                                      and sr.start_pos >= self.requests[sr.request_id].num_prompt_tokens)
+        stats.num_decode_tokens = num_decode_tokens
         stats.num_prefill_tokens = stats.num_batched_tokens - stats.num_decode_tokens
         # The host tier's copies ride the swap lists: every device -> host copy before every
         # host -> device one (worker: copy_blocks), so an evicted block is out before it is reused.
@@ -481,28 +484,38 @@ class Scheduler:
         outputs: list[EngineCoreOutput] = []
         if self.kv.disk is not None:
             self._finish_disk_copies(out, result)
+        # Read once per step, not per request: most steps have no prompt logprobs, errors or
+        # logprobs, and no prefix cache to publish to.
+        requests, running = self.requests, RequestStatus.RUNNING
+        cache_blocks = self.kv.cache_blocks if self.kv.caches_blocks else None
+        prompt_logprobs, errors, logprobs = result.prompt_logprobs, result.errors, result.logprobs
+        sampled = result.sampled
+        max_model_len = self.config.max_model_len
         for sr in out.scheduled:
-            req = self.requests.get(sr.request_id)
-            if req is None or req.status != RequestStatus.RUNNING:
+            rid = sr.request_id
+            req = requests.get(rid)
+            if req is None or req.status is not running:
                 continue  # aborted while the step ran
-            req.num_computed_tokens += sr.num_new_tokens
-            self.kv.cache_blocks(req, req.num_computed_tokens)
-            scored = result.prompt_logprobs.get(sr.request_id)
-            if scored and req.prompt_logprobs is not None:
-                req.prompt_logprobs.extend(scored)
+            req.num_computed_tokens += len(sr.token_ids)
+            if cache_blocks is not None:
+                cache_blocks(req, req.num_computed_tokens)
+            if prompt_logprobs:
+                scored = prompt_logprobs.get(rid)
+                if scored and req.prompt_logprobs is not None:
+                    req.prompt_logprobs.extend(scored)
             if not sr.sample:
                 self.total_partial_prefills += 1
                 continue  # a prompt chunk that is not the last: nothing to sample yet
-            error = result.errors.get(sr.request_id)
+            error = errors.get(rid) if errors else None
             if error is not None:  # it sampled nothing it may keep: it ends here, its blocks return
                 self.finish_request(req.request_id, RequestStatus.FINISHED_ERROR)
-                outputs.append(EngineCoreOutput(sr.request_id, [], finish_reason=FinishReason.ERROR,
+                outputs.append(EngineCoreOutput(rid, [], finish_reason=FinishReason.ERROR,
                                                 num_preemptions=req.num_preemptions, error=error))
                 continue
-            token = result.sampled[sr.request_id]
+            token = sampled[rid]
             req.append_output_token(token)
-            lp = result.logprobs.get(sr.request_id)
-            output = EngineCoreOutput(sr.request_id, [token], [lp] if lp is not None else None,
+            lp = logprobs.get(rid) if logprobs else None
+            output = EngineCoreOutput(rid, [token], [lp] if lp is not None else None,
                                       num_preemptions=req.num_preemptions)
             if req.times.first_token is None:
                 req.times.first_token = now
@@ -511,7 +524,7 @@ class Scheduler:
                 output.arrival_time = req.times.arrival
                 output.prompt_logprobs, req.prompt_logprobs = req.prompt_logprobs, None
             req.times.last_token = now
-            status, reason = check_token_stop(req, token, self.config.max_model_len)
+            status, reason = check_token_stop(req, token, max_model_len)
             if status is not None:
                 self.finish_request(req.request_id, status, reason)
                 output.finish_reason = status.finish_reason

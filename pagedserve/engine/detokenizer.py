@@ -9,6 +9,8 @@ strings' lengths, never by the length of the output.
 """
 from __future__ import annotations
 
+import sys
+
 from pagedserve.core.stop import past_min_tokens
 
 _INCOMPLETE = "\ufffd"
@@ -19,6 +21,7 @@ class IncrementalDetokenizer:
     def __init__(self, tokenizer, prompt_token_ids: list[int], stop: list[str], include_stop: bool,
                  skip_special_tokens: bool, min_tokens: int = 0) -> None:
         self.tokenizer = tokenizer
+        self._rust_decode = rust_decoder(tokenizer)
         self.stop = stop
         self.include_stop = include_stop
         self.skip_special = skip_special_tokens
@@ -34,6 +37,8 @@ class IncrementalDetokenizer:
         self.stopped = False
 
     def _decode(self, ids: list[int]) -> str:
+        if self._rust_decode is not None:
+            return self._rust_decode(ids, self.skip_special)
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special)
 
     def add_token(self, token_id: int) -> str | None:
@@ -85,3 +90,23 @@ class IncrementalDetokenizer:
     def text(self) -> str:
         """Everything released so far (O(length): for final outputs only)."""
         return "".join(self._released)
+
+
+def rust_decoder(tokenizer):
+    """`tokenizer.decode(ids, skip_special_tokens=s)` as one call into its Rust tokenizer, or
+    None. Only where that is all HF's decode would run: a TokenizersBackend whose decode and
+    _decode are HF's own, without clean_up_tokenization_spaces (HF then returns the Rust
+    decode's text as it is). HF's decode first copies the ids through `to_py_obj` (an
+    isinstance per id, in Python), twice a token."""
+    module = sys.modules.get("transformers.tokenization_utils_tokenizers")
+    base = sys.modules.get("transformers.tokenization_utils_base")
+    if module is None or base is None:
+        return None
+    backend = getattr(module, "TokenizersBackend", None)
+    cls = type(tokenizer)
+    if (backend is None or not isinstance(tokenizer, backend)
+            or cls.decode is not base.PreTrainedTokenizerBase.decode or cls._decode is not backend._decode
+            or tokenizer.clean_up_tokenization_spaces):
+        return None
+    rust = getattr(tokenizer, "_tokenizer", None)
+    return getattr(rust, "decode", None)

@@ -30,6 +30,7 @@ stage's TP rank 0 samples.
 from __future__ import annotations
 
 import ctypes
+import itertools
 import logging
 import os
 import time
@@ -100,13 +101,15 @@ class CachedRequestState:
     grammar: GrammarMatcher | None = None  # structured outputs: consumed = the outputs fed so far
     num_prompt_logprobs_done: int = 1      # prompt tokens [1, this) are scored (token 0 has none)
     context_len: int = 0                   # tokens fed up to the end of this step
+    plain_greedy: bool = False             # its token is its row's argmax (SamplingParams.plain_greedy)
 
     @classmethod
     def new(cls, data: NewRequestData, grammar_compiler: GrammarCompiler | None = None,
             samples: bool = True) -> "CachedRequestState":
         """`samples`: False on tensor-parallel ranks other than 0, which never sample and so
         keep no grammar matcher."""
-        state = cls(data.request_id, data.prompt_token_ids, data.sampling_params, list(data.prompt_token_ids), [])
+        state = cls(data.request_id, data.prompt_token_ids, data.sampling_params, list(data.prompt_token_ids), [],
+                    plain_greedy=data.sampling_params.plain_greedy)
         spec = data.sampling_params.structured_outputs
         if spec is not None and samples:
             if grammar_compiler is None:
@@ -440,39 +443,46 @@ class ModelRunner:
 
     def _prepare_inputs(self, out: SchedulerOutput, states: list[CachedRequestState]) -> StepInputs:
         """The step's tensors in the attention backend's layout: decodes (one new token) first,
-        then prefill chunks."""
+        then prefill chunks. Each request's block ids go to the backend as the list the state
+        holds (the backend copies what it keeps); a decode-only step, the steady state, keeps
+        the scheduled order and makes no per-request array."""
         sched = out.scheduled
-        decodes = [i for i, sr in enumerate(sched) if sr.num_new_tokens == 1]
-        prefills = [i for i, sr in enumerate(sched) if sr.num_new_tokens != 1]
-        order = decodes + prefills
-        meta, positions = self.build_metadata(
-            [(np.asarray(states[i].block_ids, dtype=np.int64), sched[i].start_pos) for i in decodes],
-            [(np.asarray(states[i].block_ids, dtype=np.int64), sched[i].start_pos, sched[i].num_new_tokens)
-             for i in prefills],
-            self.block_size, self.model_config.sliding_window, self.device, self.quantized_cache)
-        if prefills:
-            token_ids = np.fromiter((t for i in order for t in sched[i].token_ids), dtype=np.int64)
-        else:  # decode-only: one token each
-            token_ids = np.fromiter((sched[i].token_ids[0] for i in order), dtype=np.int64, count=len(order))
+        if all(len(sr.token_ids) == 1 for sr in sched):  # decode-only: the rows in scheduled order
+            num_decodes = len(sched)
+            meta, positions = self.build_metadata(
+                [(state.block_ids, sr.start_pos) for state, sr in zip(states, sched)], [],
+                self.block_size, self.model_config.sliding_window, self.device, self.quantized_cache)
+            token_ids = np.fromiter((sr.token_ids[0] for sr in sched), dtype=np.int64, count=num_decodes)
+        else:
+            order = ([i for i, sr in enumerate(sched) if len(sr.token_ids) == 1]
+                     + [i for i, sr in enumerate(sched) if len(sr.token_ids) != 1])
+            states, sched = [states[i] for i in order], [sched[i] for i in order]
+            num_decodes = sum(1 for sr in sched if len(sr.token_ids) == 1)
+            meta, positions = self.build_metadata(
+                [(state.block_ids, sr.start_pos) for state, sr in zip(states[:num_decodes], sched[:num_decodes])],
+                [(state.block_ids, sr.start_pos, len(sr.token_ids))
+                 for state, sr in zip(states[num_decodes:], sched[num_decodes:])],
+                self.block_size, self.model_config.sliding_window, self.device, self.quantized_cache)
+            token_ids = np.fromiter(itertools.chain.from_iterable(sr.token_ids for sr in sched), dtype=np.int64)
         prompt_lens = None
         if self.model.rotary.needs_prompt_lens:  # dynamic NTK RoPE: see model/rope.py
-            per_token = np.repeat([len(states[i].prompt_token_ids) for i in order],
-                                  [sched[i].num_new_tokens for i in order])
+            per_token = np.repeat([len(state.prompt_token_ids) for state in states],
+                                  [len(sr.token_ids) for sr in sched])
             prompt_lens = torch.from_numpy(per_token.astype(np.int64)).to(self.device)
         # Only requests that reach their last token this step produce a token.
-        sample_rows = [k for k, i in enumerate(order) if sched[i].sample]
-        if not prefills and len(sample_rows) == len(order):
+        if num_decodes == len(sched) and all(sr.sample for sr in sched):
             last_rows = None  # decode-only, every request samples: the rows are the hidden states as they are
+            sampling = states
         else:
-            ends = np.cumsum([sched[i].num_new_tokens for i in order]) - 1
+            sample_rows = [k for k, sr in enumerate(sched) if sr.sample]
+            ends = np.cumsum([len(sr.token_ids) for sr in sched]) - 1
             last_rows = torch.from_numpy(ends[sample_rows]).to(self.device)
-        return StepInputs(
-            input_ids=torch.from_numpy(token_ids).to(self.device),
-            positions=torch.from_numpy(positions).to(self.device),
-            meta=meta, prompt_lens=prompt_lens,
-            states=[states[i] for i in order], scheduled=[sched[i] for i in order],
-            last_rows=last_rows,
-            sampling=[states[order[k]] for k in sample_rows])
+            sampling = [states[k] for k in sample_rows]
+        input_ids, positions = torch.from_numpy(token_ids), torch.from_numpy(positions)
+        if self.device.type != "cpu":
+            input_ids, positions = input_ids.to(self.device), positions.to(self.device)
+        return StepInputs(input_ids=input_ids, positions=positions, meta=meta, prompt_lens=prompt_lens,
+                          states=states, scheduled=sched, last_rows=last_rows, sampling=sampling)
 
     def _sample(self, hidden: torch.Tensor, inputs: StepInputs, result: StepResult) -> None:
         """Logits for the rows that end their request's tokens, then one token each."""
@@ -481,6 +491,9 @@ class ModelRunner:
             return
         logits = self.model.compute_logits(hidden if inputs.last_rows is None else hidden[inputs.last_rows])
         if logits is None:  # a tensor-parallel rank other than 0: the gathered logits are on rank 0
+            return
+        if all(state.plain_greedy for state in sampling):  # the common case: no grammar, no logprobs
+            result.sampled.update(zip([state.request_id for state in sampling], self.sampler.greedy(logits)))
             return
         sync_grammars(sampling)
         tokens, logprobs = self.sampler(logits, sampling)

@@ -126,10 +126,15 @@ class Sampler:
         logits[index] = masked
         return rows, masked
 
+    @staticmethod
+    def greedy(logits: torch.Tensor) -> list[int]:
+        """Each row's argmax: the token of every row that is plain greedy (no grammar)."""
+        return argmax_rows(logits.float()).tolist()
+
     def __call__(self, logits: torch.Tensor, reqs: list[SamplingRow]) -> tuple[list[int], list[TokenLogprobs | None]]:
         if all(r.sampling_params.plain_greedy and getattr(r, "grammar", None) is None for r in reqs):
             # The common serving case: no copy, no per-row work, one vectorised argmax.
-            return argmax_rows(logits.float()).tolist(), [None] * len(reqs)
+            return self.greedy(logits), [None] * len(reqs)
         logits = logits.to(torch.float32, copy=True)  # everything below edits in place; keep the caller's intact
         grammar_rows, grammar_logits = self._apply_grammar(logits, reqs)
         apply_logit_bias(logits, reqs)
