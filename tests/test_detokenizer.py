@@ -33,6 +33,68 @@ def feed(tokenizer, ids, stop=(), include_stop=False, prompt=(5, 6)):
     return visible, shown + detok.take_new_text(finished=True), hit
 
 
+def feed_skip(tokenizer, ids, skip_special: bool):
+    detok = IncrementalDetokenizer(tokenizer, [], [], False, skip_special)
+    visible, shown = [], ""
+    for tid in ids:
+        detok.add_token(tid)
+        shown += detok.take_new_text(finished=False)
+        visible.append(shown)
+    return visible, shown + detok.take_new_text(finished=True), None
+
+
+def wordpiece_tokenizer():
+    """A WordPiece tokenizer (BERT's kind, where HF's decode cleans up spaces by default), built
+    here: its decoder joins the pieces with spaces and the clean-up takes them off again."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = ["[UNK]", "[SEP]", "a", "b", "it", "do", "don", "word", "longer", "x", ",", ".", "!", "?", "'", "s",
+             "n", "t", "m", "ve", "re", "'s", "n't", "'m", "'ve", "'re", "##s", "##ing", "(", ")"]
+    tok = Tokenizer(models.WordPiece({w: i for i, w in enumerate(words)}, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.decoder = decoders.WordPiece()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]", sep_token="[SEP]",
+                                   clean_up_tokenization_spaces=True), len(words)
+
+
+def test_streamed_text_is_hfs_decode_where_hf_cleans_up_spaces(tokenizer, tmp_path):
+    """Random outputs heavy in the clean-up's patterns (" ,", " .", " ' ", " n't", " 's", ...),
+    streamed token by token through a tokenizer whose decode cleans up spaces: the final text
+    equals HF's decode of the same ids, and no text shown is retracted (stop strings too). The
+    windows used to be cleaned one by one: "a , b" came out "a  b"."""
+    import random
+
+    from transformers import AutoTokenizer
+
+    wordpiece, vocab = wordpiece_tokenizer()
+    assert wordpiece.decode(wordpiece.convert_tokens_to_ids(["a", ",", "b"])) == "a, b"  # HF does clean up
+    make_tokenizer(tmp_path)
+    forced = AutoTokenizer.from_pretrained(
+        str(tmp_path), clean_up_tokenization_spaces=True,
+        clean_up_tokenization_spaces_for_bpe_even_though_it_will_corrupt_output=True)
+    rng = random.Random(7)
+    punct = forced(" , . ! ? ' n't 's 'm 've 're", add_special_tokens=False).input_ids
+    words = forced(" a b x it do word longer", add_special_tokens=False).input_ids
+    cases = [(wordpiece, [rng.randrange(2, vocab) for _ in range(rng.randrange(1, 40))]) for _ in range(150)]
+    cases += [(forced, [rng.choice(punct if rng.random() < 0.5 else words) for _ in range(rng.randrange(1, 40))])
+              for _ in range(150)]
+    for tok, ids in cases:
+        for skip in (True, False):
+            visible, final, _ = feed_skip(tok, ids, skip)
+            assert final == tok.decode(ids, skip_special_tokens=skip), (ids, skip)
+            assert all(final.startswith(v) for v in visible), (ids, visible)
+    ids = wordpiece.convert_tokens_to_ids(["a", ",", "b", "don", "'", "t", "x", ".", "it"])
+    text = wordpiece.decode(ids)
+    _, final, hit = feed(wordpiece, ids, stop=["x."], prompt=())
+    assert hit == "x." and final == text[:text.index("x.")]
+    # A stop that only the last held-back text completes (" '" may still become " 's"): found when
+    # the output ends, and reported (the output processor makes that finish a stop).
+    detok = IncrementalDetokenizer(wordpiece, [], ["b '"], False, True)
+    assert [detok.add_token(t) for t in wordpiece.convert_tokens_to_ids(["a", "b", "'"])] == [None] * 3
+    assert detok.take_new_text(finished=True) == "a " and detok.flush_stop == "b '"
+
+
 @pytest.mark.parametrize("text", TEXTS)
 def test_byte_tokens_never_show_a_partial_character(tokenizer, text):
     ids = tokenizer(text, add_special_tokens=False).input_ids
@@ -95,9 +157,10 @@ def test_rust_decode_only_where_hf_decode_adds_nothing(tokenizer, tmp_path):
         clean_up_tokenization_spaces_for_bpe_even_though_it_will_corrupt_output=True)
     assert cleaning.decode(ids) != tokenizer.decode(ids)  # the case matters: HF changes the text here
     assert rust_decoder(cleaning) is None
-    for skip in (True, False):  # each window the detokenizer decodes reads as HF decodes it
-        assert IncrementalDetokenizer(cleaning, [], [], False, skip)._decode(ids) == cleaning.decode(
-            ids, skip_special_tokens=skip)
+    for skip in (True, False):  # the text streamed token by token is HF's decode of the whole
+        visible, final, _ = feed_skip(cleaning, ids, skip)
+        assert final == cleaning.decode(ids, skip_special_tokens=skip)
+        assert all(final.startswith(v) for v in visible)
 
     class OwnDecode(type(tokenizer)):
         def decode(self, token_ids, skip_special_tokens=False, **kwargs):

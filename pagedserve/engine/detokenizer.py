@@ -6,6 +6,13 @@ character. Text is released to the caller in order and never retracted: while a 
 string could still begin in the newest characters (the last longest-stop-string - 1 of
 them), those are held back. The work per token is bounded by the window and the stop
 strings' lengths, never by the length of the output.
+
+Tokenizers whose decode cleans up spaces (`clean_up_tokenization_spaces`, which HF applies to
+non-BPE tokenizers: " ," -> ",", " n't" -> "n't", ...): the windows are decoded raw and the
+clean-up runs on the raw text released so far, cut only where it cannot change later (no space
+in the 4 characters before the cut: every clean-up pattern starts with a space and is at most 4
+long, and each only deletes spaces). Cleaning each window instead drops characters ("a , b" came
+out "a  b"); the text is now HF's decode of the output, token for token.
 """
 from __future__ import annotations
 
@@ -15,12 +22,53 @@ from pagedserve.core.stop import past_min_tokens
 
 _INCOMPLETE = "\ufffd"
 _CONTEXT_TOKENS = 6  # prompt tokens decoded before the output, so a leading space decodes right
+_CLEANUP_REACH = 4   # the longest clean-up pattern (" n't", " 're", " 've"); each starts with a space
+
+
+def applies_cleanup(tokenizer) -> bool:
+    """Whether HF's decode of this tokenizer cleans up tokenization spaces (transformers 5
+    skips it for BPE models unless forced)."""
+    if not getattr(tokenizer, "clean_up_tokenization_spaces", False):
+        return False
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None and type(backend.model).__name__ == "BPE":
+        return bool(getattr(tokenizer, "clean_up_tokenization_spaces_for_bpe_even_though_it_will_corrupt_output",
+                            False))
+    return True
+
+
+# HF's clean_up_tokenization, in its order: each pattern starts with a space and only deletes spaces.
+_CLEANUP_PATTERNS = (" .", " ?", " !", " ,", " ' ", " n't", " 'm", " 's", " 've", " 're")
+
+
+class _SpaceCleanup:
+    """HF's clean_up_tokenization over a growing raw text, released in pieces whose clean-ups
+    join to the clean-up of the whole: a piece ends only where no text after a space in its
+    last 4 characters could still grow into a pattern (a proper prefix of one), so no pattern
+    straddles the cut, at any stage of the clean-up (each only deletes spaces)."""
+
+    def __init__(self, clean) -> None:
+        self.clean = clean
+        self.raw = ""
+
+    def feed(self, text: str, final: bool = False) -> str:
+        raw = self.raw + text
+        cut = len(raw)
+        while not final and cut > 0:
+            unsafe = [s for s in range(max(0, cut - _CLEANUP_REACH), cut) if raw[s] == " " and any(
+                p.startswith(raw[s:cut]) and p != raw[s:cut] for p in _CLEANUP_PATTERNS)]
+            if not unsafe:
+                break
+            cut = unsafe[0]
+        self.raw = raw[cut:]
+        return self.clean(raw[:cut]) if cut else ""
 
 
 class IncrementalDetokenizer:
     def __init__(self, tokenizer, prompt_token_ids: list[int], stop: list[str], include_stop: bool,
                  skip_special_tokens: bool, min_tokens: int = 0) -> None:
         self.tokenizer = tokenizer
+        self._cleanup = _SpaceCleanup(tokenizer.clean_up_tokenization) if applies_cleanup(tokenizer) else None
         self._rust_decode = rust_decoder(tokenizer)
         self.stop = stop
         self.include_stop = include_stop
@@ -35,10 +83,14 @@ class IncrementalDetokenizer:
         self._released: list[str] = []   # text handed out, in pieces (joined only at the end)
         self._pending = ""               # text decoded but held back for stop matching
         self.stopped = False
+        self.flush_stop: str | None = None  # a stop string found only in the clean-up's last text, at the end
 
     def _decode(self, ids: list[int]) -> str:
+        """A window's raw text (any clean-up runs on the released text, _SpaceCleanup)."""
         if self._rust_decode is not None:
             return self._rust_decode(ids, self.skip_special)
+        if self._cleanup is not None:
+            return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special, clean_up_tokenization_spaces=False)
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special)
 
     def add_token(self, token_id: int) -> str | None:
@@ -53,6 +105,10 @@ class IncrementalDetokenizer:
         new_text = full[len(prefix):]
         self._prefix_offset = self._read_offset
         self._read_offset = len(self._tokens)
+        if self._cleanup is not None:
+            new_text = self._cleanup.feed(new_text)
+            if not new_text:
+                return None
         self._pending += new_text
         if self.stop and past_min_tokens(self.num_output_tokens, self.min_tokens):
             hit = self._match_stop(len(new_text))
@@ -77,6 +133,11 @@ class IncrementalDetokenizer:
 
     def take_new_text(self, finished: bool) -> str:
         """Text not handed out before: all of it when finished, else all but the holdback."""
+        if finished and self._cleanup is not None and not self.stopped and self._cleanup.raw:
+            tail = self._cleanup.feed("", final=True)
+            self._pending += tail
+            if self.stop and past_min_tokens(self.num_output_tokens, self.min_tokens):
+                self.flush_stop = self._match_stop(len(tail))
         if finished or self.stopped or not self.holdback:
             out, self._pending = self._pending, ""
         else:

@@ -219,7 +219,7 @@ class OutputProcessor:
 
     def _final(self, s: SampleState) -> CompletionOutput:
         if s.detok is not None:
-            s.detok.take_new_text(True)
+            _take_text(s, True)
         return CompletionOutput(
             index=s.index, text=s.detok.text if s.detok is not None else "", token_ids=s.token_ids,
             cumulative_logprob=s.cumulative_logprob if s.logprobs is not None else None,
@@ -230,7 +230,7 @@ class OutputProcessor:
         new_tokens = s.token_ids[s.num_sent_tokens:]
         if not new_tokens and (not s.finished or s.finish_sent):
             return None
-        text = s.detok.take_new_text(s.finished) if s.detok is not None else ""
+        text = _take_text(s, s.finished) if s.detok is not None else ""
         new_lps = s.logprobs[s.num_sent_tokens:] if s.logprobs is not None else None
         s.num_sent_tokens = len(s.token_ids)
         s.finish_sent = s.finished
@@ -238,6 +238,15 @@ class OutputProcessor:
             index=s.index, text=text, token_ids=new_tokens,
             cumulative_logprob=s.cumulative_logprob if s.logprobs is not None else None,
             logprobs=new_lps, finish_reason=s.finish_reason, stop_reason=s.stop_reason)
+
+def _take_text(s: SampleState, finished: bool) -> str:
+    """The sample's new text; a stop string that only its detokenizer's last text held (a
+    tokenizer that cleans up spaces) makes the finish a stop, as it would have been mid-stream."""
+    text = s.detok.take_new_text(finished)
+    if finished and s.detok.flush_stop is not None and s.finish_reason != FinishReason.STOP:
+        s.finish_reason, s.stop_reason = FinishReason.STOP, s.detok.flush_stop
+    return text
+
 
 def failure_message(sample: SampleState, error: str | None) -> str:
     """'field: ...': what the client is told when a sample's grammar matcher failed."""
