@@ -205,3 +205,17 @@ def _prompt_ids(w: WorkloadRequest, index: int, vocab_size: int, rng: random.Ran
     if rng is not None:  # prefix caching hashes the ids: make them realistic (random, unshared)
         return [rng.randrange(16, vocab_size) for _ in range(w.prompt_len)]
     return [16 + index % max(vocab_size - 16, 1)] * w.prompt_len  # content is never looked at
+
+
+def deliver_token(rec: RequestRecord, seen: float, out) -> float:
+    """One output reaching its client at `seen`, in order (a stream's token never overtakes the
+    one before it): its token time, the first token's, and on a finish the end and preemptions.
+    Returns when it was seen (the simulator, -dp's cores and the fleet all deliver this way)."""
+    seen = max(seen, rec.token_times[-1]) if rec.token_times else seen
+    if rec.first_token_time is None:
+        rec.first_token_time = seen
+    rec.token_times.append(seen)
+    if out.finished:
+        rec.finish, rec.num_preemptions = seen, out.num_preemptions
+    return seen
+

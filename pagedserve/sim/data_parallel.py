@@ -44,7 +44,7 @@ from pagedserve.core.dp_balance import DPBalancer, EngineLoad
 from pagedserve.core.outputs import SchedulerStats
 from pagedserve.core.request import Request
 from pagedserve.sampling import SamplingParams
-from pagedserve.sim.core_run import SimResult, Timeline, VirtualClock, _prompt_ids, build_core
+from pagedserve.sim.core_run import SimResult, Timeline, VirtualClock, _prompt_ids, build_core, deliver_token
 from pagedserve.sim.cost_model import ServingOverhead
 from pagedserve.sim.executor import SimExecutor
 from pagedserve.sim.report import compute_metrics
@@ -208,14 +208,9 @@ def simulate_dp(deployment, workload: Sequence[WorkloadRequest], *, max_concurre
         core.peak_kv_usage = max(core.peak_kv_usage, st.kv_usage)
         seen_at = at + (serving.deliver(len(outs.outputs)) if outs.outputs and not serving.is_zero else 0.0)
         for out in outs.outputs:
-            rec = core.live[out.request_id]
-            seen = max(seen_at, rec.token_times[-1]) if rec.token_times else seen_at
-            if rec.first_token_time is None:
-                rec.first_token_time = seen
-            rec.token_times.append(seen)
+            seen = deliver_token(core.live[out.request_id], seen_at, out)
             if out.finished:
                 core.live.pop(out.request_id)
-                rec.finish, rec.num_preemptions = seen, out.num_preemptions
                 state["in_flight"] -= 1
                 state["slot_free_at"] = seen
 

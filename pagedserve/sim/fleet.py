@@ -47,6 +47,7 @@ from pagedserve.bench.workloads import WorkloadRequest
 from pagedserve.core.request import Request
 from pagedserve.fleet.routing import make_router
 from pagedserve.sampling import SamplingParams
+from pagedserve.sim.core_run import deliver_token
 from pagedserve.sim.cost_model import ServingOverhead
 from pagedserve.sim.executor import SimExecutor
 from pagedserve.sim.report import compute_metrics
@@ -310,15 +311,9 @@ def simulate_fleet(deployment: Deployment, workload: Sequence[WorkloadRequest], 
             replica.clock.now += hop.replica_cpu_per_chunk_s * len(outs.outputs)
         for out in outs.outputs:
             rec = replica.live[out.request_id]
-            seen = seen_at + hop.chunk_s + (stages.wait(seen_at, out_costs) if queued else 0.0)
-            seen = max(seen, rec.token_times[-1]) if rec.token_times else seen
-            if rec.first_token_time is None:
-                rec.first_token_time = seen
-            rec.token_times.append(seen)
+            deliver_token(rec, seen_at + hop.chunk_s + (stages.wait(seen_at, out_costs) if queued else 0.0), out)
             if out.finished:
                 replica.live.pop(out.request_id)
-                rec.finish = seen
-                rec.num_preemptions = out.num_preemptions
                 policy.finished(replica.replica_id)
     for r in fleet:
         r.core.shutdown()

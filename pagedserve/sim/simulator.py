@@ -44,7 +44,7 @@ from pagedserve.plan.kv_budget import KVPoolSize
 from pagedserve.plan.parallel import ParallelLayout
 from pagedserve.sampling import SamplingParams
 from pagedserve.sim.core_run import (Deployment, SimResult, Timeline, VirtualClock,  # noqa: F401 - re-exported
-                                     _prompt_ids, build_core, host_tier_summary)
+                                     _prompt_ids, build_core, deliver_token, host_tier_summary)
 from pagedserve.sim.cost_model import CostModel, CostParams, ModelCost, ServingOverhead, load_params
 from pagedserve.sim.executor import SimExecutor
 from pagedserve.sim.parallel_cost import ParallelCostModel, Topology
@@ -341,16 +341,9 @@ def simulate(deployment: Deployment, workload: Sequence[WorkloadRequest], *, max
             else:
                 now += serving.deliver(len(outs.outputs))
         for out in outs.outputs:
-            rec = live[out.request_id]
-            # One stream delivers in order: a token never overtakes the one before it.
-            seen = max(now, rec.token_times[-1]) if rec.token_times else now
-            if rec.first_token_time is None:
-                rec.first_token_time = seen
-            rec.token_times.append(seen)
+            seen = deliver_token(live[out.request_id], now, out)
             if out.finished:
                 live.pop(out.request_id)
-                rec.finish = seen
-                rec.num_preemptions = out.num_preemptions
                 in_flight -= 1
                 slot_free_at = seen
         n_pre = sum(st.num_preempted.values())
