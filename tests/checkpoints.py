@@ -192,3 +192,15 @@ def read_config_dict(tmp_path: Path, cfg: dict):
 
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     return read_model_config(tmp_path)
+
+
+def config_from_flags(argv: list[str]):
+    """The EngineConfig the engine flags in `argv` make (engine_args.py), as a command line would."""
+    import argparse
+
+    from pagedserve.engine_args import add_engine_args, engine_config_from_args
+
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    return engine_config_from_args(parser.parse_args(argv))
+

@@ -12,7 +12,7 @@ import random
 
 import pytest
 
-from checkpoints import HFGreedyReference
+from checkpoints import HFGreedyReference, config_from_flags
 from pagedserve.core.kv_disk import DiskEntry, DiskTier, check_disk_fits, rank_file_name
 from pagedserve.core.kv_events import BlockRemoved, BlockStored
 from pagedserve.sampling import SamplingParams
@@ -256,12 +256,6 @@ def test_bad_disk_tier_settings_are_refused_by_name(knobs, field):
 
 
 def test_the_disk_flags_parse():
-    import argparse
-
-    from pagedserve.engine_args import add_engine_args, engine_config_from_args
-
-    parser = argparse.ArgumentParser()
-    add_engine_args(parser)
-    config = engine_config_from_args(parser.parse_args(["--kv-offloading-size", "0.5", "--kv-offloading-disk",
-                                                        "/tmp/kv", "--kv-offloading-disk-size", "8"]))
+    config = config_from_flags(["--kv-offloading-size", "0.5", "--kv-offloading-disk", "/tmp/kv",
+                                "--kv-offloading-disk-size", "8"])
     assert (config.kv_offloading_disk, config.kv_offloading_disk_size) == ("/tmp/kv", 8.0)

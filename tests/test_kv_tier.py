@@ -17,7 +17,7 @@ import random
 
 import pytest
 
-from checkpoints import HFGreedyReference
+from checkpoints import HFGreedyReference, config_from_flags
 from pagedserve.config import EngineConfig
 from pagedserve.core.block_pool import BlockPool
 from pagedserve.core.kv_cache import KVCacheManager
@@ -370,14 +370,7 @@ def test_bad_tier_settings_are_refused_by_name(knobs, field):
 
 
 def test_the_flags_are_vllms():
-    import argparse
-
-    from pagedserve.engine_args import add_engine_args, engine_config_from_args
-
-    parser = argparse.ArgumentParser()
-    add_engine_args(parser)
-    config = engine_config_from_args(parser.parse_args(["--kv-offloading-backend", "native",
-                                                        "--kv-offloading-size", "0.5"]))
+    config = config_from_flags(["--kv-offloading-backend", "native", "--kv-offloading-size", "0.5"])
     assert config.kv_offloading_size == 0.5 and config.kv_offloading_backend == "native"
 
 

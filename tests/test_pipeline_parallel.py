@@ -21,7 +21,7 @@ import multiprocessing
 
 import pytest
 
-from checkpoints import HFGreedyReference, greedy_outputs, make_checkpoint, parity_workload
+from checkpoints import HFGreedyReference, config_from_flags, greedy_outputs, make_checkpoint, parity_workload
 from pagedserve import LLM
 from pagedserve.config import PreemptionMode
 
@@ -179,16 +179,10 @@ def test_bad_pipeline_parallel_size_is_refused_by_name(kwargs, needle):
 
 
 def test_pp_defaults_to_the_mp_executor_and_is_a_serve_flag():
-    import argparse
-
     from pagedserve.config import EngineConfig
-    from pagedserve.engine_args import add_engine_args, engine_config_from_args
-
     assert EngineConfig(pipeline_parallel_size=2).distributed_executor_backend == "mp"
-    parser = argparse.ArgumentParser()
-    add_engine_args(parser)
     for flag in ("-pp", "--pipeline-parallel-size"):
-        assert engine_config_from_args(parser.parse_args([flag, "2"])).pipeline_parallel_size == 2
+        assert config_from_flags([flag, "2"]).pipeline_parallel_size == 2
 
 
 def test_sigkill_a_stage_fails_requests_turns_health_503_and_exits_naming_it(tmp_path):

@@ -181,13 +181,9 @@ def test_cache_byte_bound_is_an_engine_knob():
     assert EngineConfig(structured_outputs_cache_bytes="1MiB").structured_outputs_cache_bytes == 1 << 20
     with pytest.raises(ValueError, match="^structured_outputs_cache_bytes:"):
         EngineConfig(structured_outputs_cache_bytes="lots")
-    import argparse
+    from checkpoints import config_from_flags
 
-    from pagedserve.engine_args import add_engine_args, engine_config_from_args
-    parser = argparse.ArgumentParser()
-    add_engine_args(parser)
-    args = parser.parse_args(["--structured-outputs-cache-bytes", "8MiB"])
-    assert engine_config_from_args(args).structured_outputs_cache_bytes == 8 << 20
+    assert config_from_flags(["--structured-outputs-cache-bytes", "8MiB"]).structured_outputs_cache_bytes == 8 << 20
     llm = LLM(num_kv_blocks=8, max_model_len=64, structured_outputs_cache_bytes="2MiB")
     assert llm.engine.grammar_compiler.cache_bytes == 2 << 20
 
