@@ -56,7 +56,7 @@ def matmul_share(gpu, kind: str) -> float:
 # decode attention take the same factor: no public per-chip measurement of either, beside STREAM, was at
 # hand (the paged-decode figures found are H100-only: Dao-AILab/flash-attention#1572, FA3 with 8-token
 # pages at batch 16, 1.23-1.85 TB/s = 37-55% of 3.35 at 128-4,000 tokens; microsoft/onnxruntime#21414,
-# FA2 paged decode, 15-47% at 32-512 tokens), so attention's MBU stays one stated figure scaled the same way.
+# FA2 paged decode, 15-47% at 32-256 tokens, batch 64), so attention's MBU stays one stated figure scaled the same way.
 REFERENCE_STREAM_SHARE = 2.97 / 3.35
 
 
