@@ -5,6 +5,7 @@
     python benchmarks/sim_validation.py --live             # + the live server on this machine
                                                            #   (runs benchmarks/sim_vs_real.py, ~25 min)
     python benchmarks/sim_validation.py --no-serving-overhead   # the GPU presets without the serving layer
+    python benchmarks/sim_validation.py --without launch       # a GPU-preset term left out (mem_share, launch)
 
 Published runs: benchmarks/data/published_gpu_runs.json, gathered for this script: each case
 has its URL, the engine and flags it ran, the model, GPU, TP, the workload (a replay of the
@@ -195,17 +196,32 @@ def swap_check(work: Path) -> dict | None:
             "fit_note": fit_note, "probe": how}
 
 
+def without_terms(terms: list[str]) -> None:
+    """Leave GPU-preset terms out of every case (an ablation: CostParams.for_gpu reads these module names
+    when a deployment is built)."""
+    from pagedserve.sim import cost_params
+
+    if "mem_share" in terms:
+        cost_params.memory_share = lambda gpu: 1.0
+    if "launch" in terms:
+        cost_params.KERNEL_LAUNCH_S = dict.fromkeys(cost_params.KERNEL_LAUNCH_S, 0.0)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--only", nargs="+", default=None, metavar="WORD", help="cases whose id contains a word")
     ap.add_argument("--live", action="store_true", help="also the live server on this machine (sim_vs_real.py)")
     ap.add_argument("--repeats", type=int, default=3, help="--live: real runs per workload")
     ap.add_argument("--no-serving-overhead", dest="serving_overhead", action="store_false")
+    ap.add_argument("--without", nargs="+", default=[], choices=("mem_share", "launch"),
+                    help="leave a GPU-preset term out: the chips' measured STREAM share (every chip at the "
+                         "H100 reference), or the per-kernel launch cost")
     ap.add_argument("--host-profile", choices=("vllm", "pagedserve"), default="pagedserve")
     ap.add_argument("--out", default=str(ROOT / "results" / "sim_validation.json"))
     args = ap.parse_args()
     global HOST_PROFILE
     HOST_PROFILE = args.host_profile
+    without_terms(args.without)
     result = {"published": published(args)}
     if args.live:
         result["live"] = live(args)

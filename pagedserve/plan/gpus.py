@@ -8,6 +8,12 @@ the vendor publishes, the host link as one direction (PCIe x16, or NVLink-C2C on
 TFLOP/s are dense (no sparsity); `fp8_tflops` is the fp8 tensor-core peak, 0 where the chip has
 none (A100: vLLM runs fp8 checkpoints there as weight-only, computing in bf16). Every preset
 names the datasheet it comes from (`source`).
+
+Measured beside the datasheet, where a public measurement was at hand (0 = nobody measured it):
+`matmul_*_tflops`, the max-achievable matmul (MAMF); `stream_tbps`, the HBM bandwidth a STREAM
+Triad reaches (BabelStream, in Microsoft Azure's AI-benchmarking-guide, one VM per chip:
+https://github.com/Azure/AI-benchmarking-guide/tree/main/Azure_Results). `runtime` says whose
+graph runtime launches the step's kernels ("cuda" / "hip"): sim/cost_params.KERNEL_LAUNCH_S.
 """
 from __future__ import annotations
 
@@ -29,6 +35,8 @@ class GpuSpec:
     source: str = ""  # the datasheet the figures come from
     matmul_bf16_tflops: float = 0.0  # measured max-achievable bf16 matmul (MAMF); 0 = not measured
     matmul_fp8_tflops: float = 0.0   # measured max-achievable fp8 matmul; 0 = not measured
+    stream_tbps: float = 0.0  # measured STREAM Triad HBM bandwidth, TB/s; 0 = not measured
+    runtime: str = "cuda"     # "cuda" (CUDA graphs) or "hip" (HIP graphs): the per-kernel launch cost
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -38,15 +46,20 @@ _NV = "https://www.nvidia.com/en-us/data-center/"
 GPU_PRESETS: dict[str, GpuSpec] = {
     spec.name.lower(): spec
     for spec in [
+        # STREAM not measured on the 40 GB part (HBM2 at 1,555 GB/s, not the 80 GB's HBM2e): stream_tbps 0
         GpuSpec("A100-40GB", 40960 * MiB, 1555, 312, 600, 32, 0, _NV + "a100/", matmul_bf16_tflops=271.2),
         # CUDA reports 79.15 GiB total on A100-80GB in vLLM's start-up logs.
-        GpuSpec("A100-80GB", int(79.15 * GiB), 2039, 312, 600, 32, 0, _NV + "a100/", matmul_bf16_tflops=271.2),
+        # STREAM Triad 1.70 TB/s: Azure ND A100 v4 (A100-SXM4-80GB), Azure_Results/ND_A100_v4_results.md
+        GpuSpec("A100-80GB", int(79.15 * GiB), 2039, 312, 600, 32, 0, _NV + "a100/", matmul_bf16_tflops=271.2,
+                stream_tbps=1.70),
         # 79.22 GiB: vLLM's "total_gpu_memory" on H100 (vllm-project/vllm PR #10511).
+        # STREAM Triad 2.97 TB/s: Azure ND H100 v5, Azure_Results/ND_H100_v5_results.md
         GpuSpec("H100-SXM", int(79.22 * GiB), 3350, 989, 900, 64, 1979, _NV + "h100/", matmul_bf16_tflops=794.5,
-                matmul_fp8_tflops=1402.6),
+                matmul_fp8_tflops=1402.6, stream_tbps=2.97),
         # MAMF bf16: "H200 is the same" as H100 (the table's note); fp8 measured on H200 itself
+        # STREAM Triad 4.15 TB/s: Azure ND H200 v5, Azure_Results/ND_H200_v5_results.md
         GpuSpec("H200", 143771 * MiB, 4800, 989, 900, 64, 1979, _NV + "h200/", matmul_bf16_tflops=794.5,
-                matmul_fp8_tflops=1453.4),
+                matmul_fp8_tflops=1453.4, stream_tbps=4.15),
         # no NVLink: peers talk over PCIe 4.0
         GpuSpec("L40S", 46068 * MiB, 864, 362, 32, 32, 733, _NV + "l40s/"),
         GpuSpec("RTX-4090", 24564 * MiB, 1008, 165, 32, 32, 330,  # nvidia-smi: 24564MiB; fp8 w/ fp16 accumulate
@@ -68,8 +81,12 @@ GPU_PRESETS: dict[str, GpuSpec] = {
         # MI300X: 192 GB HBM3 at 5.3 TB/s, bf16 1,307.4 / fp8 2,614.9 dense TFLOP/s, Infinity Fabric
         # 896 GB/s aggregate to its 7 peers, PCIe 5.0 x16. Capacity: the datasheet's 192 GB.
         # MAMF bf16 668.4 (ROCm 6.3, TunableOp on; 51% of the datasheet, against H100's 80%); fp8 not measured.
+        # STREAM Triad 4.10 TB/s (77% of 5.3, against H100's 89%): Azure ND MI300X v5,
+        # Azure_Results/ND_MI300X_v5_results.md (the file as Azure's guide published it, stored in its forks
+        # yosoyjay/AI-benchmarking-guide and samuel-bohman/AI-benchmarking-guide: 4.10 and 4.09).
         GpuSpec("MI300X", 192 * 10**9, 5300, 1307.4, 896, 64, 2614.9,
-                "https://www.amd.com/en/products/accelerators/instinct/mi300/mi300x.html", matmul_bf16_tflops=668.4),
+                "https://www.amd.com/en/products/accelerators/instinct/mi300/mi300x.html", matmul_bf16_tflops=668.4,
+                stream_tbps=4.10, runtime="hip"),
     ]
 }
 

@@ -25,6 +25,12 @@ plus terms with no roofline:
   reads is decoded and scaled, ``values read x kv_dequant_s_per_value``. The quantized cache's
   smaller bytes per token already shrink the attention read and the swap terms; this term is
   the compute it costs in exchange, kept separate and added to the step.
+* **kernel launches** (GPU presets): every kernel of the forward pass leaves the GPU idle for its
+  launch, ``kernel_launch_s x ModelCost.kernels_per_step`` (step_work.kernel_count: ~10 per dense
+  layer), so a small step cannot cost less than its launches; 0 for a calibrated model.
+
+On a GPU preset the memory terms run at the chip's achievable bandwidth: datasheet x `mem_share`
+(its measured STREAM share relative to H100's, cost_params.memory_share) x MBU.
 
 Attention work is counted as a paged kernel does it (each request's own context: the
 decode term grows with the batch's total context, the GEMM term with the batch size), plus
@@ -63,12 +69,12 @@ from pagedserve.sim.calibration import (  # noqa: F401  (re-exported)
     calibration_warnings, coverage_note, error_report, fit, format_error_report, measure_memcpy_bandwidth,
     read_trace, run_beyond_coverage, step_costs, step_kind, trace_coverage)
 from pagedserve.sim.cost_params import (  # noqa: F401  (re-exported)
-    ALLREDUCE_LATENCY_S, CPU_NOMINAL_BANDWIDTH, CPU_NOMINAL_FLOPS, GPU_EFFICIENCY, KV_DEQUANT_OPS_PER_VALUE,
-    PER_REQUEST_OVERHEAD_S, STEP_OVERHEAD_S, VECTOR_SHARE_OF_PEAK_FLOPS, CostParams,
-    default_kv_dequant_s_per_value)
+    ALLREDUCE_LATENCY_S, CPU_NOMINAL_BANDWIDTH, CPU_NOMINAL_FLOPS, GPU_EFFICIENCY, KERNEL_LAUNCH_S,
+    KV_DEQUANT_OPS_PER_VALUE, PER_REQUEST_OVERHEAD_S, REFERENCE_STREAM_SHARE, STEP_OVERHEAD_S,
+    VECTOR_SHARE_OF_PEAK_FLOPS, CostParams, default_kv_dequant_s_per_value, memory_share)
 from pagedserve.sim.host_overhead import HostOverhead, ServingOverhead, default_host_overhead  # noqa: F401
 from pagedserve.sim.serving_fit import fit_serving, match_client_records, read_request_trace  # noqa: F401
-from pagedserve.sim.step_work import ModelCost, StepFeatures, step_features  # noqa: F401  (re-exported)
+from pagedserve.sim.step_work import ModelCost, StepFeatures, kernel_count, step_features  # noqa: F401  (re-exported)
 
 
 @dataclass
@@ -81,10 +87,12 @@ class StepTime:
     overhead: float
     swap: float
     dequant: float = 0.0   # a quantized KV cache's decode of what attention reads
+    launch: float = 0.0    # the GPU idle between the step's kernels (CostParams.kernel_launch_s x kernels)
 
     @property
     def total(self) -> float:
-        return self.linear + self.attention + self.allreduce + self.overhead + self.swap + self.dequant
+        return (self.linear + self.attention + self.allreduce + self.overhead + self.swap + self.dequant
+                + self.launch)
 
 
 class CostModel:
@@ -98,9 +106,9 @@ class CostModel:
         if model.weight_bytes_per_param == 1 and p.fp8_peak_flops > 0:
             gemm_peak = p.fp8_peak_flops * p.fp8_matmul_share  # fp8 weights and activations on fp8 tensor cores
         self._inv_gemm_f = 1.0 / (gemm_peak * p.gemm_mfu) if p.gemm_mfu > 0 else 0.0
-        self._inv_gemm_b = 1.0 / (p.mem_bandwidth * p.gemm_mbu) if p.gemm_mbu > 0 else 0.0
+        self._inv_gemm_b = 1.0 / (p.mem_bandwidth * p.mem_share * p.gemm_mbu) if p.gemm_mbu > 0 else 0.0
         self._inv_attn_f = 1.0 / (p.peak_flops * p.attn_mfu) if p.attn_mfu > 0 else 0.0
-        self._inv_attn_b = 1.0 / (p.mem_bandwidth * p.attn_mbu) if p.attn_mbu > 0 else 0.0
+        self._inv_attn_b = 1.0 / (p.mem_bandwidth * p.mem_share * p.attn_mbu) if p.attn_mbu > 0 else 0.0
         link = p.link_bandwidth * p.link_efficiency
         self._inv_link = 1.0 / link if link > 0 else 0.0
         host = p.host_bandwidth * p.host_link_efficiency
@@ -111,6 +119,8 @@ class CostModel:
             raise ValueError(f"combine: must be 'max' or 'sum', got {p.combine!r}")
         self._sum = p.combine == "sum"
         self._pad = p.pad_share
+        # every kernel of a forward pass leaves the GPU idle for its launch (cost_params.KERNEL_LAUNCH_S)
+        self._launch = p.kernel_launch_s * model.kernels_per_step
 
     def breakdown(self, f: StepFeatures) -> StepTime:
         if f.num_reqs == 0 and f.swap_bytes == 0:
@@ -143,7 +153,8 @@ class CostModel:
         if factor is not None:
             linear, attention, overhead = linear * factor, attention * factor, overhead * factor
         overhead += p.per_output_overhead_s * f.num_outputs
-        return StepTime(linear, attention, allreduce, overhead, swap, self.dequant_time(f))
+        launch = self._launch if f.num_reqs else 0.0
+        return StepTime(linear, attention, allreduce, overhead, swap, self.dequant_time(f), launch)
 
     def dequant_time(self, f: StepFeatures) -> float:
         """The KV dequantization term: every K/V value attention reads (as counted in its bytes),

@@ -47,6 +47,42 @@ def matmul_share(gpu, kind: str) -> float:
     return fp8_mamf / fp8 / REFERENCE_MATMUL_SHARE["fp8"] if fp8_mamf and fp8 else bf16_share
 
 
+# The same for memory: the GEMM MBU 0.7 and attention MBU 0.6 above were stated on A100/H100, whose
+# HBM a STREAM Triad drives at 2.97 of 3.35 TB/s on H100 SXM (89%; Azure ND H100 v5 in
+# Azure/AI-benchmarking-guide, plan/gpus.py). A chip whose memory system reaches a different share of its
+# datasheet (measured: A100-80GB 1.70 / 2.039 = 83%, H200 4.15 / 4.8 = 86%, MI300X 4.10 / 5.3 = 77%) reads its
+# weights and KV at datasheet x (its STREAM share / H100's) x MBU (`mem_share`): the MBUs keep their meaning
+# and a chip is not priced at a share of its datasheet its HBM never reaches. The weight GEMV and the
+# decode attention take the same factor: no public per-chip measurement of either, beside STREAM, was at
+# hand (the paged-decode figures found are H100-only: Dao-AILab/flash-attention#1572, FA3 with 8-token
+# pages at batch 16, 1.23-1.85 TB/s = 37-55% of 3.35 at 128-4,000 tokens; microsoft/onnxruntime#21414,
+# FA2 paged decode, 15-47% at 32-256 tokens, batch 64), so attention's MBU stays one stated figure scaled the same way.
+REFERENCE_STREAM_SHARE = 2.97 / 3.35
+
+
+def memory_share(gpu) -> float:
+    """The HBM bandwidth factor of `gpu`: its measured STREAM Triad over its datasheet bandwidth, relative
+    to H100's (1.0 for H100 and for a GPU nobody measured)."""
+    stream, datasheet = getattr(gpu, "stream_tbps", 0.0), gpu.hbm_bandwidth_gbps
+    if not stream or not datasheet:
+        return 1.0
+    return stream / (datasheet / 1000) / REFERENCE_STREAM_SHARE
+
+
+# The step's kernel launches. A decode step of vLLM runs as one CUDA graph (HIP graph on ROCm) of ~10
+# kernels per decoder layer (step_work.kernel_count); between two kernels of a graph the GPU does no
+# useful work for the launch and the next kernel's ramp-up. Measured on H100: about 1.3 us of launch cost
+# per kernel even with CUDA graphs (Hazy Research, "Look Ma, No Bubbles! Designing a Low-Latency
+# Megakernel for Llama-1B", 2025-05-27, https://hazyresearch.stanford.edu/blog/2025-05-27-no-bubbles, as
+# summarised at https://mlops.substack.com/p/one-megakernel-to-rule-llama-1b; the same post finds vLLM and
+# SGLang using at most 50% of H100's bandwidth on Llama-1B at batch 1, for this reason). HIP graphs:
+# 3.865 us per node over a 941-node graph of one-block kernels (ROCm/rocm-systems#10834, ROCm 7.x on
+# gfx1100, RDNA3): the only public HIP-graph per-node figure at hand; CDNA3 (MI300X) runs the same HIP
+# runtime (CLR) and AQL dispatch, but was not measured. The cost is added per kernel, times the kernels
+# a step launches (`kernel_launch_s` x ModelCost.kernels_per_step), for every step: prefills launch the
+# same kernels (eagerly, where a CPU launch of ~3 us hides behind long kernels: a lower bound).
+KERNEL_LAUNCH_S = {"cuda": 1.3e-6, "hip": 3.865e-6}
+
 GPU_EFFICIENCY = {
     "gemm_mfu": 0.6, "gemm_mbu": 0.7, "attn_mfu": 0.4, "attn_mbu": 0.6,
     "link_efficiency": 0.7, "host_link_efficiency": 0.8,
@@ -87,6 +123,12 @@ class CostParams:
     # (attention keeps the datasheet peak: its efficiency is stated against it). 1 = the datasheet.
     matmul_share: float = 1.0
     fp8_matmul_share: float = 1.0
+    # The weight and KV reads run at mem_bandwidth x mem_share x MBU: a GPU preset sets memory_share(gpu), the
+    # chip's measured STREAM share of its datasheet relative to H100's. 1 = the datasheet as stated.
+    mem_share: float = 1.0
+    # Idle GPU time per kernel the step launches (KERNEL_LAUNCH_S, x ModelCost.kernels_per_step); 0 = not
+    # modelled (a calibrated model: its fitted per-step constant holds it).
+    kernel_launch_s: float = 0.0
     gemm_mfu: float = GPU_EFFICIENCY["gemm_mfu"]
     gemm_mbu: float = GPU_EFFICIENCY["gemm_mbu"]
     attn_mfu: float = GPU_EFFICIENCY["attn_mfu"]
@@ -144,7 +186,8 @@ class CostParams:
 
     @classmethod
     def for_gpu(cls, gpu, host: "HostOverhead | None" = None, serving_overhead: bool = True) -> "CostParams":
-        """Defaults for a `pagedserve.plan.gpus.GpuSpec` (datasheet peaks x stated efficiencies),
+        """Defaults for a `pagedserve.plan.gpus.GpuSpec` (datasheet peaks x the chip's measured matmul and
+        STREAM shares relative to H100's x stated efficiencies, and its runtime's per-kernel launch cost),
         with the host CPU's share of every step and of every request (`HostOverhead`: measured on
         pagedserve's own front-end and engine, scaled to the host). `serving_overhead=False`
         leaves the serving layer out (the step's CPU terms stay): only when asked for.
@@ -154,6 +197,7 @@ class CostParams:
         params = cls(peak_flops=gpu.bf16_tflops * 1e12, mem_bandwidth=gpu.hbm_bandwidth_gbps * 1e9,
                      fp8_peak_flops=getattr(gpu, "fp8_tflops", 0.0) * 1e12,
                      matmul_share=matmul_share(gpu, "bf16"), fp8_matmul_share=matmul_share(gpu, "fp8"),
+                     mem_share=memory_share(gpu), kernel_launch_s=KERNEL_LAUNCH_S[getattr(gpu, "runtime", "cuda")],
                      link_bandwidth=gpu.gpu_link_gbps * 1e9 / 2, host_bandwidth=gpu.host_link_gbps * 1e9,
                      source=f"defaults for {gpu.name}")
         host.apply(params, serving=serving_overhead)

@@ -55,6 +55,7 @@ from typing import Sequence
 from pagedserve.plan.kv_budget import ModelShape, dtype_bytes
 from pagedserve.plan.parallel import ParallelLayout, stage_layer_counts
 from pagedserve.sim.cost_model import CostModel, CostParams, ModelCost, StepFeatures, step_features
+from pagedserve.sim.step_work import KERNELS_FIRST_STAGE, KERNELS_LAST_STAGE, KERNELS_PER_STEP_FIXED
 
 DEFAULT_GPUS_PER_NODE = 8
 DEFAULT_INTER_NODE_GBPS = 50.0  # GB/s per GPU, one direction: one 400 Gb/s NIC per GPU
@@ -90,11 +91,12 @@ class ParallelStepTime:
     pipeline: float = 0.0
     overhead: float = 0.0
     swap: float = 0.0
+    launch: float = 0.0    # the stages' kernel launches on the critical path (CostModel: kernel_launch_s)
 
     @property
     def total(self) -> float:
         return self.linear + self.attention + self.allreduce + self.all_to_all + self.pipeline + self.overhead \
-            + self.swap
+            + self.swap + self.launch
 
 
 @dataclass(frozen=True)
@@ -135,6 +137,10 @@ class ParallelCostModel:
                 w = dtype_bytes(weight_dtype)
                 model = replace(model, lm_head_params_per_rank=0.0,
                                 weight_bytes_per_rank=model.weight_bytes_per_rank - model.lm_head_params_per_rank * w)
+            # the once-per-step kernels: the embedding on the first stage, the final norm, LM head and sampler on
+            # the last
+            once = (KERNELS_FIRST_STAGE if s == 0 else 0) + (KERNELS_LAST_STAGE if s == len(counts) - 1 else 0)
+            model = replace(model, kernels_per_step=model.kernels_per_step - KERNELS_PER_STEP_FIXED + once)
             moe_layers = n - dense if shape.is_moe else 0
             expert = 3 * shape.hidden_size * shape.moe_intermediate_size * dtype_bytes(weight_dtype)
             per_gpu = (math.ceil(shape.num_experts / layout.ep) if layout.ep > 1 else shape.num_experts / tp)
@@ -180,8 +186,10 @@ class ParallelCostModel:
         f = step_features(stage.model, new, ctx, 0, self.block_size)
         f.linear_bytes -= self._expert_bytes_not_read(stage, f.num_tokens)
         t = self.inner.breakdown(f)
+        # the stage's own kernels (inner's launch term counts the whole model's)
+        launch = self.params.kernel_launch_s * stage.model.kernels_per_step if f.num_reqs else 0.0
         return ParallelStepTime(linear=t.linear, attention=t.attention, allreduce=self._allreduce(stage, f.num_tokens),
-                                all_to_all=self._all_to_all(stage, f.num_tokens))
+                                all_to_all=self._all_to_all(stage, f.num_tokens), launch=launch)
 
     def _send(self, stage: _Stage, tokens: int) -> float:
         """Activations from `stage` to the next one (each TP rank sends the full hidden)."""
@@ -211,6 +219,7 @@ class ParallelCostModel:
             out.attention += t.attention
             out.allreduce += t.allreduce
             out.all_to_all += t.all_to_all
+            out.launch += t.launch
         work = sum(times[g][busiest].total for g in range(len(groups)))
         trip = max(sum(t.total for t in times[g]) + sum(self._send(st, sum(groups[g][0]))
                                                           for st in self.stages[:-1])

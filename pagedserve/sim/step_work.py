@@ -25,6 +25,7 @@ class ModelCost:
     tp: int
     kv_values_per_token: int = 0    # K/V values per token a read must dequantize (0: a plain cache)
     weight_bytes_per_param: float = 2.0  # 1: fp8/int8 weights (fp8 tensor cores where the device has them)
+    kernels_per_step: int = 0       # kernels one forward launches on a rank (kernel_count; 0: not counted)
 
     @classmethod
     def from_shape(cls, shape: ModelShape, weight_dtype: str = "bfloat16", kv_dtype: str | None = None,
@@ -55,7 +56,45 @@ class ModelCost:
             act_bytes=act, tp=tp,
             kv_values_per_token=kv_bytes_per_token(shape, 1, tp) if quantized else 0,
             weight_bytes_per_param=w,
+            kernels_per_step=kernel_count(shape),
         )
+
+
+# Kernels one forward pass launches, counted from the layer structure vLLM's GPU model runner executes
+# (one graph per decode step; the count is the same eagerly):
+#  * attention block, GQA/MHA: the residual add + RMSNorm (one fused kernel), the QKV GEMM, rotary, the KV
+#    cache write, attention, the O GEMM: 6;
+#  * MLA (DeepSeek-V2/V3): the norm, the q/kv down-projections (q_a + kv_a), their two RMSNorms, q up-
+#    projection, rotary, the latent cache write, attention with the absorbed up-projections (one
+#    bmm before and one after the kernel), the O GEMM: 11;
+#  * dense MLP: the fused residual add + norm, the gate/up GEMM, SiLU-and-mul, the down GEMM: 4;
+#  * MoE MLP (fused-MoE kernels): the norm, the router GEMM, top-k softmax, the token sort by expert
+#    (align), the grouped gate/up GEMM, SiLU-and-mul, the grouped down GEMM, the sum over the top k: 8;
+#    shared experts add their gate/up GEMM, activation and down GEMM (3);
+#  * per step, once: the embedding lookup (on the first pipeline stage), the final norm, the LM head, and
+#    the sampler's two (logits to probabilities, the pick; on the last): 5.
+# A tensor-parallel all-reduce (2 per layer) is a kernel too, but its latency term
+# (CostParams.allreduce_latency_s) already prices it: not counted here.
+KERNELS_ATTENTION = 6
+KERNELS_ATTENTION_MLA = 11
+KERNELS_DENSE_MLP = 4
+KERNELS_MOE_MLP = 8
+KERNELS_SHARED_EXPERTS = 3
+KERNELS_FIRST_STAGE = 1
+KERNELS_LAST_STAGE = 4
+KERNELS_PER_STEP_FIXED = KERNELS_FIRST_STAGE + KERNELS_LAST_STAGE
+
+
+def kernel_count(shape: ModelShape) -> int:
+    """Kernels one forward pass of `shape` launches on one rank (see the counts above)."""
+    attention = KERNELS_ATTENTION_MLA if shape.is_mla else KERNELS_ATTENTION
+    if shape.is_moe:
+        moe_layers = shape.num_layers - shape.first_dense_layers
+        moe = KERNELS_MOE_MLP + (KERNELS_SHARED_EXPERTS if shape.shared_expert_intermediate_size else 0)
+        mlp = shape.first_dense_layers * KERNELS_DENSE_MLP + moe_layers * moe
+    else:
+        mlp = shape.num_layers * KERNELS_DENSE_MLP
+    return shape.num_layers * attention + mlp + KERNELS_PER_STEP_FIXED
 
 
 @dataclass
