@@ -24,7 +24,7 @@ from pagedserve.core.request import FinishReason, Request, RequestStatus
 from pagedserve.core.scheduler import Scheduler, SchedulerConfig
 from pagedserve.core.snapshot import FREE, RUN_WIDTH, SnapshotGate, decode_runs, encode_pool, take_snapshot
 from pagedserve.sampling import SamplingParams
-from pagedserve.dashboard.feed import DashboardHub, DashboardInfo, LiveSeries
+from pagedserve.dashboard.feed import DashboardHub, DashboardInfo, LiveAdvisor, LiveSeries
 from pagedserve.server.launcher import ServerThread, build_server
 from metrics_scrape import scrape
 from required_tools import require_tool
@@ -251,6 +251,38 @@ async def _hub_fans_frames_out_and_resyncs_a_slow_page():  # the hub lives on th
     assert page.closed and page.event.is_set()
     hub.disconnect(page)
     assert gate.watchers == 0 and not hub.clients
+
+
+def test_advisor_samples_the_metrics_only_while_someone_looks():
+    asyncio.run(_advisor_samples_only_while_watched())
+
+
+async def _advisor_samples_only_while_watched():
+    renders = []
+
+    def metrics_text() -> str:
+        renders.append(1)
+        return "pagedserve:num_requests_running 0\n"
+
+    advisor = LiveAdvisor(metrics_text, window_s=30.0, sample_every=1.0)
+    hub = DashboardHub(DashboardInfo("m", 8, 4, 0), SnapshotGate(), advisor, series=LiveSeries(point_interval=1.0))
+    for t in range(5):                            # nobody looks: no /metrics render at all
+        hub.ingest(_outs(float(t)))
+    assert renders == [] and advisor.verdict["verdict"] == "collecting"
+    page = hub.connect()                          # a page: once a second of engine time
+    for t in range(5, 10):
+        hub.ingest(_outs(float(t)))
+    assert len(renders) == 5 and advisor.verdict["verdict"] != "collecting"
+    hub.disconnect(page)
+    assert hub.state()["verdict"]["verdict"] != "collecting"   # /dashboard/state keeps it sampling a window
+    hub.ingest(_outs(10.0))
+    assert len(renders) == 6
+    hub._viewed_until = 0.0                       # the window has passed with nobody looking
+    hub.ingest(_outs(11.0))
+    assert len(renders) == 6
+    assert hub.state()["verdict"]["verdict"] == "collecting"   # back: a fresh window, not one across the gap
+    hub.ingest(_outs(12.0))
+    assert len(renders) == 7 and len(advisor.samples) == 1
 
 
 # -- the server's routes and flags -------------------------------------------------------------

@@ -12,7 +12,9 @@ in `simulate --dashboard` the replay thread does); `DashboardHub.ingest` folds i
 - the latest pool snapshot (core/snapshot.py), when the engine thread attached one;
 - the advisor's verdict: `pagedserve advise`'s own verdict (advise/advisor.py `judge`, the
   device read from the metrics as `advise` reads it) over the same Prometheus text a scraper
-  of /metrics would read, sampled once a second of engine time over a sliding window.
+  of /metrics would read, sampled once a second of engine time over a sliding window, and
+  only while someone looks (a page connected, or /dashboard/state read within the window): a
+  sample renders and parses the whole text, which nobody should pay for unwatched.
 
 Everything here runs on the loop thread only; nothing reads the engine core.
 """
@@ -159,6 +161,10 @@ class LiveSeries:
         return point
 
 
+_COLLECTING = {"verdict": "collecting", "summary": "waiting for a second sample of the metrics",
+               "findings": [], "notes": []}
+
+
 class LiveAdvisor:
     """`pagedserve advise` on the live numbers: the Prometheus text `metrics_text()` returns
     (what /metrics serves) is sampled every `sample_every` engine seconds into a window of
@@ -172,8 +178,14 @@ class LiveAdvisor:
         self.thresholds = thresholds if thresholds is not None else Thresholds()
         self.samples: collections.deque = collections.deque()
         self.device = "unknown"  # read from the metrics, as `pagedserve advise --device auto` does
-        self.verdict: dict = {"verdict": "collecting", "summary": "waiting for a second sample of the metrics",
-                              "findings": [], "notes": []}
+        self.verdict: dict = dict(_COLLECTING)
+        self._next = -math.inf
+
+    def restart(self) -> None:
+        """Forget the samples (nobody looked for a while: a window across the gap would judge
+        minutes nobody watched as one interval)."""
+        self.samples.clear()
+        self.verdict = dict(_COLLECTING)
         self._next = -math.inf
 
     def update(self, now: float) -> bool:
@@ -244,6 +256,7 @@ class DashboardHub:
         self._new_points: list[dict] = []
         self._verdict_changed = False
         self._last_flush = time.monotonic()
+        self._viewed_until = -math.inf   # the advisor samples only while someone looks (_watched)
         self._loop: asyncio.AbstractEventLoop | None = None
 
     # -- engine side (loop thread) ------------------------------------------------------
@@ -251,13 +264,25 @@ class DashboardHub:
         point = self.series.ingest(outs)
         if point is not None:
             self._new_points.append(point)
-        if self.advisor is not None and self.advisor.update(outs.timestamp):
+        # The verdict renders and parses the whole /metrics text (tens of ms a second of the API
+        # process's CPU, which on a small CPU box the engine's threads pay for): only while someone
+        # looks, a page connected or /dashboard/state read within the advisor's window.
+        if self.advisor is not None and self._watched() and self.advisor.update(outs.timestamp):
             self._verdict_changed = True
         if not self.clients:
             self._new_points.clear()
             return
         if time.monotonic() - self._last_flush >= self.flush_every and (self._new_points or self._verdict_changed):
             self._flush(False)
+
+    def _watched(self) -> bool:
+        return bool(self.clients) or time.monotonic() < self._viewed_until
+
+    def _viewer_arrives(self) -> None:
+        """Someone looks again after nobody did: the advisor starts a fresh window."""
+        if self.advisor is not None and not self._watched():
+            self.advisor.restart()
+        self._viewed_until = time.monotonic() + (self.advisor.window_s if self.advisor is not None else 0.0)
 
     def ingest_snapshot(self, snapshot: PoolSnapshot) -> None:
         """The pool after the step ingested last: it goes out now, with the points so far."""
@@ -291,6 +316,7 @@ class DashboardHub:
     # -- pages ----------------------------------------------------------------------------
     def state(self) -> dict:
         """Everything a page needs to draw from scratch."""
+        self._viewer_arrives()
         return {"type": "init", "info": self.info.__dict__ | {"point_interval": self.series.point_interval,
                                                              "window_s": self.series.window_s,
                                                              "max_snapshot_rate": self.gate.max_rate},
