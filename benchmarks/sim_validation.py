@@ -84,6 +84,7 @@ def run_case(case: dict, models: dict, tmp: Path, serving_overhead: bool) -> dic
     cfg = EngineConfig(max_num_seqs=case.get("max_num_seqs", 256),
                        gpu_memory_utilization=case.get("gpu_memory_utilization", 0.9),
                        max_model_len=case.get("max_model_len"),
+                       max_num_batched_tokens=case.get("max_num_batched_tokens"),
                        enable_chunked_prefill=case.get("chunked_prefill", True))
     dep = build_deployment(cfg, _model(case["model"], models, tmp), gpu=case["gpu"], tp=case.get("tp", 1),
                            weight_dtype=case.get("weight_dtype"),
@@ -132,7 +133,7 @@ def published(args) -> dict:
 
 
 def _source(case_id: str) -> str:
-    """The publication a case comes from: its id's first word (lambda, kvcached, musgrave, oci, vllm)."""
+    """The publication a case comes from: its id's first word (lambda, kvcached, musgrave, oci, vllm, wmx, gpustack)."""
     return case_id.split("-", 1)[0]
 
 
