@@ -5,7 +5,7 @@
     python benchmarks/sim_validation.py --live             # + the live server on this machine
                                                            #   (runs benchmarks/sim_vs_real.py, ~25 min)
     python benchmarks/sim_validation.py --no-serving-overhead   # the GPU presets without the serving layer
-    python benchmarks/sim_validation.py --without launch       # a GPU-preset term left out (mem_share, launch)
+    python benchmarks/sim_validation.py --without launch       # a GPU-preset term left out (mem_share, launch, split)
 
 Published runs: benchmarks/data/published_gpu_runs.json, gathered for this script: each case
 has its URL, the engine and flags it ran, the model, GPU, TP, the workload (a replay of the
@@ -210,6 +210,9 @@ def without_terms(terms: list[str]) -> None:
         cost_params.memory_share = lambda gpu: 1.0
     if "launch" in terms:
         cost_params.KERNEL_LAUNCH_S = dict.fromkeys(cost_params.KERNEL_LAUNCH_S, 0.0)
+    if "split" in terms:
+        from pagedserve.sim import host_overhead
+        host_overhead.TOKENIZE_OFF_LOOP = False
 
 
 def main() -> int:
@@ -218,9 +221,10 @@ def main() -> int:
     ap.add_argument("--live", action="store_true", help="also the live server on this machine (sim_vs_real.py)")
     ap.add_argument("--repeats", type=int, default=3, help="--live: real runs per workload")
     ap.add_argument("--no-serving-overhead", dest="serving_overhead", action="store_false")
-    ap.add_argument("--without", nargs="+", default=[], choices=("mem_share", "launch"),
+    ap.add_argument("--without", nargs="+", default=[], choices=("mem_share", "launch", "split"),
                     help="leave a GPU-preset term out: the chips' measured STREAM share (every chip at the "
-                         "H100 reference), or the per-kernel launch cost")
+                         "H100 reference), the per-kernel launch cost, or the admission's split at its "
+                         "tokenizer await (one block of loop work instead)")
     ap.add_argument("--host-profile", choices=("vllm", "pagedserve"), default="pagedserve")
     ap.add_argument("--out", default=str(ROOT / "results" / "sim_validation.json"))
     args = ap.parse_args()
