@@ -5,7 +5,7 @@
     python benchmarks/sim_validation.py --live             # + the live server on this machine
                                                            #   (runs benchmarks/sim_vs_real.py, ~25 min)
     python benchmarks/sim_validation.py --no-serving-overhead   # the GPU presets without the serving layer
-    python benchmarks/sim_validation.py --without launch       # a GPU-preset term left out (mem_share, launch)
+    python benchmarks/sim_validation.py --without launch       # a GPU-preset term left out (mem_share, launch, split)
 
 Published runs: benchmarks/data/published_gpu_runs.json, gathered for this script: each case
 has its URL, the engine and flags it ran, the model, GPU, TP, the workload (a replay of the
@@ -45,10 +45,14 @@ GROUPS = {
     "output_throughput": "throughput", "request_throughput": "throughput",
     "median_tpot_ms": "TPOT", "mean_tpot_ms": "TPOT",
     "mean_ttft_ms": "mean TTFT", "p99_ttft_ms": "P99 TTFT", "p99_itl_ms": "P99 ITL",
+    "median_ttft_ms": "median TTFT", "p95_ttft_ms": "P95 TTFT", "median_itl_ms": "median ITL",
     "mean_e2el_ms": "batch latency", "median_e2el_ms": "batch latency", "duration": "batch latency",
 }
 TARGETS = {"batch latency": 0.10, "throughput": 0.10, "TPOT": 0.10, "mean TTFT": 0.20, "P99 TTFT": 0.20,
-           "P99 ITL": 0.20}
+           "P99 ITL": 0.20,
+           # publications that give only percentiles (ai.wmx.dev: p50 / p95): the issue's targets
+           # name mean and P99; these carry the nearest one's bound, and are kept apart from them
+           "median TTFT": 0.20, "P95 TTFT": 0.20, "median ITL": 0.10}
 
 
 def _model(name: str, models: dict, tmp: Path) -> str:
@@ -80,6 +84,7 @@ def run_case(case: dict, models: dict, tmp: Path, serving_overhead: bool) -> dic
     cfg = EngineConfig(max_num_seqs=case.get("max_num_seqs", 256),
                        gpu_memory_utilization=case.get("gpu_memory_utilization", 0.9),
                        max_model_len=case.get("max_model_len"),
+                       max_num_batched_tokens=case.get("max_num_batched_tokens"),
                        enable_chunked_prefill=case.get("chunked_prefill", True))
     dep = build_deployment(cfg, _model(case["model"], models, tmp), gpu=case["gpu"], tp=case.get("tp", 1),
                            weight_dtype=case.get("weight_dtype"),
@@ -128,7 +133,7 @@ def published(args) -> dict:
 
 
 def _source(case_id: str) -> str:
-    """The publication a case comes from: its id's first word (lambda, kvcached, musgrave, oci, vllm)."""
+    """The publication a case comes from: its id's first word (lambda, kvcached, musgrave, oci, vllm, wmx, gpustack)."""
     return case_id.split("-", 1)[0]
 
 
@@ -205,6 +210,9 @@ def without_terms(terms: list[str]) -> None:
         cost_params.memory_share = lambda gpu: 1.0
     if "launch" in terms:
         cost_params.KERNEL_LAUNCH_S = dict.fromkeys(cost_params.KERNEL_LAUNCH_S, 0.0)
+    if "split" in terms:
+        from pagedserve.sim import host_overhead
+        host_overhead.TOKENIZE_OFF_LOOP = False
 
 
 def main() -> int:
@@ -213,9 +221,10 @@ def main() -> int:
     ap.add_argument("--live", action="store_true", help="also the live server on this machine (sim_vs_real.py)")
     ap.add_argument("--repeats", type=int, default=3, help="--live: real runs per workload")
     ap.add_argument("--no-serving-overhead", dest="serving_overhead", action="store_false")
-    ap.add_argument("--without", nargs="+", default=[], choices=("mem_share", "launch"),
+    ap.add_argument("--without", nargs="+", default=[], choices=("mem_share", "launch", "split"),
                     help="leave a GPU-preset term out: the chips' measured STREAM share (every chip at the "
-                         "H100 reference), or the per-kernel launch cost")
+                         "H100 reference), the per-kernel launch cost, or the admission's split at its "
+                         "tokenizer await (one block of loop work instead)")
     ap.add_argument("--host-profile", choices=("vllm", "pagedserve"), default="pagedserve")
     ap.add_argument("--out", default=str(ROOT / "results" / "sim_validation.json"))
     args = ap.parse_args()

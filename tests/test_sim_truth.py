@@ -244,6 +244,25 @@ def test_admissions_shorter_than_a_step_follow_one_another_during_it(tmp_path):
     assert max(r.ttft for r in res.records) <= 6 * 0.0005 + 2 * step + 1e-9
 
 
+def test_a_split_admission_parses_the_burst_before_the_first_hand_over(tmp_path):
+    # 3 requests at t=0; 1 s of the loop's work each (parse, validate) and 40 x 25 ms = 1 s on the
+    # tokenizer thread. By hand: parses 0-1, 1-2, 2-3 on the loop; tokenizations 1-2, 2-3, 3-4 on
+    # the thread; the first hand-over is ready at 2 but the third parse was ready first (at 0), so
+    # the loop takes it up at 3, the second at 3, the third at 4: in the engine at 3, 3, 4 s, and
+    # the loop is free when their prefill steps end. One block each (no split): admissions 0-2,
+    # 2-4, 4-6, and the first stream's step ends inside the second admission, so its token waits
+    # for the loop until 4, the second's until 6, the third is delivered at once: 4, 6, 6.
+    burst = [WorkloadRequest(None, None, 40, 2, arrival_time=0.0) for _ in range(3)]
+    terms = dict(admit_s=1.0, admit_per_prompt_token_s=0.025, serial=True)
+    split = simulate(_cpu_dep(tmp_path, ServingOverhead(**terms, tokenize_off_loop=True)), burst)
+    block = simulate(_cpu_dep(tmp_path, ServingOverhead(**terms)), burst)
+    for res, entries in ((split, [3.0, 3.0, 4.0]), (block, [4.0, 6.0, 6.0])):
+        ttfts = sorted(r.ttft for r in res.records)
+        for t, entry in zip(ttfts, entries):  # then its prefill step (milliseconds here)
+            assert entry <= t < entry + 0.05
+        assert all(r.finish is not None for r in res.records)
+
+
 def test_serial_delivery_work_spaces_a_streams_tokens_and_its_latency_does_not(tmp_path):
     many = [WorkloadRequest(None, None, 20, 6, arrival_time=0.0) for _ in range(4)]
     busy = simulate(_cpu_dep(tmp_path, ServingOverhead(deliver_per_output_s=0.05, serial=True)), many)

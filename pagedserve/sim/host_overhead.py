@@ -94,6 +94,15 @@ class ServingOverhead:
     # the GPU presets use); a fit from a live trace (fit_serving) already holds the queueing it
     # saw, so it keeps False: every one served at once.
     serial: bool = False
+    # With `serial`: the admission split at its await, as the server runs it (pagedserve's
+    # server/request_handling.py and vLLM's API server both parse and validate on the loop,
+    # tokenize on one tokenizer thread, then hand the request to the engine on the loop).
+    # admit_s is the loop's part; admit_per_prompt_token_s x P runs on the tokenizer thread, one
+    # prompt after another, beside the loop (transformers' fast tokenizer encodes through
+    # tokenizers' encode_batch, which releases the GIL); the hand-over then waits its turn behind
+    # the loop work that was ready before it. So in a burst every request's parse comes before
+    # the first hand-over. Without it the admission is one block of loop work.
+    tokenize_off_loop: bool = False
 
     def admit(self, prompt_len: int) -> float:
         return self.admit_s + self.admit_per_prompt_token_s * prompt_len
@@ -120,6 +129,12 @@ class ServingOverhead:
     def from_dict(cls, d: dict | None) -> "ServingOverhead":
         known = {f.name for f in fields(cls)}
         return cls(**{k: v for k, v in (d or {}).items() if k in known})
+
+
+# The probe's serving terms as the server runs them: the admission split at its tokenizer await
+# (ServingOverhead.tokenize_off_loop). A module switch so an ablation can leave it out
+# (benchmarks/sim_validation.py --without split).
+TOKENIZE_OFF_LOOP = True
 
 
 @dataclass(frozen=True)
@@ -176,7 +191,7 @@ class HostOverhead:
         note = f"{self.source}, host speed x{self.speed:g}"
         params.serving = ServingOverhead(self.admit_s * k, self.admit_per_prompt_token_s * k, self.deliver_s * k,
                                          self.deliver_per_output_s * k, source=note,
-                                         serial=True).to_dict() if serving else {}
+                                         serial=True, tokenize_off_loop=TOKENIZE_OFF_LOOP).to_dict() if serving else {}
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -30,6 +30,7 @@ from __future__ import annotations
 import csv
 import heapq
 import json
+import math
 import random
 import time
 from pathlib import Path
@@ -257,25 +258,48 @@ def simulate(deployment: Deployment, workload: Sequence[WorkloadRequest], *, max
     # Requests the serving layer has taken (the client sent them) on their way to the engine,
     # which they reach at `entry`: a heap of (entry, workload index).
     pending: list[tuple[float, int]] = []
+    # The admission split at its await (serving.tokenize_off_loop): prompts tokenized on the one
+    # tokenizer thread (free again at tok_free_at), whose hand-over to the engine waits for the
+    # loop: a heap of (tokenized at, workload index).
+    split = serving.serial and serving.tokenize_off_loop
+    tok_free_at = 0.0
+    handovers: list[tuple[float, int]] = []
+
+    def can_send() -> bool:
+        return next_idx < len(order) and (max_concurrency is None or in_flight < max_concurrency)
 
     def next_entry() -> float:
         """When the next thing can reach the engine: an admission under way, else the next send."""
         if pending:
             return pending[0][0]
-        sent = sent_at(workload[order[next_idx]])
-        return max(sent, api_free_at) if serving.serial else sent
+        when = []
+        if handovers:
+            when.append(max(handovers[0][0], api_free_at))
+        if can_send():
+            sent = sent_at(workload[order[next_idx]])
+            when.append(max(sent, api_free_at) if serving.serial else sent)
+        return min(when) if when else clock.now
 
     def admit(until: float | None = None) -> None:
         """Start the admissions the serving loop reaches by now (or, with `until`, before then: the
         end of a step whose tokens it delivers next; those only start), then hand the ones done
         to the engine."""
-        nonlocal next_idx, in_flight, api_free_at
-        while next_idx < len(order):
-            if max_concurrency is not None and in_flight >= max_concurrency:
+        nonlocal next_idx, in_flight, api_free_at, tok_free_at
+        while next_idx < len(order) or handovers:
+            sent = sent_at(workload[order[next_idx]]) if can_send() else math.inf
+            if split and handovers and handovers[0][0] < sent:
+                # a tokenized prompt's hand-over is the loop's next ready work (ready before the
+                # next send): the loop takes it up in turn and the request enters the engine
+                start = max(handovers[0][0], api_free_at)
+                if start >= until if until is not None else start > clock.now:
+                    break
+                _, i = heapq.heappop(handovers)
+                heapq.heappush(pending, (start, i))
+                continue
+            if sent == math.inf:
                 break
             i = order[next_idx]
             w = workload[i]
-            sent = sent_at(w)
             if sent > clock.now:
                 break
             if serving.serial and (max(sent, api_free_at) >= until if until is not None
@@ -293,11 +317,17 @@ def simulate(deployment: Deployment, workload: Sequence[WorkloadRequest], *, max
             # Its admission starts when it was sent or, one event loop doing everything, when
             # the serving layer finished what came before it.
             begin = max(sent, api_free_at) if serving.serial else sent
+            in_flight += 1
+            if split:
+                # parse and validate on the loop, then the prompt waits for the tokenizer thread
+                api_free_at = begin + serving.admit_s
+                tok_free_at = max(api_free_at, tok_free_at) + serving.admit_per_prompt_token_s * w.prompt_len
+                heapq.heappush(handovers, (tok_free_at, i))
+                continue
             entry = begin + serving.admit(w.prompt_len)
             if serving.serial:
                 api_free_at = entry
             heapq.heappush(pending, (entry, i))
-            in_flight += 1
         if until is not None:
             return
         while pending and pending[0][0] <= clock.now:
@@ -312,9 +342,9 @@ def simulate(deployment: Deployment, workload: Sequence[WorkloadRequest], *, max
     while True:
         admit()
         if not core.has_unfinished_requests():
-            if next_idx >= len(order) and not pending:
+            if next_idx >= len(order) and not pending and not handovers:
                 break
-            if not pending and max_concurrency is not None and in_flight >= max_concurrency:
+            if not pending and not handovers and max_concurrency is not None and in_flight >= max_concurrency:
                 raise RuntimeError(f"simulation stuck at t={clock.now:.3f}s: {in_flight} in flight, none in the engine")
             clock.now = max(clock.now, next_entry())
             continue
@@ -322,7 +352,7 @@ def simulate(deployment: Deployment, workload: Sequence[WorkloadRequest], *, max
         st = outs.stats
         if not st.num_batched_tokens and not st.num_blocks_swapped_out and not st.num_blocks_swapped_in:
             # Nothing could run: only an arrival can change that (the engine would idle).
-            if pending or (next_idx < len(order) and (max_concurrency is None or in_flight < max_concurrency)):
+            if pending or handovers or can_send():
                 clock.now = max(clock.now, next_entry())
                 continue
             raise RuntimeError(f"simulation stuck at t={clock.now:.3f}s: {st.num_waiting} waiting, "
