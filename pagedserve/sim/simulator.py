@@ -56,7 +56,8 @@ def build_deployment(config: EngineConfig, model: str, *, gpu: str | None = None
                      cost_params: CostParams | str | Path | None = None, layout: ParallelLayout | None = None,
                      topology: Topology | None = None, weight_dtype: str | None = None,
                      host_cpu_speed: float | None = None, serving_overhead: bool = True,
-                     host_profile: str = "pagedserve", host_overhead: str | Path | None = None) -> Deployment:
+                     host_profile: str = "pagedserve", host_overhead: str | Path | None = None,
+                     usage: str = "server", max_num_seqs_unset: bool = False) -> Deployment:
     """Resolve knobs and size the pool exactly as `serve` (on CPU) or `plan` (on a GPU) would.
 
     GPU: pool = plan.budget.compute_plan (total x gpu_memory_utilization - weights/TP -
@@ -76,6 +77,8 @@ def build_deployment(config: EngineConfig, model: str, *, gpu: str | None = None
     at `host_cpu_speed` x the probe machine's single-thread speed (default 1); `host_profile`
     says whose engine loop ("vllm": vLLM's published per-step cost; "pagedserve": the probe's);
     `host_overhead` a probe file measured on the host itself instead of the shipped one.
+    On a GPU, an unset max_num_batched_tokens (and max_num_seqs, with `max_num_seqs_unset`) takes
+    vLLM's default for the preset and `usage` ("server": `vllm serve`; "offline": the LLM class).
     """
     from pagedserve.plan.models import load_model
 
@@ -101,13 +104,19 @@ def build_deployment(config: EngineConfig, model: str, *, gpu: str | None = None
         check_dp_layout(layout, shape, "cpu" if gpu is None else "cuda")
     core_layout = ParallelLayout(layout.tp, layout.pp) if layout.dp > 1 else layout
     if gpu is not None:
-        from pagedserve.plan.budget import PlanRequest, compute_plan, default_max_num_batched_tokens
+        from pagedserve.plan.budget import PlanRequest, compute_plan, vllm_batch_defaults
         from pagedserve.plan.gpus import get_gpu
 
         spec = get_gpu(gpu)
         config.device = "cuda"
+        # vLLM's defaults for this GPU and usage context (plan/budget.vllm_batch_defaults):
+        # max_num_seqs only when the caller says the user left it unset (EngineConfig's own
+        # default is the CPU engine's).
+        tokens_default, seqs_default = vllm_batch_defaults(spec.memory_bytes, spec.name, usage)
         if config.max_num_batched_tokens is None and config.enable_chunked_prefill:
-            config.max_num_batched_tokens = default_max_num_batched_tokens(spec.memory_bytes)
+            config.max_num_batched_tokens = tokens_default
+        if max_num_seqs_unset:
+            config.max_num_seqs = min(seqs_default, config.max_num_batched_tokens or seqs_default)
         config.resolve(shape.max_position_embeddings or 8192)
         if weight_dtype is None:
             weight_dtype = info.checkpoint_dtype if config.dtype == "auto" else config.dtype
