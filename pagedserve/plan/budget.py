@@ -250,7 +250,8 @@ def compute_plan(req: PlanRequest) -> Plan:
     (a step must be able to decode every running sequence), the activation peak is
     recomputed at the larger budget so the plan stays consistent."""
     _validate(req)
-    device_tokens = req.max_num_batched_tokens or default_max_num_batched_tokens(req.device.memory_bytes, req.device.name)
+    device_tokens = (req.max_num_batched_tokens
+                     or default_max_num_batched_tokens(req.device.memory_bytes, req.device.name))
     plan = _compute(req, device_tokens)
     if req.max_num_batched_tokens is None and plan.recommended_max_num_batched_tokens > device_tokens:
         plan = _compute(req, plan.recommended_max_num_batched_tokens)
