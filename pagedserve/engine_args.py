@@ -94,6 +94,17 @@ SERVER_KEYS = frozenset({
 })
 
 
+def knob_given(args: argparse.Namespace, name: str) -> bool:
+    """Whether the user set knob `name` (by its flag or in the --config file)."""
+    if getattr(args, name, None) is not None:
+        return True
+    if getattr(args, "config", None):
+        with open(args.config) as f:
+            loaded = yaml.safe_load(f) or {}
+        return isinstance(loaded, dict) and any(str(k).replace("-", "_") == name for k in loaded)
+    return False
+
+
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     """Flags override the YAML file, which overrides defaults. Raises ValueError naming the knob."""
     values: dict = {}

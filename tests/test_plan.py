@@ -296,3 +296,34 @@ def test_parse_bytes(text, expected):
 def test_parse_bytes_rejects_bad_input(bad):
     with pytest.raises(ValueError):
         parse_bytes(bad)
+
+
+def test_batch_defaults_follow_vllm_by_device_and_usage_context():
+    """vLLM's EngineArgs defaults (vllm/engine/arg_utils.py): >= 70 GiB and not an A100 -> 8192 /
+    1024 for the API server, 16384 / 1024 offline; A100 of any size and smaller GPUs -> 2048 / 256,
+    8192 / 256 offline. `plan` and `simulate` on a preset take them when the user sets neither."""
+    from pagedserve.plan.budget import vllm_batch_defaults
+
+    def defaults(gpu, usage="server"):
+        spec = get_gpu(gpu)
+        return vllm_batch_defaults(spec.memory_bytes, spec.name, usage)
+
+    assert defaults("A100-80GB") == (2048, 256) and defaults("A100-80GB", "offline") == (8192, 256)
+    assert defaults("A100-40GB") == (2048, 256) and defaults("L4") == (2048, 256)
+    for big in ("H100-SXM", "H200", "MI300X", "B200"):
+        assert defaults(big) == (8192, 1024) and defaults(big, "offline") == (16384, 1024), big
+    plan = compute_plan(PlanRequest(model=load_model("llama-3.1-8b"), device=get_gpu("A100-80GB"),
+                                    max_model_len=8192))
+    assert "2,048 batched tokens" in next(p.note for p in plan.parts if p.name.startswith("activation"))
+
+
+def test_simulate_on_a_preset_takes_vllms_defaults_unless_given(capsys):
+    from pagedserve.cli import main
+
+    base = ["simulate", "--model", "llama-3.1-8b", "--workload", "random", "--random-input-len", "64",
+            "--random-output-len", "2", "--num-prompts", "2"]
+    for gpu, extra, expect in (("A100-80GB", [], "max_num_seqs=256 max_num_batched_tokens=2048"),
+                               ("H100-SXM", [], "max_num_seqs=1024 max_num_batched_tokens=8192"),
+                               ("H100-SXM", ["--max-num-seqs", "64"], "max_num_seqs=64 max_num_batched_tokens=8192")):
+        assert main(base + ["--gpu", gpu] + extra) == 0
+        assert expect in capsys.readouterr().out, (gpu, extra)

@@ -166,3 +166,24 @@ def test_cli_simulate_replicas_with_the_fleet_path(tmp_path, capsys):
     assert ttft["shipped"] >= ttft["none"] + (hop.request_s + hop.chunk_s) * 1e3 - 1e-6
     assert main([*run, "--fleet-overhead", str(tmp_path / "missing.json")]) == 2
     assert "fleet_overhead: no file" in capsys.readouterr().err
+
+
+def test_one_replica_without_a_hop_is_the_single_engine_request_for_request():
+    """The fleet's replicas admit and deliver through the simulator's own serving loop
+    (sim/serving_loop.py): one replica and no hop gives simulate()'s times exactly, with the GPU
+    preset's serving terms (one event loop, the admission split at its tokenizer await), in a
+    burst and with arrivals landing mid-step."""
+    from pagedserve.bench.workloads import WorkloadRequest, arrival_times
+    from pagedserve.sim.cost_model import ServingOverhead
+    from pagedserve.sim.simulator import simulate
+
+    dep = build_deployment(EngineConfig(max_num_seqs=16), "llama-3.1-8b", gpu="H100-SXM")
+    serving = ServingOverhead.from_dict(dep.cost_model.params.serving)
+    assert serving.serial and serving.tokenize_off_loop and serving.admit_s > 0
+    for times in ([0.0] * 12, arrival_times(24, 40.0, seed=3)):
+        work = [WorkloadRequest(None, None, 100 + 37 * (i % 7), 6 + i % 5, arrival_time=t) for i, t in enumerate(times)]
+        single = {r.request_id: r for r in simulate(dep, work, seed=0).records}
+        fleet = simulate_fleet(dep, work, 1, "round-robin", seed=0).records
+        assert len(fleet) == len(single)
+        for r in fleet:
+            assert r.token_times == pytest.approx(single[r.request_id].token_times, abs=1e-9), r.request_id

@@ -56,9 +56,32 @@ def default_overhead_bytes(device: str, tp: int) -> int:
     return DEFAULT_GPU_OVERHEAD_TP1 if tp == 1 else DEFAULT_GPU_OVERHEAD_TP_N
 
 
-def default_max_num_batched_tokens(device_memory_bytes: int) -> int:
-    """vLLM v1's serving default: 8192 tokens per step on >=70 GiB GPUs, 2048 below."""
-    return 8192 if device_memory_bytes >= 70 * GiB else 2048
+# vLLM's defaults by device and usage context, when the user sets neither knob:
+# vllm/engine/arg_utils.py, EngineArgs._set_default_args (v0.10-0.11 onwards; read at
+# vllm-project/vllm 99d7eb5). A GPU reporting >= 70 GiB whose name does not contain "a100"
+# (H100, H200, MI300X, B200, ...) gets 8192 tokens / 1024 seqs for the OpenAI API server and
+# 16384 / 1024 for the offline LLM class; every other GPU (A100 of any size -- "setting large
+# max_num_batched_tokens for A100 reduces throughput", vLLM PR #17885 -- L4, L40S, RTX-4090,
+# 40 GB parts) 2048 / 256 for the server, 8192 / 256 for LLM. max_num_seqs is then capped at
+# max_num_batched_tokens. (A prompt is taken whole, max_num_batched_tokens = max_model_len, when
+# chunked prefill is off.) The name test is vLLM's: the device name lowercased.
+USAGE_CONTEXTS = ("server", "offline")  # vLLM's UsageContext.OPENAI_API_SERVER / LLM_CLASS
+
+
+def vllm_batch_defaults(device_memory_bytes: int, device_name: str = "", usage: str = "server") -> tuple[int, int]:
+    """(max_num_batched_tokens, max_num_seqs) vLLM picks on this GPU for `usage` (see above)."""
+    if usage not in USAGE_CONTEXTS:
+        raise ValueError(f"usage: must be one of {', '.join(USAGE_CONTEXTS)}, got {usage!r}")
+    if device_memory_bytes >= 70 * GiB and "a100" not in device_name.lower():
+        tokens, seqs = (8192, 1024) if usage == "server" else (16384, 1024)
+    else:
+        tokens, seqs = (2048, 256) if usage == "server" else (8192, 256)
+    return tokens, min(seqs, tokens)
+
+
+def default_max_num_batched_tokens(device_memory_bytes: int, device_name: str = "", usage: str = "server") -> int:
+    """vLLM's max_num_batched_tokens on this GPU (vllm_batch_defaults)."""
+    return vllm_batch_defaults(device_memory_bytes, device_name, usage)[0]
 
 
 def activation_dtype(weight_dtype: str) -> str:
@@ -227,7 +250,8 @@ def compute_plan(req: PlanRequest) -> Plan:
     (a step must be able to decode every running sequence), the activation peak is
     recomputed at the larger budget so the plan stays consistent."""
     _validate(req)
-    device_tokens = req.max_num_batched_tokens or default_max_num_batched_tokens(req.device.memory_bytes)
+    device_tokens = (req.max_num_batched_tokens
+                     or default_max_num_batched_tokens(req.device.memory_bytes, req.device.name))
     plan = _compute(req, device_tokens)
     if req.max_num_batched_tokens is None and plan.recommended_max_num_batched_tokens > device_tokens:
         plan = _compute(req, plan.recommended_max_num_batched_tokens)

@@ -98,7 +98,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     budget.add_argument("--max-num-seqs", type=_positive_int("--max-num-seqs"),
                         help="sizes the sampler buffer (default 256) and is checked against the pool")
     budget.add_argument("--max-num-batched-tokens", type=_positive_int("--max-num-batched-tokens"),
-                        help="token budget per step; sizes the activation peak (default 8192 on >=70 GiB GPUs, else 2048)")
+                        help="token budget per step; sizes the activation peak (default: vLLM's server default, "
+                             "8192 on >=70 GiB GPUs other than A100, else 2048)")
     budget.add_argument("--block-size", type=_positive_int("--block-size"), default=16)
     budget.add_argument("--mean-seq-len", type=_positive_int("--mean-seq-len"),
                         help="the workload's mean prompt+output length (default min(2048, max_model_len))")

@@ -176,7 +176,7 @@ def build_workload(args, vocab_size: int, max_len: int | None = None):
 
 
 def run(args) -> int:
-    from pagedserve.engine_args import engine_config_from_args
+    from pagedserve.engine_args import engine_config_from_args, knob_given
     from pagedserve.bench.report import parse_goodput
     from pagedserve.sim.cost_model import ServingOverhead
     from pagedserve.sim.simulator import build_deployment, simulate
@@ -197,7 +197,8 @@ def run(args) -> int:
 
     dep = build_deployment(config, args.model, gpu=gpu, cost_params=args.cost_model, weight_dtype=args.weight_dtype,
                            host_cpu_speed=host_speed(args.host_cpu_speed), serving_overhead=args.serving_overhead,
-                           host_profile=args.host_profile, host_overhead=args.host_overhead, **shape)
+                           host_profile=args.host_profile, host_overhead=args.host_overhead,
+                           max_num_seqs_unset=not knob_given(args, "max_num_seqs"), **shape)
     workload = build_workload(args, dep.vocab_size, dep.config.max_model_len)
     rate = "inf" if math.isinf(args.request_rate) else f"{args.request_rate:g}"
     cfg = dep.config

@@ -34,8 +34,8 @@ the admission are done: the engine schedules it from then on, not before.
 """
 from __future__ import annotations
 
-import heapq
 import json
+import math
 import random
 import time
 from dataclasses import asdict, dataclass, field, fields, replace
@@ -51,6 +51,7 @@ from pagedserve.sim.core_run import deliver_token
 from pagedserve.sim.cost_model import ServingOverhead
 from pagedserve.sim.executor import SimExecutor
 from pagedserve.sim.report import compute_metrics
+from pagedserve.sim.serving_loop import HeapSends, ServingLoop
 from pagedserve.sim.simulator import Deployment, VirtualClock, _prompt_ids, build_core, check_request_length
 
 
@@ -182,15 +183,19 @@ class FleetResult:
 
 
 class _Replica:
-    def __init__(self, replica_id: str, deployment: Deployment, seed: int) -> None:
+    def __init__(self, replica_id: str, deployment: Deployment, seed: int, serving: ServingOverhead) -> None:
         self.replica_id = replica_id
         self.clock = VirtualClock()
         executor = SimExecutor(deployment.cost_model, deployment.vocab_size, seed, clock=self.clock)
         self.core = build_core(deployment, executor, self.clock)
         self.core.record_kv_events()
         self.live: dict[str, RequestRecord] = {}
-        self.pending: list[tuple[float, int, Request]] = []   # (entry, order, request): on their way in
-        self.api_free_at = 0.0                                # its serving layer's event loop (serial)
+        # Its serving layer (the simulator's own, sim/serving_loop.py): requests routed to it reach
+        # its server after the hop (`sends`), then its loop admits them.
+        self.loop = ServingLoop(serving)
+        self.max_model_len = deployment.config.max_model_len
+        self.sends = HeapSends()
+        self.requests: dict[int, tuple] = {}   # workload index -> (id, prompt ids, params): not in the engine yet
         self.num_requests = 0
         self.peak_kv_usage = 0.0
 
@@ -198,14 +203,18 @@ class _Replica:
         """When this replica next does something: its next step, else the next request's entry."""
         if self.core.has_unfinished_requests():
             return self.clock.now
-        return self.pending[0][0] if self.pending else None
+        if self.loop.busy() or len(self.sends):
+            return self.loop.next_entry(self.sends, self.clock.now)
+        return None
 
     def take_arrived(self) -> None:
         """Requests whose hop and admission are done reach the engine (an idle one waits for them)."""
-        if not self.core.has_unfinished_requests() and self.pending:
-            self.clock.now = max(self.clock.now, self.pending[0][0])
-        while self.pending and self.pending[0][0] <= self.clock.now:
-            self.core.add_request(heapq.heappop(self.pending)[2])
+        if not self.core.has_unfinished_requests() and (self.loop.busy() or len(self.sends)):
+            self.clock.now = max(self.clock.now, self.loop.next_entry(self.sends, self.clock.now))
+        self.loop.admit(self.sends, self.clock.now)
+        for entry, i in self.loop.entered(self.clock.now):
+            request_id, ids, params = self.requests.pop(i)
+            self.core.add_request(Request(request_id, ids, params, frozenset(), entry, 0, self.max_model_len))
 
 
 def simulate_fleet(deployment: Deployment, workload: Sequence[WorkloadRequest], replicas: int, router: str, *,
@@ -219,12 +228,12 @@ def simulate_fleet(deployment: Deployment, workload: Sequence[WorkloadRequest], 
         raise ValueError(f"replicas: must be >= 1, got {replicas}")
     wall0 = time.perf_counter()
     config = deployment.config
-    fleet = [_Replica(f"replica-{i}", deployment, seed + i) for i in range(replicas)]
+    if serving is None:
+        serving = ServingOverhead.from_dict(deployment.cost_model.params.serving)
+    fleet = [_Replica(f"replica-{i}", deployment, seed + i, serving) for i in range(replicas)]
     by_id = {r.replica_id: r for r in fleet}
     policy = make_router(router, config.block_size, seed, **(router_kwargs or {}))
     policy.set_replicas(by_id)
-    if serving is None:
-        serving = ServingOverhead.from_dict(deployment.cost_model.params.serving)
     hop = hop or FleetHop()
     # The proxy and the ingress, one process each for the fleet: requests pass proxy then ingress,
     # chunks ingress then proxy (each process one queue, whichever way its work goes).
@@ -239,46 +248,50 @@ def simulate_fleet(deployment: Deployment, workload: Sequence[WorkloadRequest], 
     steps = preemptions = 0
     next_idx = 0
 
+    def route() -> None:
+        """The next arrival, routed at its arrival: on its way to its replica's server."""
+        nonlocal next_idx
+        i = order[next_idx]
+        next_idx += 1
+        w = workload[i]
+        rec = RequestRecord(str(i), w.arrival_time, w.prompt_len, w.output_len)
+        records.append(rec)
+        try:
+            check_request_length(w.prompt_len, w.output_len, config.max_model_len)
+        except ValueError as e:
+            rec.failed, rec.error = True, str(e)
+            return
+        ids = _prompt_ids(w, i, deployment.vocab_size, id_rng)
+        for r in fleet:
+            sched = r.core.scheduler
+            policy.report_load(r.replica_id, len(sched.waiting) + len(r.requests), len(sched.running),
+                               sched.kv.usage)
+        decision = policy.choose(ids)
+        decisions[decision.reason] = decisions.get(decision.reason, 0) + 1
+        target = by_id[decision.replica_id]
+        policy.started(target.replica_id)
+        at_replica = w.arrival_time + hop.inbound(w.prompt_len)
+        if queued:
+            at_replica += stages.wait(w.arrival_time, in_costs)
+        params = SamplingParams(max_tokens=w.output_len, ignore_eos=True)
+        # It reaches the replica's server after the hop; its arrival in the engine is its entry.
+        target.requests[i] = (rec.request_id, ids, params)
+        target.sends.push(at_replica, i, w.prompt_len)
+        target.live[rec.request_id] = rec
+        target.num_requests += 1
+
     while True:
         events = [(t, r) for r in fleet if (t := r.next_event()) is not None]
         next_at = min((t for t, _ in events), default=None)
         if next_idx < len(order) and (next_at is None or workload[order[next_idx]].arrival_time <= next_at):
-            i = order[next_idx]
-            next_idx += 1
-            w = workload[i]
-            rec = RequestRecord(str(i), w.arrival_time, w.prompt_len, w.output_len)
-            records.append(rec)
-            try:
-                check_request_length(w.prompt_len, w.output_len, config.max_model_len)
-            except ValueError as e:
-                rec.failed, rec.error = True, str(e)
-                continue
-            ids = _prompt_ids(w, i, deployment.vocab_size, id_rng)
-            for r in fleet:
-                sched = r.core.scheduler
-                policy.report_load(r.replica_id, len(sched.waiting) + len(r.pending), len(sched.running),
-                                   sched.kv.usage)
-            decision = policy.choose(ids)
-            decisions[decision.reason] = decisions.get(decision.reason, 0) + 1
-            target = by_id[decision.replica_id]
-            policy.started(target.replica_id)
-            at_replica = w.arrival_time + hop.inbound(w.prompt_len)
-            if queued:
-                at_replica += stages.wait(w.arrival_time, in_costs)
-            begin = max(at_replica, target.api_free_at) if serving.serial else at_replica
-            entry = begin + serving.admit(w.prompt_len)
-            if serving.serial:
-                target.api_free_at = entry
-            params = SamplingParams(max_tokens=w.output_len, ignore_eos=True)
-            heapq.heappush(target.pending, (entry, i, Request(rec.request_id, ids, params, frozenset(), entry, 0,
-                                                              config.max_model_len)))
-            target.live[rec.request_id] = rec
-            target.num_requests += 1
+            route()
             continue
         if next_at is None:
             break
         replica = min((r for t, r in events if t == next_at), key=lambda r: r.replica_id)
         replica.take_arrived()
+        if not replica.core.has_unfinished_requests():
+            continue   # its next request is still in its serving layer (next_event says until when)
         outs = replica.core.step()
         if hop.step_scale != 1.0 and outs.execute_time:
             replica.clock.now += (hop.step_scale - 1.0) * outs.execute_time   # the step ends later
@@ -291,20 +304,23 @@ def simulate_fleet(deployment: Deployment, workload: Sequence[WorkloadRequest], 
         if not st.num_batched_tokens and not st.num_blocks_swapped_out and not st.num_blocks_swapped_in:
             # Nothing could run on this replica: only an arrival (routed, or reaching it) can change that.
             upcoming = [t for t in ((workload[order[next_idx]].arrival_time if next_idx < len(order) else None),
-                                    replica.pending[0][0] if replica.pending else None) if t is not None]
+                                    replica.loop.next_entry(replica.sends, replica.clock.now)
+                                    if replica.loop.busy() or len(replica.sends) else None) if t is not None]
             if upcoming:
                 replica.clock.now = max(replica.clock.now, min(upcoming))
                 continue
             raise RuntimeError(f"fleet simulation stuck on {replica.replica_id} at t={replica.clock.now:.3f}s")
         if not outs.outputs:
             continue
-        seen_at = outs.timestamp
-        if not serving.is_zero:
-            if serving.serial:
-                replica.api_free_at = max(seen_at, replica.api_free_at) + serving.deliver_per_output_s * len(outs.outputs)
-                seen_at = replica.api_free_at + serving.deliver_s
-            else:
-                seen_at += serving.deliver(len(outs.outputs))
+        # Requests that arrived while the step ran reach the loop before its delivery work (the
+        # single engine's order), so route them first: those that come before every other
+        # replica's next event (routing any later would pass over that event).
+        others = min((t for r in fleet if r is not replica and (t := r.next_event()) is not None), default=math.inf)
+        while next_idx < len(order) and workload[order[next_idx]].arrival_time <= min(outs.timestamp, others):
+            route()
+            others = min((t for r in fleet if r is not replica and (t := r.next_event()) is not None),
+                         default=math.inf)
+        seen_at = replica.loop.deliver(replica.sends, outs.timestamp, len(outs.outputs))
         if hop.replica_cpu_per_chunk_s:
             # The replica's end of the streams, under the engine's interpreter lock: its next step
             # waits for it. (A lone chunk's latency, chunk_s, already holds it.)

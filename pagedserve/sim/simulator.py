@@ -28,7 +28,6 @@ sim/data_parallel.py (-dp). Torch-free: `python -c "import pagedserve.sim.simula
 from __future__ import annotations
 
 import csv
-import heapq
 import json
 import math
 import random
@@ -48,6 +47,7 @@ from pagedserve.sim.core_run import (Deployment, SimResult, Timeline, VirtualClo
                                      _prompt_ids, build_core, deliver_token, host_tier_summary)
 from pagedserve.sim.cost_model import CostModel, CostParams, ModelCost, ServingOverhead, load_params
 from pagedserve.sim.executor import SimExecutor
+from pagedserve.sim.serving_loop import ServingLoop
 from pagedserve.sim.parallel_cost import ParallelCostModel, Topology
 from pagedserve.sim.report import RequestRecord, compute_metrics
 
@@ -56,7 +56,8 @@ def build_deployment(config: EngineConfig, model: str, *, gpu: str | None = None
                      cost_params: CostParams | str | Path | None = None, layout: ParallelLayout | None = None,
                      topology: Topology | None = None, weight_dtype: str | None = None,
                      host_cpu_speed: float | None = None, serving_overhead: bool = True,
-                     host_profile: str = "pagedserve", host_overhead: str | Path | None = None) -> Deployment:
+                     host_profile: str = "pagedserve", host_overhead: str | Path | None = None,
+                     usage: str = "server", max_num_seqs_unset: bool = False) -> Deployment:
     """Resolve knobs and size the pool exactly as `serve` (on CPU) or `plan` (on a GPU) would.
 
     GPU: pool = plan.budget.compute_plan (total x gpu_memory_utilization - weights/TP -
@@ -76,6 +77,8 @@ def build_deployment(config: EngineConfig, model: str, *, gpu: str | None = None
     at `host_cpu_speed` x the probe machine's single-thread speed (default 1); `host_profile`
     says whose engine loop ("vllm": vLLM's published per-step cost; "pagedserve": the probe's);
     `host_overhead` a probe file measured on the host itself instead of the shipped one.
+    On a GPU, an unset max_num_batched_tokens (and max_num_seqs, with `max_num_seqs_unset`) takes
+    vLLM's default for the preset and `usage` ("server": `vllm serve`; "offline": the LLM class).
     """
     from pagedserve.plan.models import load_model
 
@@ -101,13 +104,19 @@ def build_deployment(config: EngineConfig, model: str, *, gpu: str | None = None
         check_dp_layout(layout, shape, "cpu" if gpu is None else "cuda")
     core_layout = ParallelLayout(layout.tp, layout.pp) if layout.dp > 1 else layout
     if gpu is not None:
-        from pagedserve.plan.budget import PlanRequest, compute_plan, default_max_num_batched_tokens
+        from pagedserve.plan.budget import PlanRequest, compute_plan, vllm_batch_defaults
         from pagedserve.plan.gpus import get_gpu
 
         spec = get_gpu(gpu)
         config.device = "cuda"
+        # vLLM's defaults for this GPU and usage context (plan/budget.vllm_batch_defaults):
+        # max_num_seqs only when the caller says the user left it unset (EngineConfig's own
+        # default is the CPU engine's).
+        tokens_default, seqs_default = vllm_batch_defaults(spec.memory_bytes, spec.name, usage)
         if config.max_num_batched_tokens is None and config.enable_chunked_prefill:
-            config.max_num_batched_tokens = default_max_num_batched_tokens(spec.memory_bytes)
+            config.max_num_batched_tokens = tokens_default
+        if max_num_seqs_unset:
+            config.max_num_seqs = min(seqs_default, config.max_num_batched_tokens or seqs_default)
         config.resolve(shape.max_position_embeddings or 8192)
         if weight_dtype is None:
             weight_dtype = info.checkpoint_dtype if config.dtype == "auto" else config.dtype
@@ -240,98 +249,52 @@ def simulate(deployment: Deployment, workload: Sequence[WorkloadRequest], *, max
     # The serving layer is one event loop (one API process): an admission or a step's delivery
     # waits for the one before it. So a burst of arrivals queues at the HTTP loop and the
     # tokenizer, and a step feeding many streams delays the next admissions (serving.serial).
-    api_free_at = 0.0
     # The loop takes turns (asyncio runs its ready callbacks in order, and a request's handling
     # yields at its awaits): an admission is taken up when the loop reaches it, after the tokens
     # of the steps that ended before that; a burst does not hold every stream's first token until
-    # the last of its requests is admitted (admit(until=...) before each step's delivery).
+    # the last of its requests is admitted. sim/serving_loop.py, shared with the fleet's replicas.
     steps = 0
     preemptions = recomputed = swapped_out = swapped_in = 0
     tier_queries = 0  # prompt tokens of requests that looked past the pool into the host tier
     busy = 0.0
     max_len = config.max_model_len
     serving = ServingOverhead.from_dict(deployment.cost_model.params.serving)
+    loop = ServingLoop(serving)
 
     def sent_at(w: WorkloadRequest) -> float:
         return max(w.arrival_time, slot_free_at) if max_concurrency is not None else w.arrival_time
 
-    # Requests the serving layer has taken (the client sent them) on their way to the engine,
-    # which they reach at `entry`: a heap of (entry, workload index).
-    pending: list[tuple[float, int]] = []
-    # The admission split at its await (serving.tokenize_off_loop): prompts tokenized on the one
-    # tokenizer thread (free again at tok_free_at), whose hand-over to the engine waits for the
-    # loop: a heap of (tokenized at, workload index).
-    split = serving.serial and serving.tokenize_off_loop
-    tok_free_at = 0.0
-    handovers: list[tuple[float, int]] = []
-
     def can_send() -> bool:
         return next_idx < len(order) and (max_concurrency is None or in_flight < max_concurrency)
 
-    def next_entry() -> float:
-        """When the next thing can reach the engine: an admission under way, else the next send."""
-        if pending:
-            return pending[0][0]
-        when = []
-        if handovers:
-            when.append(max(handovers[0][0], api_free_at))
-        if can_send():
-            sent = sent_at(workload[order[next_idx]])
-            when.append(max(sent, api_free_at) if serving.serial else sent)
-        return min(when) if when else clock.now
+    class _ClientSends:
+        """The client's next request (open loop: at its arrival; closed: when a slot opens)."""
 
-    def admit(until: float | None = None) -> None:
-        """Start the admissions the serving loop reaches by now (or, with `until`, before then: the
-        end of a step whose tokens it delivers next; those only start), then hand the ones done
-        to the engine."""
-        nonlocal next_idx, in_flight, api_free_at, tok_free_at
-        while next_idx < len(order) or handovers:
-            sent = sent_at(workload[order[next_idx]]) if can_send() else math.inf
-            if split and handovers and handovers[0][0] < sent:
-                # a tokenized prompt's hand-over is the loop's next ready work (ready before the
-                # next send): the loop takes it up in turn and the request enters the engine
-                start = max(handovers[0][0], api_free_at)
-                if start >= until if until is not None else start > clock.now:
-                    break
-                _, i = heapq.heappop(handovers)
-                heapq.heappush(pending, (start, i))
-                continue
-            if sent == math.inf:
-                break
+        def peek(self) -> float:
+            return sent_at(workload[order[next_idx]]) if can_send() else math.inf
+
+        def pop(self):
+            nonlocal next_idx, in_flight
             i = order[next_idx]
             w = workload[i]
-            if sent > clock.now:
-                break
-            if serving.serial and (max(sent, api_free_at) >= until if until is not None
-                                   else max(sent, api_free_at) > clock.now):
-                break  # the loop reaches it later: what is ready before that goes first
             next_idx += 1
-            rec = RequestRecord(str(i), sent, w.prompt_len, w.output_len)
+            rec = RequestRecord(str(i), sent_at(w), w.prompt_len, w.output_len)
             records[i] = rec
             try:
                 check_request_length(w.prompt_len, w.output_len, max_len)
             except ValueError as e:
                 rec.failed = True  # the engine rejects it with a 400 before it is queued
                 rec.error = str(e)
-                continue
-            # Its admission starts when it was sent or, one event loop doing everything, when
-            # the serving layer finished what came before it.
-            begin = max(sent, api_free_at) if serving.serial else sent
+                return None
             in_flight += 1
-            if split:
-                # parse and validate on the loop, then the prompt waits for the tokenizer thread
-                api_free_at = begin + serving.admit_s
-                tok_free_at = max(api_free_at, tok_free_at) + serving.admit_per_prompt_token_s * w.prompt_len
-                heapq.heappush(handovers, (tok_free_at, i))
-                continue
-            entry = begin + serving.admit(w.prompt_len)
-            if serving.serial:
-                api_free_at = entry
-            heapq.heappush(pending, (entry, i))
-        if until is not None:
-            return
-        while pending and pending[0][0] <= clock.now:
-            entry, i = heapq.heappop(pending)
+            return i, w.prompt_len
+
+    sends = _ClientSends()
+
+    def admit() -> None:
+        """Start the admissions the serving loop reaches by now, then hand the ones done to the engine."""
+        loop.admit(sends, clock.now)
+        for entry, i in loop.entered(clock.now):
             w, rec = workload[i], records[i]
             params = SamplingParams(max_tokens=w.output_len, ignore_eos=True)
             core.add_request(Request(rec.request_id, _prompt_ids(w, i, vocab, id_rng), params, frozenset(), entry,
@@ -342,34 +305,24 @@ def simulate(deployment: Deployment, workload: Sequence[WorkloadRequest], *, max
     while True:
         admit()
         if not core.has_unfinished_requests():
-            if next_idx >= len(order) and not pending and not handovers:
+            if next_idx >= len(order) and not loop.busy():
                 break
-            if not pending and not handovers and max_concurrency is not None and in_flight >= max_concurrency:
+            if not loop.busy() and max_concurrency is not None and in_flight >= max_concurrency:
                 raise RuntimeError(f"simulation stuck at t={clock.now:.3f}s: {in_flight} in flight, none in the engine")
-            clock.now = max(clock.now, next_entry())
+            clock.now = max(clock.now, loop.next_entry(sends, clock.now))
             continue
         outs = core.step()
         st = outs.stats
         if not st.num_batched_tokens and not st.num_blocks_swapped_out and not st.num_blocks_swapped_in:
             # Nothing could run: only an arrival can change that (the engine would idle).
-            if pending or handovers or can_send():
-                clock.now = max(clock.now, next_entry())
+            if loop.busy() or can_send():
+                clock.now = max(clock.now, loop.next_entry(sends, clock.now))
                 continue
             raise RuntimeError(f"simulation stuck at t={clock.now:.3f}s: {st.num_waiting} waiting, "
                                f"{st.num_running} running, nothing schedulable")
         busy += outs.execute_time
         # The client sees the step's tokens after the serving layer delivered them.
-        now = outs.timestamp
-        if outs.outputs and not serving.is_zero:
-            if serving.serial:
-                # The loop's work for this step (a detokenizer step and a frame per stream) waits
-                # for the loop and occupies it; deliver_s is latency on top (the hand-over from the
-                # engine to the loop), occupying nothing. Admissions it reached during the step go first.
-                admit(until=now)
-                api_free_at = max(now, api_free_at) + serving.deliver_per_output_s * len(outs.outputs)
-                now = api_free_at + serving.deliver_s
-            else:
-                now += serving.deliver(len(outs.outputs))
+        now = loop.deliver(sends, outs.timestamp, len(outs.outputs))
         for out in outs.outputs:
             seen = deliver_token(live[out.request_id], now, out)
             if out.finished:

@@ -1,0 +1,133 @@
+"""The serving layer's admission and delivery, one implementation for the single engine
+(sim/simulator.py) and every replica of a fleet (sim/fleet.py), so the two cannot drift.
+
+A `ServingLoop` is one API process's event loop (and, with the admission split, its one tokenizer
+thread) as ServingOverhead describes it: requests the client sent are taken up in the order the
+loop reaches them; a step's delivery work waits for the loop and occupies it. The caller owns
+where the sends come from (a closed loop's slots, a fleet's hop) through a `Sends` object:
+`peek()` is when the next request reaches the loop (math.inf: none yet), `pop()` takes it and
+returns (key, prompt tokens), or None when the caller rejected it (it never enters the engine).
+"""
+from __future__ import annotations
+
+import heapq
+import math
+from typing import Protocol
+
+from pagedserve.sim.host_overhead import ServingOverhead
+
+
+class Sends(Protocol):
+    def peek(self) -> float: ...
+
+    def pop(self) -> tuple[int, int] | None: ...
+
+
+class HeapSends:
+    """Sends known ahead of time (a fleet replica's: each reaches its server after the hop): a
+    heap of (sent at, key, prompt tokens)."""
+
+    def __init__(self) -> None:
+        self.heap: list[tuple[float, int, int]] = []
+
+    def push(self, sent: float, key: int, prompt_len: int) -> None:
+        heapq.heappush(self.heap, (sent, key, prompt_len))
+
+    def peek(self) -> float:
+        return self.heap[0][0] if self.heap else math.inf
+
+    def pop(self) -> tuple[int, int] | None:
+        _, key, prompt_len = heapq.heappop(self.heap)
+        return key, prompt_len
+
+    def __len__(self) -> int:
+        return len(self.heap)
+
+
+class ServingLoop:
+    def __init__(self, serving: ServingOverhead) -> None:
+        self.serving = serving
+        self.api_free_at = 0.0   # the event loop is free again (serial)
+        self.tok_free_at = 0.0   # the tokenizer thread is free again (split)
+        self.split = serving.serial and serving.tokenize_off_loop
+        # Requests whose admission is done, on their way into the engine: (entry, key).
+        self.pending: list[tuple[float, int]] = []
+        # The admission split at its await: prompts tokenized (at, key) whose hand-over to the
+        # engine waits for the loop.
+        self.handovers: list[tuple[float, int]] = []
+
+    def busy(self) -> bool:
+        """Something taken is not in the engine yet."""
+        return bool(self.pending or self.handovers)
+
+    def next_entry(self, sends: Sends, now: float) -> float:
+        """When the next thing can reach the engine: an admission under way, else the next send."""
+        if self.pending:
+            return self.pending[0][0]
+        when = []
+        if self.handovers:
+            when.append(max(self.handovers[0][0], self.api_free_at))
+        sent = sends.peek()
+        if sent != math.inf:
+            when.append(max(sent, self.api_free_at) if self.serving.serial else sent)
+        return min(when) if when else now
+
+    def admit(self, sends: Sends, now: float, until: float | None = None) -> None:
+        """Start the admissions the loop reaches by `now` (or, with `until`, before then: the end of
+        a step whose tokens it delivers next; those only start)."""
+        serving = self.serving
+        while True:
+            sent = sends.peek()
+            if self.split and self.handovers and self.handovers[0][0] < sent:
+                # a tokenized prompt's hand-over is the loop's next ready work (ready before the
+                # next send): the loop takes it up in turn and the request enters the engine
+                start = max(self.handovers[0][0], self.api_free_at)
+                if start >= until if until is not None else start > now:
+                    break
+                _, key = heapq.heappop(self.handovers)
+                heapq.heappush(self.pending, (start, key))
+                continue
+            if sent == math.inf or sent > now:
+                break
+            if serving.serial and (max(sent, self.api_free_at) >= until if until is not None
+                                   else max(sent, self.api_free_at) > now):
+                break  # the loop reaches it later: what is ready before that goes first
+            taken = sends.pop()
+            if taken is None:
+                continue
+            key, prompt_len = taken
+            # Its admission starts when it was sent or, one event loop doing everything, when the
+            # serving layer finished what came before it.
+            begin = max(sent, self.api_free_at) if serving.serial else sent
+            if self.split:
+                # parse and validate on the loop, then the prompt waits for the tokenizer thread
+                self.api_free_at = begin + serving.admit_s
+                self.tok_free_at = (max(self.api_free_at, self.tok_free_at)
+                                    + serving.admit_per_prompt_token_s * prompt_len)
+                heapq.heappush(self.handovers, (self.tok_free_at, key))
+                continue
+            entry = begin + serving.admit(prompt_len)
+            if serving.serial:
+                self.api_free_at = entry
+            heapq.heappush(self.pending, (entry, key))
+
+    def entered(self, now: float) -> list[tuple[float, int]]:
+        """The admissions done by `now`, in entry order: (entry, key) each."""
+        out = []
+        while self.pending and self.pending[0][0] <= now:
+            out.append(heapq.heappop(self.pending))
+        return out
+
+    def deliver(self, sends: Sends, step_end: float, num_outputs: int) -> float:
+        """When a step's tokens reach their clients: the loop's work for the step (a detokenizer
+        step and a frame per stream) waits for the loop and occupies it, after the admissions it
+        reached during the step; deliver_s is latency on top (the hand-over from the engine to the
+        loop), occupying nothing."""
+        serving = self.serving
+        if not num_outputs or serving.is_zero:
+            return step_end
+        if not serving.serial:
+            return step_end + serving.deliver(num_outputs)
+        self.admit(sends, step_end, until=step_end)
+        self.api_free_at = max(step_end, self.api_free_at) + serving.deliver_per_output_s * num_outputs
+        return self.api_free_at + serving.deliver_s
