@@ -342,6 +342,8 @@ def simulate_dp(deployment, workload: Sequence[WorkloadRequest], *, max_concurre
         finally:
             pool.shutdown(wait=True)
 
+    if not sends.done_sending():  # a closed loop whose slots never opened: a bug, never a short result
+        raise RuntimeError(f"simulation stuck: {sends.in_flight} in flight, none in the cores or the serving loop")
     for c in cores:
         c.core.shutdown()
     done = [r for r in records if r is not None]
