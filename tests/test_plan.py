@@ -154,7 +154,10 @@ VLLM_KV_GIB = 53.29
 def vllm_profile_request(**overrides) -> PlanRequest:
     fields = dict(model=load_model("meta-llama/Meta-Llama-3-8B"), device=get_gpu("H100-SXM"),
                   gpu_memory_utilization=0.90, activation_memory=int(1.26 * GiB),
-                  overhead=int(1.79 * GiB), max_model_len=8192)
+                  overhead=int(1.79 * GiB), max_model_len=8192,
+                  # the run's vLLM (V0 engine, 2024) sampled 256 seqs in its profile: EngineArgs'
+                  # max_num_seqs default then, before the per-device defaults plan now takes
+                  max_num_seqs=256)
     fields.update(overrides)
     return PlanRequest(**fields)
 
@@ -315,6 +318,21 @@ def test_batch_defaults_follow_vllm_by_device_and_usage_context():
     plan = compute_plan(PlanRequest(model=load_model("llama-3.1-8b"), device=get_gpu("A100-80GB"),
                                     max_model_len=8192))
     assert "2,048 batched tokens" in next(p.note for p in plan.parts if p.name.startswith("activation"))
+
+
+def test_plan_sizes_the_sampler_at_vllms_default_seqs_unless_given():
+    """The sampler / logits buffer is max_num_seqs rows (vLLM's profile run samples that many);
+    unset, it is vLLM's default for the device (vllm_batch_defaults: 1,024 on an H100, 256 on an
+    A100, capped at a smaller token budget the user gave), not a fixed 256."""
+    from pagedserve.plan.budget import sampler_bytes
+
+    model = load_model("llama-3.1-8b")
+    for gpu, extra, seqs in (("H100-SXM", {}, 1024), ("A100-80GB", {}, 256), ("H100-SXM", {"max_num_seqs": 64}, 64),
+                             ("H100-SXM", {"max_num_batched_tokens": 512}, 512)):
+        plan = compute_plan(PlanRequest(model=model, device=get_gpu(gpu), max_model_len=8192, **extra))
+        sampler = next(p for p in plan.parts if p.name.startswith("sampler"))
+        assert plan.max_num_seqs_used == seqs, (gpu, extra)
+        assert sampler.bytes == sampler_bytes(seqs, model.shape.vocab_size) and f"{seqs} seqs" in sampler.note
 
 
 def test_simulate_on_a_preset_takes_vllms_defaults_unless_given(capsys):

@@ -180,3 +180,24 @@ def test_tune_over_dp_layouts_prints_the_dp_flag_in_its_command(capsys):
                "--num-prompts", "20", "--random-input-len", "128", "--random-output-len", "8", "--request-rate", "10"])
     out = capsys.readouterr().out
     assert rc == 0 and "--data-parallel-size 8 --enable-expert-parallel" in out, out
+
+
+def test_dp1_is_the_single_engine_request_for_request():
+    """-dp's cores sit behind one API server, the simulator's own serving loop
+    (sim/serving_loop.py): one core gives simulate()'s times exactly, with the GPU preset's split
+    serving terms (one event loop, the admission split at its tokenizer await), in a burst, with
+    arrivals landing mid-step, and in closed loop."""
+    from pagedserve.bench.workloads import arrival_times
+    from pagedserve.sim.cost_model import ServingOverhead
+    from pagedserve.sim.simulator import simulate
+
+    dep = build_deployment(EngineConfig(max_num_seqs=16), "llama-3.1-8b", gpu="H100-SXM")
+    serving = ServingOverhead.from_dict(dep.cost_model.params.serving)
+    assert serving.serial and serving.tokenize_off_loop and serving.admit_s > 0
+    for times, conc in (([0.0] * 12, None), (arrival_times(24, 40.0, seed=3), None), ([0.0] * 12, 4)):
+        work = [WorkloadRequest(None, None, 100 + 37 * (i % 7), 6 + i % 5, arrival_time=t) for i, t in enumerate(times)]
+        single = {r.request_id: r for r in simulate(dep, work, seed=0, max_concurrency=conc).records}
+        dp = simulate_dp(dep, work, seed=0, max_concurrency=conc).records
+        assert len(dp) == len(single)
+        for r in dp:
+            assert r.token_times == pytest.approx(single[r.request_id].token_times, abs=1e-9), r.request_id

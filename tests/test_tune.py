@@ -154,3 +154,29 @@ def test_tune_sizes_the_fleet_more_replicas_for_a_higher_arrival_rate(tmp_path, 
         tuner.parse_fleet("1,2", "random")
     with pytest.raises(ValueError, match="router"):
         tuner.parse_fleet(None, "kv-aware")
+
+
+def test_tune_starts_from_vllms_default_seqs_on_a_preset_unless_swept_or_given(monkeypatch, capsys):
+    """Points that do not set max_num_seqs run vLLM's default for the device, as `simulate` and
+    `plan` take it (1,024 on an H100, 256 on an A100); a swept or given value is kept."""
+    import pagedserve.sim.simulator as simulator
+
+    built = []
+    real = simulator.build_deployment
+
+    def recording(config, *a, **kw):
+        dep = real(config, *a, **kw)
+        built.append(dep.config.max_num_seqs)
+        return dep
+
+    monkeypatch.setattr(simulator, "build_deployment", recording)
+    run = ["tune", "--model", "llama-3.1-8b", "--workload", "random", "--random-input-len", "64",
+           "--random-output-len", "2", "--num-prompts", "2", "--request-rate", "10"]
+    for extra, want in ((["--gpu", "H100-SXM", "--layouts", "TP1"], {1024}),
+                        (["--gpu", "A100-80GB", "--layouts", "TP1"], {256}),
+                        (["--gpu", "H100-SXM", "--layouts", "TP1", "--max-num-seqs", "48"], {48}),
+                        (["--gpu", "H100-SXM", "--sweep", "max_num_seqs=8,32"], {1024, 8, 32})):
+        built.clear()
+        assert main(run + extra) == 0
+        assert set(built) == want, extra
+    capsys.readouterr()

@@ -68,15 +68,18 @@ def default_overhead_bytes(device: str, tp: int) -> int:
 USAGE_CONTEXTS = ("server", "offline")  # vLLM's UsageContext.OPENAI_API_SERVER / LLM_CLASS
 
 
-def vllm_batch_defaults(device_memory_bytes: int, device_name: str = "", usage: str = "server") -> tuple[int, int]:
-    """(max_num_batched_tokens, max_num_seqs) vLLM picks on this GPU for `usage` (see above)."""
+def vllm_batch_defaults(device_memory_bytes: int, device_name: str = "", usage: str = "server",
+                        max_num_batched_tokens: int | None = None) -> tuple[int, int]:
+    """(max_num_batched_tokens, max_num_seqs) vLLM picks on this GPU for `usage` (see above);
+    max_num_seqs capped at the token budget in use (`max_num_batched_tokens` when the user gave
+    it, else the default). The one place `plan`, `simulate` and `tune` take these defaults from."""
     if usage not in USAGE_CONTEXTS:
         raise ValueError(f"usage: must be one of {', '.join(USAGE_CONTEXTS)}, got {usage!r}")
     if device_memory_bytes >= 70 * GiB and "a100" not in device_name.lower():
         tokens, seqs = (8192, 1024) if usage == "server" else (16384, 1024)
     else:
         tokens, seqs = (2048, 256) if usage == "server" else (8192, 256)
-    return tokens, min(seqs, tokens)
+    return tokens, min(seqs, max_num_batched_tokens or tokens)
 
 
 def default_max_num_batched_tokens(device_memory_bytes: int, device_name: str = "", usage: str = "server") -> int:
@@ -273,7 +276,10 @@ def _compute(req: PlanRequest, max_num_batched_tokens: int) -> Plan:
     total = req.device.memory_bytes
     max_model_len = _default_max_model_len(req)
     mean_seq_len = req.mean_seq_len or min(2048, max_model_len)
-    max_num_seqs = req.max_num_seqs or 256  # vLLM's default, sizes the sampler buffer
+    # vLLM's default for the device unless given: it sizes the sampler buffer (vLLM's profile run
+    # samples max_num_seqs rows)
+    max_num_seqs = req.max_num_seqs or vllm_batch_defaults(total, req.device.name,
+                                                           max_num_batched_tokens=req.max_num_batched_tokens)[1]
 
     weights_total = weight_bytes(shape, weight_dtype)
     layout = layout_of(req)

@@ -23,8 +23,11 @@ requests sent to it that it had not yet taken in (a burst alternates).
   every idle core waits that long for messages before the cores agree again); on a GPU preset
   (vLLM's DP coordinator wakes idle ranks at once) there is none.
 
-The serving layer is charged per request (admission before the request reaches the balancer,
-delivery after each step), not as one event loop (`serving.serial` is not modelled here).
+The serving layer is the engine's one API server in front of the N cores (engine/dp_client.py):
+one `ServingLoop` (sim/serving_loop.py, the one simulate() and every fleet replica run: one event
+loop, its tokenizer thread, hand-overs, deliveries) takes each request in before the balancer
+places it, and every core's step delivers its tokens through that loop, in the order the steps
+end. So `-dp 1` is simulate() request for request.
 """
 from __future__ import annotations
 
@@ -48,6 +51,7 @@ from pagedserve.sim.core_run import SimResult, Timeline, VirtualClock, _prompt_i
 from pagedserve.sim.cost_model import ServingOverhead
 from pagedserve.sim.executor import SimExecutor
 from pagedserve.sim.report import compute_metrics
+from pagedserve.sim.serving_loop import ClientSends, ServingLoop
 
 IDLE_TICK_S = 0.25  # engine/core_loop.py IDLE_WAIT (tests/test_sim_dp.py checks they agree)
 _TURN_TIMEOUT_S = 600.0  # a core that never reaches the turn is a bug: fail, never hang
@@ -141,8 +145,6 @@ def simulate_dp(deployment, workload: Sequence[WorkloadRequest], *, max_concurre
     """Run `workload` through `deployment.dp` engine cores (`deployment.lockstep_cost` set:
     DP attention + EP in lockstep). `on_place(request_index, rank)` sees every placement.
     Returns a SimResult whose totals are the fleet's and whose `per_core` holds each core's."""
-    from pagedserve.core.engine_core import check_request_length
-
     if max_concurrency is not None and max_concurrency < 1:
         raise ValueError(f"max_concurrency: must be >= 1, got {max_concurrency}")
     wall0 = time.perf_counter()
@@ -153,51 +155,37 @@ def simulate_dp(deployment, workload: Sequence[WorkloadRequest], *, max_concurre
     serving = ServingOverhead.from_dict(deployment.cost_model.params.serving)
     id_rng = random.Random(seed) if config.enable_prefix_caching else None
     max_len = config.max_model_len
-    order = sorted(range(len(workload)), key=lambda i: workload[i].arrival_time)
     records: list[RequestRecord | None] = [None] * len(workload)
     timeline = Timeline()
-    entries: list[tuple[float, int]] = []   # (when it reaches the balancer, workload index)
-    state = {"next": 0, "in_flight": 0, "slot_free_at": 0.0, "steps": 0, "exchange": 0.0, "turns": 0}
+    # The one API server in front of the cores (sim/serving_loop.py, as simulate() and the fleet's
+    # replicas run it): its event loop takes the client's sends in, then hands each to the balancer.
+    loop = ServingLoop(serving)
+    sends = ClientSends(workload, max_concurrency, max_len, records)
+    deliveries: list[tuple[float, int, int, object]] = []   # (step end, rank, seq, outputs): not delivered yet
+    state = {"steps": 0, "exchange": 0.0, "turns": 0, "seq": 0}
 
-    def next_send() -> float:
-        if state["next"] >= len(order):
-            return math.inf
-        if max_concurrency is not None and state["in_flight"] >= max_concurrency:
-            return math.inf
-        at = workload[order[state["next"]]].arrival_time
-        return max(at, state["slot_free_at"]) if max_concurrency is not None else at
+    def loop_waits() -> bool:
+        return loop.busy() or sends.peek() != math.inf
 
-    def next_entry() -> float:
-        return entries[0][0] if entries else math.inf
+    def take_in(now: float) -> None:
+        """The serving loop's admissions reached by `now`; those done go to the balancer's core."""
+        loop.admit(sends, now)
+        for at, i in loop.entered(now):
+            w, rec = workload[i], records[i]
+            ids = _prompt_ids(w, i, deployment.vocab_size, id_rng)
+            rank = balancer.place(ids, [c.load_at(at) for c in cores])
+            if on_place is not None:
+                on_place(i, rank)
+            core = cores[rank]
+            core.placed += 1
+            if not core.core.has_unfinished_requests():
+                core.clock.now = max(core.clock.now, at)  # an idle core wakes for it (a busy one is past it)
+            core.core.add_request(Request(rec.request_id, ids, SamplingParams(max_tokens=w.output_len,
+                                                                              ignore_eos=True),
+                                          frozenset(), at, 0, max_len))
+            core.live[rec.request_id] = rec
 
-    def send(at: float) -> None:
-        i = order[state["next"]]
-        state["next"] += 1
-        w = workload[i]
-        rec = records[i] = RequestRecord(str(i), at, w.prompt_len, w.output_len)
-        try:
-            check_request_length(w.prompt_len, w.output_len, max_len)
-        except ValueError as e:
-            rec.failed, rec.error = True, str(e)  # a 400 before it is queued
-            return
-        state["in_flight"] += 1
-        heapq.heappush(entries, (at + serving.admit(w.prompt_len), i))
-
-    def enter() -> _Core:
-        at, i = heapq.heappop(entries)
-        w, rec = workload[i], records[i]
-        ids = _prompt_ids(w, i, deployment.vocab_size, id_rng)
-        rank = balancer.place(ids, [c.load_at(at) for c in cores])
-        if on_place is not None:
-            on_place(i, rank)
-        core = cores[rank]
-        core.placed += 1
-        core.core.add_request(Request(rec.request_id, ids, SamplingParams(max_tokens=w.output_len, ignore_eos=True),
-                                      frozenset(), at, 0, max_len))
-        core.live[rec.request_id] = rec
-        return core
-
-    def deliver(core: _Core, outs, at: float, exchange: float = 0.0) -> None:
+    def account(core: _Core, outs, exchange: float = 0.0) -> None:
         st = outs.stats
         core.num_steps += 1
         core.busy += outs.execute_time
@@ -206,13 +194,28 @@ def simulate_dp(deployment, workload: Sequence[WorkloadRequest], *, max_concurre
         core.num_preemptions += sum(st.num_preempted.values())
         core.kv_usage_sum += st.kv_usage
         core.peak_kv_usage = max(core.peak_kv_usage, st.kv_usage)
-        seen_at = at + (serving.deliver(len(outs.outputs)) if outs.outputs and not serving.is_zero else 0.0)
+
+    def queue_delivery(core: _Core, outs, at: float) -> None:
+        if outs.outputs:
+            heapq.heappush(deliveries, (at, core.rank, state["seq"], outs))
+            state["seq"] += 1
+
+    def deliver() -> None:
+        """The earliest step end's tokens, through the one loop (after what it reached before them)."""
+        at, rank, _, outs = heapq.heappop(deliveries)
+        core = cores[rank]
+        seen_at = loop.deliver(sends, at, len(outs.outputs))
         for out in outs.outputs:
             seen = deliver_token(core.live[out.request_id], seen_at, out)
             if out.finished:
                 core.live.pop(out.request_id)
-                state["in_flight"] -= 1
-                state["slot_free_at"] = seen
+                sends.finished(seen)
+
+    def next_wake() -> float:
+        """When something outside a core that did no work can change it: a request reaching the
+        cores, or a delivery (a closed loop's slot)."""
+        return min(loop.next_entry(sends, 0.0) if loop_waits() else math.inf,
+                   deliveries[0][0] if deliveries else math.inf)
 
     def record_timeline(at: float, preempted: int, tokens: int) -> None:
         """The fleet as /metrics shows it: the unlabelled gauges sum the cores."""
@@ -248,30 +251,34 @@ def simulate_dp(deployment, workload: Sequence[WorkloadRequest], *, max_concurre
         return bool(st.num_batched_tokens or st.num_blocks_swapped_out or st.num_blocks_swapped_in)
 
     if not lockstep:
+        # Discrete events in time order: a step's delivery, then what the loop hands to the cores,
+        # then the core whose clock is earliest steps (each on its own clock); at a tie in that order.
         while True:
             stepping = [c for c in cores if c.core.has_unfinished_requests()]
             step_at = min((c.clock.now for c in stepping), default=math.inf)
-            send_at, entry_at = next_send(), next_entry()
-            if send_at <= min(entry_at, step_at) and send_at < math.inf:
-                send(send_at)
+            entry_at = loop.next_entry(sends, step_at) if loop_waits() else math.inf
+            deliver_at = deliveries[0][0] if deliveries else math.inf
+            if deliver_at <= min(entry_at, step_at) and deliver_at < math.inf:
+                deliver()
                 continue
             if entry_at <= step_at and entry_at < math.inf:
-                core = enter()
-                core.clock.now = max(core.clock.now, entry_at)  # an idle core wakes for it (a busy one is past it)
+                take_in(entry_at)
                 continue
             if not stepping:
                 break
             core = min(stepping, key=lambda c: (c.clock.now, c.rank))
+            take_in(core.clock.now)  # what the loop reached by then starts (simulate() admits before each step)
             outs = core.step()
             state["steps"] += 1
             pre = count(outs)
             if not did_work(outs):  # nothing could run on it: only an arrival can change that
-                nxt = min(next_send(), next_entry())
+                nxt = next_wake()
                 if nxt == math.inf:
                     raise stuck(core.clock.now)
                 core.clock.now = max(core.clock.now, nxt)
                 continue
-            deliver(core, outs, outs.timestamp)
+            account(core, outs)
+            queue_delivery(core, outs, outs.timestamp)
             record_timeline(outs.timestamp, pre, outs.stats.num_batched_tokens)
     else:
         now, idle, idle_since = 0.0, True, 0.0  # idle: the cores wait in idle ticks since idle_since
@@ -281,16 +288,12 @@ def simulate_dp(deployment, workload: Sequence[WorkloadRequest], *, max_concurre
         pool = ThreadPoolExecutor(max_workers=n, thread_name_prefix="sim-dp-core")
         try:
             while True:
-                while min(next_send(), next_entry()) <= now:  # everything sent or taken in by now, in order
-                    if next_send() <= next_entry():
-                        send(next_send())
-                    else:
-                        enter()
+                take_in(now)  # everything the loop took in by now, in order
                 busy = [c for c in cores if c.core.has_unfinished_requests()]
                 if not busy:
-                    if next_entry() == math.inf and next_send() == math.inf:
+                    if not loop_waits():
                         break
-                    now = min(next_send(), next_entry())
+                    now = max(now, loop.next_entry(sends, now))
                     continue
                 if idle and idle_tick:  # work after an idle spell: the cores next agree on an idle tick
                     tick = idle_since + idle_tick * math.ceil((now - idle_since) / idle_tick - 1e-9)
@@ -317,14 +320,17 @@ def simulate_dp(deployment, workload: Sequence[WorkloadRequest], *, max_concurre
                     pre_sum += count(outs)
                     tokens += outs.stats.num_batched_tokens
                     worked = worked or did_work(outs)
-                    deliver(c, outs, end, priced.exchange)
+                    account(c, outs, priced.exchange)
+                    queue_delivery(c, outs, end)
                 for c in cores:
                     c.num_dummy += priced.dummy[c.rank]
                     if c not in busy:
                         c.busy += priced.total
                     c.clock.now = end
+                while deliveries:  # the turn's tokens, core by core, through the one loop
+                    deliver()
                 if not worked:  # no core could run anything: only an arrival can change that
-                    nxt = min(next_send(), next_entry())
+                    nxt = next_wake()
                     if nxt == math.inf:
                         raise stuck(now)
                     now = max(end, nxt)
@@ -336,6 +342,8 @@ def simulate_dp(deployment, workload: Sequence[WorkloadRequest], *, max_concurre
         finally:
             pool.shutdown(wait=True)
 
+    if not sends.done_sending():  # a closed loop whose slots never opened: a bug, never a short result
+        raise RuntimeError(f"simulation stuck: {sends.in_flight} in flight, none in the cores or the serving loop")
     for c in cores:
         c.core.shutdown()
     done = [r for r in records if r is not None]

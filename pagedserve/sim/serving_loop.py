@@ -1,5 +1,6 @@
 """The serving layer's admission and delivery, one implementation for the single engine
-(sim/simulator.py) and every replica of a fleet (sim/fleet.py), so the two cannot drift.
+(sim/simulator.py), the one API server in front of `-dp`'s cores (sim/data_parallel.py) and
+every replica of a fleet (sim/fleet.py), so they cannot drift.
 
 A `ServingLoop` is one API process's event loop (and, with the admission split, its one tokenizer
 thread) as ServingOverhead describes it: requests the client sent are taken up in the order the
@@ -14,6 +15,8 @@ import heapq
 import math
 from typing import Protocol
 
+from pagedserve.sim.report import RequestRecord
+from pagedserve.core.engine_core import check_request_length
 from pagedserve.sim.host_overhead import ServingOverhead
 
 
@@ -42,6 +45,50 @@ class HeapSends:
 
     def __len__(self) -> int:
         return len(self.heap)
+
+
+class ClientSends:
+    """The benchmark client's sends (`simulate()` and `simulate -dp`): open loop, each request at
+    its arrival; closed loop (`max_concurrency`), when a slot opens. `pop()` makes the request's
+    record (`records[i]`) and rejects, with a 400 before it is queued, one longer than the model."""
+
+    def __init__(self, workload, max_concurrency: int | None, max_len: int, records: list) -> None:
+        self.workload, self.max_concurrency, self.max_len, self.records = workload, max_concurrency, max_len, records
+        self.order = sorted(range(len(workload)), key=lambda i: workload[i].arrival_time)
+        self.next_idx = 0
+        self.in_flight = 0
+        self.slot_free_at = 0.0  # closed loop: when the latest slot opened
+
+    def sent_at(self, w) -> float:
+        return max(w.arrival_time, self.slot_free_at) if self.max_concurrency is not None else w.arrival_time
+
+    def can_send(self) -> bool:
+        return self.next_idx < len(self.order) and (self.max_concurrency is None
+                                                    or self.in_flight < self.max_concurrency)
+
+    def done_sending(self) -> bool:
+        return self.next_idx >= len(self.order)
+
+    def peek(self) -> float:
+        return self.sent_at(self.workload[self.order[self.next_idx]]) if self.can_send() else math.inf
+
+    def pop(self) -> tuple[int, int] | None:
+        i = self.order[self.next_idx]
+        w = self.workload[i]
+        self.next_idx += 1
+        rec = self.records[i] = RequestRecord(str(i), self.sent_at(w), w.prompt_len, w.output_len)
+        try:
+            check_request_length(w.prompt_len, w.output_len, self.max_len)
+        except ValueError as e:
+            rec.failed, rec.error = True, str(e)  # the engine rejects it with a 400 before it is queued
+            return None
+        self.in_flight += 1
+        return i, w.prompt_len
+
+    def finished(self, seen: float) -> None:
+        """A request's last token reached its client at `seen`: its slot opens."""
+        self.in_flight -= 1
+        self.slot_free_at = seen
 
 
 class ServingLoop:

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import csv
 import json
-import math
 import random
 import time
 from pathlib import Path
@@ -37,7 +36,7 @@ from typing import Callable, Sequence
 
 from pagedserve.bench.workloads import WorkloadRequest
 from pagedserve.config import EngineConfig, resolve_dtype, resolve_kv_cache_dtype
-from pagedserve.core.engine_core import check_pool_fits, check_request_length, size_pool
+from pagedserve.core.engine_core import check_pool_fits, check_request_length, size_pool  # noqa: F401 - re-exported
 from pagedserve.core.request import Request
 from pagedserve.core.snapshot import take_snapshot
 from pagedserve.plan.kv_budget import KVPoolSize
@@ -47,7 +46,7 @@ from pagedserve.sim.core_run import (Deployment, SimResult, Timeline, VirtualClo
                                      _prompt_ids, build_core, deliver_token, host_tier_summary)
 from pagedserve.sim.cost_model import CostModel, CostParams, ModelCost, ServingOverhead, load_params
 from pagedserve.sim.executor import SimExecutor
-from pagedserve.sim.serving_loop import ServingLoop
+from pagedserve.sim.serving_loop import ClientSends, ServingLoop
 from pagedserve.sim.parallel_cost import ParallelCostModel, Topology
 from pagedserve.sim.report import RequestRecord, compute_metrics
 
@@ -112,11 +111,12 @@ def build_deployment(config: EngineConfig, model: str, *, gpu: str | None = None
         # vLLM's defaults for this GPU and usage context (plan/budget.vllm_batch_defaults):
         # max_num_seqs only when the caller says the user left it unset (EngineConfig's own
         # default is the CPU engine's).
-        tokens_default, seqs_default = vllm_batch_defaults(spec.memory_bytes, spec.name, usage)
+        tokens_default, _ = vllm_batch_defaults(spec.memory_bytes, spec.name, usage)
         if config.max_num_batched_tokens is None and config.enable_chunked_prefill:
             config.max_num_batched_tokens = tokens_default
         if max_num_seqs_unset:
-            config.max_num_seqs = min(seqs_default, config.max_num_batched_tokens or seqs_default)
+            config.max_num_seqs = vllm_batch_defaults(spec.memory_bytes, spec.name, usage,
+                                                      config.max_num_batched_tokens)[1]
         config.resolve(shape.max_position_embeddings or 8192)
         if weight_dtype is None:
             weight_dtype = info.checkpoint_dtype if config.dtype == "auto" else config.dtype
@@ -239,13 +239,9 @@ def simulate(deployment: Deployment, workload: Sequence[WorkloadRequest], *, max
     if max_concurrency is not None and max_concurrency < 1:
         raise ValueError(f"max_concurrency: must be >= 1, got {max_concurrency}")
 
-    order = sorted(range(len(workload)), key=lambda i: workload[i].arrival_time)
     records: list[RequestRecord] = [None] * len(workload)  # type: ignore[list-item]
     live: dict[str, RequestRecord] = {}
     timeline = Timeline()
-    next_idx = 0
-    in_flight = 0
-    slot_free_at = 0.0  # closed loop: when the latest slot opened
     # The serving layer is one event loop (one API process): an admission or a step's delivery
     # waits for the one before it. So a burst of arrivals queues at the HTTP loop and the
     # tokenizer, and a step feeding many streams delays the next admissions (serving.serial).
@@ -261,35 +257,7 @@ def simulate(deployment: Deployment, workload: Sequence[WorkloadRequest], *, max
     serving = ServingOverhead.from_dict(deployment.cost_model.params.serving)
     loop = ServingLoop(serving)
 
-    def sent_at(w: WorkloadRequest) -> float:
-        return max(w.arrival_time, slot_free_at) if max_concurrency is not None else w.arrival_time
-
-    def can_send() -> bool:
-        return next_idx < len(order) and (max_concurrency is None or in_flight < max_concurrency)
-
-    class _ClientSends:
-        """The client's next request (open loop: at its arrival; closed: when a slot opens)."""
-
-        def peek(self) -> float:
-            return sent_at(workload[order[next_idx]]) if can_send() else math.inf
-
-        def pop(self):
-            nonlocal next_idx, in_flight
-            i = order[next_idx]
-            w = workload[i]
-            next_idx += 1
-            rec = RequestRecord(str(i), sent_at(w), w.prompt_len, w.output_len)
-            records[i] = rec
-            try:
-                check_request_length(w.prompt_len, w.output_len, max_len)
-            except ValueError as e:
-                rec.failed = True  # the engine rejects it with a 400 before it is queued
-                rec.error = str(e)
-                return None
-            in_flight += 1
-            return i, w.prompt_len
-
-    sends = _ClientSends()
+    sends = ClientSends(workload, max_concurrency, max_len, records)
 
     def admit() -> None:
         """Start the admissions the serving loop reaches by now, then hand the ones done to the engine."""
@@ -305,17 +273,18 @@ def simulate(deployment: Deployment, workload: Sequence[WorkloadRequest], *, max
     while True:
         admit()
         if not core.has_unfinished_requests():
-            if next_idx >= len(order) and not loop.busy():
+            if sends.done_sending() and not loop.busy():
                 break
-            if not loop.busy() and max_concurrency is not None and in_flight >= max_concurrency:
-                raise RuntimeError(f"simulation stuck at t={clock.now:.3f}s: {in_flight} in flight, none in the engine")
+            if not loop.busy() and max_concurrency is not None and sends.in_flight >= max_concurrency:
+                raise RuntimeError(f"simulation stuck at t={clock.now:.3f}s: {sends.in_flight} in flight, "
+                                   "none in the engine")
             clock.now = max(clock.now, loop.next_entry(sends, clock.now))
             continue
         outs = core.step()
         st = outs.stats
         if not st.num_batched_tokens and not st.num_blocks_swapped_out and not st.num_blocks_swapped_in:
             # Nothing could run: only an arrival can change that (the engine would idle).
-            if loop.busy() or can_send():
+            if loop.busy() or sends.can_send():
                 clock.now = max(clock.now, loop.next_entry(sends, clock.now))
                 continue
             raise RuntimeError(f"simulation stuck at t={clock.now:.3f}s: {st.num_waiting} waiting, "
@@ -327,8 +296,7 @@ def simulate(deployment: Deployment, workload: Sequence[WorkloadRequest], *, max
             seen = deliver_token(live[out.request_id], now, out)
             if out.finished:
                 live.pop(out.request_id)
-                in_flight -= 1
-                slot_free_at = seen
+                sends.finished(seen)
         n_pre = sum(st.num_preempted.values())
         preemptions += n_pre
         recomputed += st.num_recomputed_tokens

@@ -61,7 +61,7 @@ def _default_grid(dep, bound: int) -> dict[str, list]:
 
 
 def run(args) -> int:
-    from pagedserve.engine_args import engine_config_from_args
+    from pagedserve.engine_args import engine_config_from_args, knob_given
     from pagedserve.plan.kv_budget import blocks_per_request
     from pagedserve.sim.cli import build_workload, deployment_layout
     from pagedserve.bench.report import parse_goodput
@@ -95,8 +95,13 @@ def run(args) -> int:
             "serving_overhead": args.serving_overhead, "host_profile": args.host_profile,
             "host_overhead": args.host_overhead}
 
-    def layout_of(name: str | None) -> dict:
-        return {**deployment_layout(args, name, tp=base.tensor_parallel_size), **host}
+    # On a GPU preset, max_num_seqs left unset (by the flags and by the point swept) is vLLM's
+    # default for the device, as `simulate` and `plan` take it (plan/budget.vllm_batch_defaults).
+    seqs_unset = not knob_given(args, "max_num_seqs")
+
+    def layout_of(name: str | None, knobs: dict | None = None) -> dict:
+        return {**deployment_layout(args, name, tp=base.tensor_parallel_size), **host,
+                "max_num_seqs_unset": seqs_unset and "max_num_seqs" not in (knobs or {})}
 
     base_dep = build_deployment(copy.deepcopy(base), args.model, gpu=gpu, cost_params=args.cost_model,
                                 **layout_of(layouts[0] if layouts else None))
@@ -137,7 +142,7 @@ def run(args) -> int:
 
     def sim_point(config, knobs):
         dep = build_deployment(config, args.model, gpu=gpu, cost_params=args.cost_model,
-                               **layout_of(knobs.get("layout")))
+                               **layout_of(knobs.get("layout"), knobs))
         if "replicas" in knobs:  # a fleet: N copies of this deployment behind the router's code
             from pagedserve.sim.fleet import simulate_fleet
             fleet = simulate_fleet(dep, workload, knobs["replicas"], knobs["router"], seed=args.seed or 0,
