@@ -82,12 +82,13 @@ constexpr int NV = 2, MR = 4;
 
 constexpr int NR = NV * VW;
 constexpr int kPrefetchRows = 32;  // k steps ahead: 4 KB of an AVX-512 panel
-// Up to this many rows of x (a decode of 1-4 sequences) a call is a pure weight stream: the
-// hardware prefetchers keep a linear read of the panels ahead on their own, and a software
-// prefetch per k step only takes load slots and miss buffers from it (cold weights, one
-// thread: 10-19% more GB/s at M = 1 and 0-9% at M = 2-4 without it; M = 8 is 5-15% slower
-// without it: benchmarks/README.md, "GEMV on both cores").
-constexpr int kStreamRows = 4;
+// Up to this many rows of x (a decode of a few sequences: 1-4 with AVX-512, 1-2 with AVX2) a
+// call is a pure weight stream: the hardware prefetchers keep a linear read of the panels ahead
+// on their own, and a software prefetch per k step only takes load slots and miss buffers from
+// it (cold weights, one thread, AVX-512: 10-19% more GB/s at M = 1 and 0-9% at M = 2-4 without
+// it). With more FMAs per weight byte the prefetch pays again (M = 8 with AVX-512 and M = 4
+// with AVX2 were 5-30% slower without it): benchmarks/README.md, "GEMV on both cores".
+constexpr int kStreamRows = MR / 2;
 // Weights of at least this many elements are split across the threads even for one row of x:
 // a one-row GEMM is a weight stream, which two cores read faster than one (each thread its own
 // contiguous run of panels), and a 2-thread team costs ~1 us against ~10 us to read 64K floats.
