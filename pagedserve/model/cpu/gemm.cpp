@@ -85,9 +85,10 @@ constexpr int kPrefetchRows = 32;  // k steps ahead: 4 KB of an AVX-512 panel
 // Up to this many rows of x (a decode of a few sequences: 1-4 with AVX-512, 1-2 with AVX2) a
 // call is a pure weight stream: the hardware prefetchers keep a linear read of the panels ahead
 // on their own, and a software prefetch per k step only takes load slots and miss buffers from
-// it (cold weights, one thread, AVX-512: 10-19% more GB/s at M = 1 and 0-9% at M = 2-4 without
-// it). With more FMAs per weight byte the prefetch pays again (M = 8 with AVX-512 and M = 4
-// with AVX2 were 5-30% slower without it): benchmarks/README.md, "GEMV on both cores".
+// it (cold weights, one thread, AVX-512: 11-35% more GB/s at M = 1 and -5..+10% at M = 2-4
+// without it). With more FMAs per weight byte the prefetch pays again (M = 8 with AVX-512 and
+// M = 4 with AVX2 were up to 15% and 30% slower without it): benchmarks/README.md, "GEMV on
+// both cores".
 constexpr int kStreamRows = MR / 2;
 // Weights of at least this many elements are split across the threads even for one row of x:
 // a one-row GEMM is a weight stream, which two cores read faster than one (each thread its own
