@@ -77,6 +77,25 @@ def check(lib, m: int, k: int) -> None:
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6 + 2e-7 * k)
 
 
+@pytest.mark.parametrize("m", [1, 2, 4])
+def test_decode_rows_split_across_threads(lib, m):
+    """A decode-sized x (1-4 rows) over a weight of >= 2^16 elements, which the kernel splits
+    across the threads whatever M: 7 panels, so two or three threads get runs of different
+    lengths. Equal to F.linear, and bit for bit the one-thread result (the summation order
+    depends on M and K only, never on the thread count)."""
+    nr = lib.ps_gemm_panel_width()
+    n = 7 * nr
+    k = -(-(1 << 16) // n) + 3
+    gen = torch.Generator().manual_seed(m)
+    weight = torch.randn(n, k, generator=gen)
+    bias = torch.randn(n, generator=gen)
+    x = torch.randn(m, k, generator=gen)
+    one = run(lib, x, weight, bias, 1)
+    for threads in (2, 3):
+        assert torch.equal(run(lib, x, weight, bias, threads), one)
+    torch.testing.assert_close(one, F.linear(x, weight, bias), rtol=1e-5, atol=1e-6 + 2e-7 * k)
+
+
 def test_pack_refuses_what_it_cannot_hold():
     nr = gemm.panel_width()
     with pytest.raises(ValueError, match="multiple of"):

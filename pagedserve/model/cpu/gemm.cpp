@@ -82,6 +82,18 @@ constexpr int NV = 2, MR = 4;
 
 constexpr int NR = NV * VW;
 constexpr int kPrefetchRows = 32;  // k steps ahead: 4 KB of an AVX-512 panel
+// Up to this many rows of x (a decode of a few sequences: 1-4 with AVX-512, 1-2 with AVX2) a
+// call is a pure weight stream: the hardware prefetchers keep a linear read of the panels ahead
+// on their own, and a software prefetch per k step only takes load slots and miss buffers from
+// it (cold weights, one thread, AVX-512: 11-35% more GB/s at M = 1 and -5..+10% at M = 2-4
+// without it). With more FMAs per weight byte the prefetch pays again (M = 8 with AVX-512 and
+// M = 4 with AVX2 were up to 15% and 30% slower without it): benchmarks/README.md, "GEMV on
+// both cores".
+constexpr int kStreamRows = MR / 2;
+// Weights of at least this many elements are split across the threads even for one row of x:
+// a one-row GEMM is a weight stream, which two cores read faster than one (each thread its own
+// contiguous run of panels), and a 2-thread team costs ~1 us against ~10 us to read 64K floats.
+constexpr int64_t kParallelWeight = int64_t(1) << 16;
 
 // R rows of x (R <= MR) times one packed panel: out[r, 0:NR] = bias + x[r, :] . panel.
 // Prefetch plan of one pass: at k step k, `lines` cache lines from base + k * step bytes.
@@ -317,12 +329,16 @@ void ps_gemm(const float* x, int64_t ldx, int64_t M, int64_t K, const float* pac
     // meets every panel, then the next block: the weight is re-read once per block instead,
     // at M / MC times its size, which a block this tall amortises (>= 128 FLOP per weight byte).
     const int64_t mc_rows = std::max<int64_t>(MR, ((int64_t(1) << 18) / std::max<int64_t>(K, 1)) / MR * MR);
-    // A parallel region costs a few microseconds: not worth it for a layer this small.
-    const bool parallel = num_threads > 1 && panels > 1 && M * N * K >= (int64_t(1) << 18);
+    // A parallel region costs a few microseconds: not worth it for a layer this small. A small x
+    // is a weight stream (kParallelWeight), so the weight's size decides there, not the FLOPs.
+    const bool parallel = num_threads > 1 && panels > 1 && (M * N * K >= (int64_t(1) << 18) || N * K >= kParallelWeight);
+    const bool stream = M <= kStreamRows;
 #pragma omp parallel num_threads(num_threads) if (parallel)
     for (int64_t m0 = 0; m0 < M; m0 += mc_rows) {
         const int64_t m1 = std::min(M, m0 + mc_rows);
-#pragma omp for schedule(static)
+        // Static split: each thread one contiguous run of panels, the same run for every row
+        // block, so no thread waits for another between blocks (they share no output).
+#pragma omp for schedule(static) nowait
         for (int64_t p = 0; p < panels; ++p) {
             const float* panel = packed + p * K * NR;
             const float* panel_bias = bias ? bias + p * NR : nullptr;
@@ -335,7 +351,8 @@ void ps_gemm(const float* x, int64_t ldx, int64_t M, int64_t K, const float* pac
                 // the next panel (K x NR floats = 2K lines), one line per k step, so its own
                 // first pass runs from L2.
                 const Prefetch pf =
-                    pass == 0   ? Prefetch{reinterpret_cast<const char*>(panel + kPrefetchRows * NR), NR * 4, NR * 4 / 64}
+                    stream      ? Prefetch{nullptr, 0, 0}
+                    : pass == 0 ? Prefetch{reinterpret_cast<const char*>(panel + kPrefetchRows * NR), NR * 4, NR * 4 / 64}
                     : pass <= 2 ? Prefetch{next + (pass - 1) * K * 64, 64, 1}
                                 : Prefetch{nullptr, 0, 0};
                 kKernels[rows - 1](x + m * ldx, ldx, panel, K, panel_bias, out + m * ldo + p * NR, ldo, pf);
