@@ -105,3 +105,15 @@ def test_disconnect_aborts_in_the_core_and_bad_input_changes_nothing(split_serve
     assert r.status_code == 400 and "prompt" in r.json()["error"]["message"]
     assert httpx.get(split_server.url + "/health").status_code == 200
     assert split_server.async_engine.client.process.is_alive()
+
+
+def test_auto_runs_the_engine_core_in_its_own_process_on_cpu_and_cuda():
+    """`pagedserve serve`'s default: process on both devices (docs/scaling.md has the CPU
+    measurement); an explicit mode is kept, anything else refused by name."""
+    from pagedserve.server.launcher import resolve_engine_core_mode
+
+    assert resolve_engine_core_mode("auto", "cpu") == "process"
+    assert resolve_engine_core_mode("auto", "cuda") == "process"
+    assert resolve_engine_core_mode("thread", "cpu") == "thread"
+    with pytest.raises(ValueError, match="engine_core_mode"):
+        resolve_engine_core_mode("threads", "cpu")

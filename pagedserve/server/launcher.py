@@ -17,8 +17,8 @@ ENGINE_CORE_MODES = ("auto", "thread", "process")
 
 
 def resolve_engine_core_mode(mode: str, device: str) -> str:
-    """auto: its own process on CUDA (the GPU must never wait on the GIL); on CPU the
-    measured faster of the two (benchmarks/scaleout.py; docs/scaling.md)."""
+    """auto: its own process, on CUDA (the GPU must never wait on the GIL) and on CPU, where it
+    was the faster of the two on an otherwise idle machine (docs/scaling.md)."""
     if mode not in ENGINE_CORE_MODES:
         raise ValueError(f"engine_core_mode: must be one of {ENGINE_CORE_MODES}, got {mode!r}")
     if mode != "auto":
@@ -26,7 +26,7 @@ def resolve_engine_core_mode(mode: str, device: str) -> str:
     return "process" if device == "cuda" else CPU_DEFAULT_ENGINE_CORE_MODE
 
 
-CPU_DEFAULT_ENGINE_CORE_MODE = "thread"
+CPU_DEFAULT_ENGINE_CORE_MODE = "process"
 
 # Admission bounds, in sequences (a request of p prompts with n samples is p x n of them).
 # One request may hold at most two default batches (max_num_seqs 128): enough for any batch a
