@@ -94,19 +94,9 @@ SERVER_KEYS = frozenset({
 })
 
 
-def knob_given(args: argparse.Namespace, name: str) -> bool:
-    """Whether the user set knob `name` (by its flag or in the --config file)."""
-    if getattr(args, name, None) is not None:
-        return True
-    if getattr(args, "config", None):
-        with open(args.config) as f:
-            loaded = yaml.safe_load(f) or {}
-        return isinstance(loaded, dict) and any(str(k).replace("-", "_") == name for k in loaded)
-    return False
-
-
-def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
-    """Flags override the YAML file, which overrides defaults. Raises ValueError naming the knob."""
+def _config_file_knobs(args: argparse.Namespace) -> dict:
+    """The --config YAML file's engine knobs by name (server keys skipped); {} without one.
+    Raises ValueError naming the file for anything else in it."""
     values: dict = {}
     if getattr(args, "config", None):
         with open(args.config) as f:
@@ -120,6 +110,17 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
                 values[name] = value
             elif name not in SERVER_KEYS:
                 raise ValueError(f"config: unknown key {key!r} in {args.config}")
+    return values
+
+
+def knob_given(args: argparse.Namespace, name: str) -> bool:
+    """Whether the user set knob `name` (by its flag or in the --config file)."""
+    return getattr(args, name, None) is not None or name in _config_file_knobs(args)
+
+
+def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
+    """Flags override the YAML file, which overrides defaults. Raises ValueError naming the knob."""
+    values = _config_file_knobs(args)
     for flag, _ in _FLAGS:
         name = _dest(flag)
         v = getattr(args, name, None)

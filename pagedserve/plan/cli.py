@@ -96,7 +96,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     budget.add_argument("--max-model-len", type=_positive_int("--max-model-len"),
                         help="default: the model's max_position_embeddings")
     budget.add_argument("--max-num-seqs", type=_positive_int("--max-num-seqs"),
-                        help="sizes the sampler buffer (default 256) and is checked against the pool")
+                        help="sizes the sampler buffer (default: vLLM's server default, 1024 on >=70 GiB GPUs "
+                             "other than A100, else 256) and is checked against the pool")
     budget.add_argument("--max-num-batched-tokens", type=_positive_int("--max-num-batched-tokens"),
                         help="token budget per step; sizes the activation peak (default: vLLM's server default, "
                              "8192 on >=70 GiB GPUs other than A100, else 2048)")

@@ -111,12 +111,12 @@ def build_deployment(config: EngineConfig, model: str, *, gpu: str | None = None
         # vLLM's defaults for this GPU and usage context (plan/budget.vllm_batch_defaults):
         # max_num_seqs only when the caller says the user left it unset (EngineConfig's own
         # default is the CPU engine's).
-        tokens_default, _ = vllm_batch_defaults(spec.memory_bytes, spec.name, usage)
+        tokens_default, seqs_default = vllm_batch_defaults(spec.memory_bytes, spec.name, usage,
+                                                           config.max_num_batched_tokens)
         if config.max_num_batched_tokens is None and config.enable_chunked_prefill:
             config.max_num_batched_tokens = tokens_default
         if max_num_seqs_unset:
-            config.max_num_seqs = vllm_batch_defaults(spec.memory_bytes, spec.name, usage,
-                                                      config.max_num_batched_tokens)[1]
+            config.max_num_seqs = seqs_default
         config.resolve(shape.max_position_embeddings or 8192)
         if weight_dtype is None:
             weight_dtype = info.checkpoint_dtype if config.dtype == "auto" else config.dtype
