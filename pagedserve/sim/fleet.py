@@ -44,6 +44,7 @@ from typing import Sequence
 
 from pagedserve.bench.report import RequestRecord
 from pagedserve.bench.workloads import WorkloadRequest
+from pagedserve.core.engine_core import check_request_length
 from pagedserve.core.request import Request
 from pagedserve.fleet.routing import make_router
 from pagedserve.sampling import SamplingParams
@@ -52,7 +53,7 @@ from pagedserve.sim.cost_model import ServingOverhead
 from pagedserve.sim.executor import SimExecutor
 from pagedserve.sim.report import compute_metrics
 from pagedserve.sim.serving_loop import HeapSends, ServingLoop
-from pagedserve.sim.simulator import Deployment, VirtualClock, _prompt_ids, build_core, check_request_length
+from pagedserve.sim.simulator import Deployment, VirtualClock, _prompt_ids, build_core
 
 
 FLEET_OVERHEAD_PATH = Path(__file__).with_name("fleet_overhead.json")

@@ -30,6 +30,7 @@ with detokenization in the API process, the same split as here.
 """
 from __future__ import annotations
 
+import functools
 import json
 from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
@@ -62,12 +63,19 @@ _SERVING_KEYS = ("admit_s", "admit_per_prompt_token_s", "deliver_s", "deliver_pe
 
 def vllm_serving(path: str | Path | None = None) -> dict | None:
     """vLLM's measured serving-layer terms (the probe machine's speed) and their source, or None
-    when no measurement is shipped."""
+    when no measurement is shipped. Read once per file (a sweep builds a deployment per point),
+    as the shipped probe file is (default_host_overhead)."""
+    terms = _read_vllm_serving(str(path or VLLM_SERVING_PATH))
+    return dict(terms) if terms is not None else None
+
+
+@functools.lru_cache(maxsize=8)
+def _read_vllm_serving(path: str) -> dict | None:
     try:
-        fit = json.loads(Path(path or VLLM_SERVING_PATH).read_text())["fit"]
+        fit = json.loads(Path(path).read_text())["fit"]
     except (OSError, KeyError, ValueError):
         return None
-    return {**{k: float(fit[k]) for k in _SERVING_KEYS}, "source": fit.get("source", str(path))}
+    return {**{k: float(fit[k]) for k in _SERVING_KEYS}, "source": fit.get("source", path)}
 
 
 @dataclass

@@ -36,7 +36,7 @@ from typing import Callable, Sequence
 
 from pagedserve.bench.workloads import WorkloadRequest
 from pagedserve.config import EngineConfig, resolve_dtype, resolve_kv_cache_dtype
-from pagedserve.core.engine_core import check_pool_fits, check_request_length, size_pool  # noqa: F401 - re-exported
+from pagedserve.core.engine_core import check_pool_fits, size_pool
 from pagedserve.core.request import Request
 from pagedserve.core.snapshot import take_snapshot
 from pagedserve.plan.kv_budget import KVPoolSize
