@@ -43,6 +43,13 @@ def write_result(name: str, result: dict) -> Path:
     return path
 
 
+def quantile(values: list[float], q: float) -> float:
+    """The q-quantile (0-1) as the nearest lower rank: a value that was measured, not interpolated
+    (step and call timings, where the 10th percentile is the runs no other load slowed)."""
+    ordered = sorted(values)
+    return ordered[int(q * (len(ordered) - 1))]
+
+
 def percentile(values: list[float], q: float) -> float:
     import numpy as np
     return float(np.percentile(values, q)) if values else float("nan")

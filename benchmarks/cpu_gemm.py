@@ -30,12 +30,13 @@ from __future__ import annotations
 import argparse
 import ctypes
 import math
-import os
 import time
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+
+from common import quantile  # noqa: E402 (benchmarks/ is the script's directory)
 
 SHAPES = {"19m": [(512, 256), (256, 256), (1376, 256), (256, 688), (32000, 256)],
           "246m": [(1536, 1024), (1024, 1024), (5632, 1024), (1024, 2816), (32000, 1024)]}
@@ -62,10 +63,6 @@ def stream_reader():
     lib.ps_stream_read.restype = ctypes.c_double
     return lib.ps_stream_read
 
-
-def quantile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[int(q * (len(ordered) - 1))]
 
 
 def cold(model: str, n: int, k: int, rows: list[int], args, dtype: torch.dtype) -> None:

@@ -23,10 +23,8 @@ import random
 import time
 from pathlib import Path
 
+from common import quantile  # noqa: E402 (benchmarks/ is the script's directory)
 
-def quantile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[int(q * (len(ordered) - 1))]
 
 
 def main() -> None:
