@@ -121,6 +121,17 @@ def _start(tmp_path, model, mode: str, timeout: float) -> Served:
     return Served(tmp_path, model, *flags)
 
 
+def _startup_heaps_frozen(log: str, mode: str) -> None:
+    """Every long-lived process of the server froze its startup heap (utils.freeze_startup_heap:
+    a full collection over it stalled a step or an SSE write ~0.5 s): the API process, the engine
+    core in its own process, each tensor-parallel rank."""
+    frozen = re.findall(r"(api server|engine core \d+|rank \d+): (\d+) startup objects frozen", log)
+    who = {name for name, n in frozen if int(n) > 10_000}  # the model's process holds ~350,000
+    expected = {"api server"} | ({"engine core 0"} if mode != "thread" else set()) | (
+        {"rank 0", "rank 1"} if mode == "tp2" else set())
+    assert expected <= who, f"frozen: {frozen}; expected {sorted(expected)}\n{log[-3000:]}"
+
+
 def _exit_clean(server: Served, pids: list[int]) -> None:
     code = server.wait_exit()
     log = server.log()
@@ -156,6 +167,7 @@ def test_shutdown_signal_refuses_new_requests_and_lets_those_in_flight_finish(tm
             t.join(DEADLINE)
         assert not any(t.is_alive() for t in threads), "a request in flight hung"
         _exit_clean(server, pids)
+        _startup_heaps_frozen(server.log(), mode)
     finally:
         if server.proc.poll() is None:
             server.kill()

@@ -31,6 +31,7 @@ from pagedserve.engine.core_loop import CoreLoop, Inbox, pool_layout
 from pagedserve.engine.core_wire import ENCODER, TO_CORE_DECODER, DeadMsg, ReadyMsg
 from pagedserve.engine.llm_engine import build_engine_core
 from pagedserve.worker.worker import set_parent_death_signal
+from pagedserve.utils import freeze_startup_heap
 
 logger = logging.getLogger("pagedserve.engine")
 
@@ -57,6 +58,7 @@ def run_engine_core(settings: ResolvedConfig, in_addr: str, out_addr: str) -> No
         out_sock.close(linger=2000)
         ctx.term()
         os._exit(1)
+    freeze_startup_heap(f"engine core {settings.config.data_parallel_rank}")
     worker_pids = core.executor.worker_pids()
     out_sock.send(ENCODER.encode(ReadyMsg(core.snapshot(), os.getpid(), worker_pids, pool_layout(core))))
     code = EngineCoreProcess(core, in_sock, out_sock, settings.config.data_parallel_rank).run()  # the I/O threads close their sockets first

@@ -36,6 +36,7 @@ import msgspec
 from pagedserve.config import ResolvedConfig
 from pagedserve.core.outputs import StepResult
 from pagedserve.core.scheduler import SchedulerOutput
+from pagedserve.utils import freeze_startup_heap
 
 logger = logging.getLogger("pagedserve.worker")
 
@@ -197,6 +198,7 @@ def run_worker_process(spec: WorkerSpec, rank: int, world_size: int, master_port
     try:
         worker.init_distributed("127.0.0.1", master_port, device)
         worker.load(device)
+        freeze_startup_heap(f"rank {rank}")  # this process lives and dies with its engine
         reply_conn.send_bytes(ENCODER.encode(Reply(value=os.getpid())))
         while True:
             reply = worker.handle(cmd_conn.recv_bytes())
