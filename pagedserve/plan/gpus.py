@@ -67,10 +67,13 @@ _AR_H200 = tuple(zip(_AR_SIZES, (52.96, 88.78, 138.44, 181.94, 240.41, 300.91, 3
                                  467.58, 472.57, 477.41, 479.98)))
 _AR_MI300X = tuple(zip(_AR_SIZES, (22.41, 43.41, 82.53, 131.57, 171.46, 230.35, 266.34, 290.81, 302.80, 308.89,
                                    313.92, 315.06, 314.85, 316.82)))
-# FlashAttention-2 forward on A100-SXM4-80GB: 179.5 TFLOP/s (head dim 64, batch 2, sequence 8,192; ND A100 v4,
-# "Flash Attention 2.0"). vLLM runs FA2 on Ampere (vllm-flash-attn; FA3 needs Hopper), so the figure is the
-# kernel's own rate for A100 prefill attention; head dim 128 (Llama, Qwen) runs no slower in FA2 (Dao 2023,
-# fig. 4), so it is a floor. The 40 GB part has the same GA100 compute (312 TFLOP/s): the same figure. Not
+# FlashAttention-2 on A100-SXM4-80GB: 179.5 TFLOP/s (ND A100 v4, "Flash Attention 2.0": the first block of
+# Dao-AILab's benchmarks/benchmark_flash_attention.py at batch 2 x 8,192 tokens, i.e. non-causal, head dim 64;
+# the file does not say whether its figure is the forward or the forward + backward rate, and the guide's later
+# script reports fwd + bwd). vLLM runs FA2 on Ampere (vllm-flash-attn; FA3 needs Hopper). As a prefill rate it
+# is a floor on each count: FA2's forward outruns its backward, head dim 128 (Llama, Qwen) runs faster than 64
+# (Dao 2023, figs. 4-6), and a chunk after a long prefix is mostly the non-causal rectangle. The 40 GB part has
+# the same GA100 compute (312 TFLOP/s): the same figure. Not
 # set elsewhere: the H100 / H200 files measure FA2 (327.9 / 329.3 TFLOP/s, head dim 128), but vLLM runs FA3 on
 # Hopper; MI300X's (328.6, head dim 64) is the ROCm FA2 port, while vLLM-ROCm's default prefill kernel was its
 # Triton one.
