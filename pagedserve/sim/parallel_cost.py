@@ -125,7 +125,8 @@ class ParallelCostModel:
         self.act_bytes = 4 if dtype_bytes(weight_dtype) == 4 else 2
         # the per-rank roofline without communication: this module adds that itself
         self.inner = CostModel(ModelCost.from_shape(shape, weight_dtype, kv_dtype, tp),
-                               replace(params, link_bandwidth=0.0, allreduce_latency_s=0.0, allreduce_busbw=[]), block_size)
+                               replace(params, link_bandwidth=0.0, allreduce_latency_s=0.0, allreduce_busbw=[]),
+                               block_size)
         self.model = self.inner.model
         self.stages: list[_Stage] = []
         first_layer = 0
@@ -311,7 +312,8 @@ class DPExpertParallelCost:
         self.act_bytes = 4 if dtype_bytes(weight_dtype) == 4 else 2
         # one core's roofline without communication (this class adds the exchange)
         self.inner = CostModel(ModelCost.from_shape(shape, weight_dtype, kv_dtype, 1),
-                               replace(params, link_bandwidth=0.0, allreduce_latency_s=0.0, allreduce_busbw=[]), block_size)
+                               replace(params, link_bandwidth=0.0, allreduce_latency_s=0.0, allreduce_busbw=[]),
+                               block_size)
         self.model = self.inner.model
         self.moe_layers = shape.num_layers - shape.first_dense_layers
         expert = 3 * shape.hidden_size * shape.moe_intermediate_size
