@@ -91,7 +91,8 @@ KERNEL_LAUNCH_S = {"cuda": 1.3e-6, "hip": 3.865e-6}
 # (GpuSpec.allreduce_busbw, measured on 8 GPUs: used only at TP 8), interpolated log-log between the measured
 # sizes; a smaller message keeps the custom kernel's latency + link bandwidth (ALLREDUCE_LATENCY_S, below),
 # as does any chip or TP degree nobody measured. nccl-tests times each call with its own launch, which a
-# large message hides (a 8 MiB all-reduce on 8 MI300X takes ~112 us at 131.6 GB/s bus bandwidth).
+# large message hides (an 8 MiB all-reduce on 8 MI300X takes ~112 us at 131.6 GB/s bus bandwidth). The custom
+# kernel runs on MI300X too: AMD's vLLM fork from May 2024 (ROCm/vllm#27), upstream from vllm-project/vllm#14125.
 CUSTOM_ALLREDUCE_MAX_BYTES = 8 * 2**20
 
 
