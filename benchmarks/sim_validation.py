@@ -5,7 +5,8 @@
     python benchmarks/sim_validation.py --live             # + the live server on this machine
                                                            #   (runs benchmarks/sim_vs_real.py, ~25 min)
     python benchmarks/sim_validation.py --no-serving-overhead   # the GPU presets without the serving layer
-    python benchmarks/sim_validation.py --without launch       # a GPU-preset term left out (mem_share, launch, split)
+    python benchmarks/sim_validation.py --without launch       # a GPU-preset term left out (mem_share, launch, split,
+                                                               #   nccl_curve, fa2, mi300x_fp8)
 
 Published runs: benchmarks/data/published_gpu_runs.json, gathered for this script: each case
 has its URL, the engine and flags it ran, the model, GPU, TP, the workload (a replay of the
@@ -213,6 +214,17 @@ def without_terms(terms: list[str]) -> None:
     if "split" in terms:
         from pagedserve.sim import host_overhead
         host_overhead.TOKENIZE_OFF_LOOP = False
+    device_figures = {"nccl_curve": {"allreduce_busbw": (), "allreduce_gpus": 0},
+                      "fa2": {"attention_tflops": 0.0}, "mi300x_fp8": {"matmul_fp8_tflops": 0.0}}
+    if set(terms) & set(device_figures):
+        import dataclasses
+
+        from pagedserve.plan import gpus
+        for key, spec in list(gpus.GPU_PRESETS.items()):
+            for term in set(terms) & set(device_figures):
+                if term != "mi300x_fp8" or spec.name == "MI300X":
+                    spec = dataclasses.replace(spec, **device_figures[term])
+            gpus.GPU_PRESETS[key] = spec
 
 
 def main() -> int:
@@ -221,10 +233,12 @@ def main() -> int:
     ap.add_argument("--live", action="store_true", help="also the live server on this machine (sim_vs_real.py)")
     ap.add_argument("--repeats", type=int, default=3, help="--live: real runs per workload")
     ap.add_argument("--no-serving-overhead", dest="serving_overhead", action="store_false")
-    ap.add_argument("--without", nargs="+", default=[], choices=("mem_share", "launch", "split"),
+    ap.add_argument("--without", nargs="+", default=[],
+                    choices=("mem_share", "launch", "split", "nccl_curve", "fa2", "mi300x_fp8"),
                     help="leave a GPU-preset term out: the chips' measured STREAM share (every chip at the "
                          "H100 reference), the per-kernel launch cost, or the admission's split at its "
-                         "tokenizer await (one block of loop work instead)")
+                         "tokenizer await (one block of loop work instead); the measured device figures of "
+                         "plan/gpus.py: NCCL/RCCL all-reduce curves, A100's FA2 rate, MI300X's fp8 GEMM")
     ap.add_argument("--host-profile", choices=("vllm", "pagedserve"), default="pagedserve")
     ap.add_argument("--out", default=str(ROOT / "results" / "sim_validation.json"))
     args = ap.parse_args()

@@ -14,6 +14,9 @@ Measured beside the datasheet, where a public measurement was at hand (0 = nobod
 Triad reaches (BabelStream, in Microsoft Azure's AI-benchmarking-guide, one VM per chip:
 https://github.com/Azure/AI-benchmarking-guide/tree/main/Azure_Results). `runtime` says whose
 graph runtime launches the step's kernels ("cuda" / "hip"): sim/cost_params.KERNEL_LAUNCH_S.
+From the same guide's result files: `attention_tflops`, its FlashAttention-2 forward figure, set only where
+FA2 is the kernel vLLM runs on that chip; `allreduce_busbw`, its nccl-tests / rccl-tests AllReduce bus
+bandwidth by message size on the VM's 8 GPUs (`allreduce_gpus`), the sizes at or above 1 MiB.
 """
 from __future__ import annotations
 
@@ -37,29 +40,62 @@ class GpuSpec:
     matmul_fp8_tflops: float = 0.0   # measured max-achievable fp8 matmul; 0 = not measured
     stream_tbps: float = 0.0  # measured STREAM Triad HBM bandwidth, TB/s; 0 = not measured
     runtime: str = "cuda"     # "cuda" (CUDA graphs) or "hip" (HIP graphs): the per-kernel launch cost
+    # measured prefill-attention rate, TFLOP/s, of the kernel vLLM runs on this chip; 0 = none at hand
+    attention_tflops: float = 0.0
+    # measured all-reduce bus bandwidth by message size ((bytes, GB/s), ...), on `allreduce_gpus` GPUs of one
+    # node; () = not measured (the link's datasheet figure x link_efficiency prices every message)
+    allreduce_busbw: tuple = ()
+    allreduce_gpus: int = 0
 
     def to_dict(self) -> dict:
         return asdict(self)
 
 
 _NV = "https://www.nvidia.com/en-us/data-center/"
+_MiB = 2**20
+# AllReduce bus bandwidth, GB/s, in-place, 1 MiB .. 8 GiB by powers of two (the result files' "1M" .. "8G" rows),
+# 8 GPUs of one Azure VM (Azure/AI-benchmarking-guide, Azure_Results/<VM>_results.md, "NCCL Bandwidth" /
+# "RCCL Bandwidth"). A100: ND A100 v4 (A100-SXM4-80GB, NCCL 2.18.5); H100: ND H100 v5 (NCCL 2.18.5); H200: ND
+# H200 v5 (NCCL 2.20.5); MI300X: ND MI300X v5 (RCCL 2.22.3). The H100 and MI300X files are in the guide's forks
+# yosoyjay/ and samuel-bohman/AI-benchmarking-guide.
+_AR_SIZES = tuple(_MiB * 2**i for i in range(14))
+_AR_A100 = tuple(zip(_AR_SIZES, (36.22, 53.54, 71.43, 89.99, 109.22, 132.77, 166.63, 174.18, 213.87, 221.58,
+                                 228.10, 230.22, 230.48, 231.58)))
+_AR_H100 = tuple(zip(_AR_SIZES, (43.70, 81.93, 128.73, 172.13, 234.45, 295.53, 361.78, 400.61, 423.38, 438.46,
+                                 466.35, 472.36, 475.54, 478.87)))
+_AR_H200 = tuple(zip(_AR_SIZES, (52.96, 88.78, 138.44, 181.94, 240.41, 300.91, 368.11, 412.45, 432.24, 442.72,
+                                 467.58, 472.57, 477.41, 479.98)))
+_AR_MI300X = tuple(zip(_AR_SIZES, (22.41, 43.41, 82.53, 131.57, 171.46, 230.35, 266.34, 290.81, 302.80, 308.89,
+                                   313.92, 315.06, 314.85, 316.82)))
+# FlashAttention-2 on A100-SXM4-80GB: 179.5 TFLOP/s (ND A100 v4, "Flash Attention 2.0": the first block of
+# Dao-AILab's benchmarks/benchmark_flash_attention.py at batch 2 x 8,192 tokens, i.e. non-causal, head dim 64;
+# the file does not say whether its figure is the forward or the forward + backward rate, and the guide's later
+# script reports fwd + bwd). vLLM runs FA2 on Ampere (vllm-flash-attn; FA3 needs Hopper). As a prefill rate it
+# is a floor on each count: FA2's forward outruns its backward, head dim 128 (Llama, Qwen) runs faster than 64
+# (Dao 2023, figs. 4-6), and a chunk after a long prefix is mostly the non-causal rectangle. The 40 GB part has
+# the same GA100 compute (312 TFLOP/s): the same figure. Not
+# set elsewhere: the H100 / H200 files measure FA2 (327.9 / 329.3 TFLOP/s, head dim 128), but vLLM runs FA3 on
+# Hopper; MI300X's (328.6, head dim 64) is the ROCm FA2 port, while vLLM-ROCm's default prefill kernel was its
+# Triton one.
+_FA2_A100 = 179.5
 GPU_PRESETS: dict[str, GpuSpec] = {
     spec.name.lower(): spec
     for spec in [
         # STREAM not measured on the 40 GB part (HBM2 at 1,555 GB/s, not the 80 GB's HBM2e): stream_tbps 0
-        GpuSpec("A100-40GB", 40960 * MiB, 1555, 312, 600, 32, 0, _NV + "a100/", matmul_bf16_tflops=271.2),
+        GpuSpec("A100-40GB", 40960 * MiB, 1555, 312, 600, 32, 0, _NV + "a100/", matmul_bf16_tflops=271.2,
+                attention_tflops=_FA2_A100),
         # CUDA reports 79.15 GiB total on A100-80GB in vLLM's start-up logs.
         # STREAM Triad 1.70 TB/s: Azure ND A100 v4 (A100-SXM4-80GB), Azure_Results/ND_A100_v4_results.md
         GpuSpec("A100-80GB", int(79.15 * GiB), 2039, 312, 600, 32, 0, _NV + "a100/", matmul_bf16_tflops=271.2,
-                stream_tbps=1.70),
+                stream_tbps=1.70, attention_tflops=_FA2_A100, allreduce_busbw=_AR_A100, allreduce_gpus=8),
         # 79.22 GiB: vLLM's "total_gpu_memory" on H100 (vllm-project/vllm PR #10511).
         # STREAM Triad 2.97 TB/s: Azure ND H100 v5, Azure_Results/ND_H100_v5_results.md
         GpuSpec("H100-SXM", int(79.22 * GiB), 3350, 989, 900, 64, 1979, _NV + "h100/", matmul_bf16_tflops=794.5,
-                matmul_fp8_tflops=1402.6, stream_tbps=2.97),
+                matmul_fp8_tflops=1402.6, stream_tbps=2.97, allreduce_busbw=_AR_H100, allreduce_gpus=8),
         # MAMF bf16: "H200 is the same" as H100 (the table's note); fp8 measured on H200 itself
         # STREAM Triad 4.15 TB/s: Azure ND H200 v5, Azure_Results/ND_H200_v5_results.md
         GpuSpec("H200", 143771 * MiB, 4800, 989, 900, 64, 1979, _NV + "h200/", matmul_bf16_tflops=794.5,
-                matmul_fp8_tflops=1453.4, stream_tbps=4.15),
+                matmul_fp8_tflops=1453.4, stream_tbps=4.15, allreduce_busbw=_AR_H200, allreduce_gpus=8),
         # no NVLink: peers talk over PCIe 4.0
         GpuSpec("L40S", 46068 * MiB, 864, 362, 32, 32, 733, _NV + "l40s/"),
         GpuSpec("RTX-4090", 24564 * MiB, 1008, 165, 32, 32, 330,  # nvidia-smi: 24564MiB; fp8 w/ fp16 accumulate
@@ -80,13 +116,17 @@ GPU_PRESETS: dict[str, GpuSpec] = {
                 matmul_bf16_tflops=828.6, matmul_fp8_tflops=1535.0),
         # MI300X: 192 GB HBM3 at 5.3 TB/s, bf16 1,307.4 / fp8 2,614.9 dense TFLOP/s, Infinity Fabric
         # 896 GB/s aggregate to its 7 peers, PCIe 5.0 x16. Capacity: the datasheet's 192 GB.
-        # MAMF bf16 668.4 (ROCm 6.3, TunableOp on; 51% of the datasheet, against H100's 80%); fp8 not measured.
+        # MAMF bf16 668.4 (ROCm 6.3, TunableOp on; 51% of the datasheet, against H100's 80%). fp8: 1,222.9 TFLOP/s,
+        # hipBLASLt FP8 at 8192^3, random inputs, 10,000 warm-up iterations (Azure ND MI300X v5, "GEMM HipBLASLt";
+        # the best of its nine shapes: 16384^3 1,081.4, 6144x12288x12288 1,148.7): a fixed-shape figure, not a
+        # search over shapes as MAMF is, so if anything low.
         # STREAM Triad 4.10 TB/s (77% of 5.3, against H100's 89%): Azure ND MI300X v5,
         # Azure_Results/ND_MI300X_v5_results.md (the file as Azure's guide published it, stored in its forks
         # yosoyjay/AI-benchmarking-guide and samuel-bohman/AI-benchmarking-guide: 4.10 and 4.09).
         GpuSpec("MI300X", 192 * 10**9, 5300, 1307.4, 896, 64, 2614.9,
                 "https://www.amd.com/en/products/accelerators/instinct/mi300/mi300x.html", matmul_bf16_tflops=668.4,
-                stream_tbps=4.10, runtime="hip"),
+                matmul_fp8_tflops=1222.9, stream_tbps=4.10, runtime="hip", allreduce_busbw=_AR_MI300X,
+                allreduce_gpus=8),
     ]
 }
 

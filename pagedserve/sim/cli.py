@@ -217,6 +217,17 @@ def run(args) -> int:
     cp = dep.cost_model.params
     print(f"host CPU per step: {cp.step_overhead_s * 1e6:.0f} us + {cp.per_request_overhead_s * 1e6:.1f} us/request + "
           f"{cp.per_token_overhead_s * 1e6:.2f} us/token", flush=True)
+    tp = config.tensor_parallel_size
+    if tp > 1 and cp.link_bandwidth:
+        small = (f"{cp.allreduce_latency_s * 1e6:.0f} us + {cp.link_bandwidth * cp.link_efficiency / 1e9:.0f} GB/s "
+                 "per all-reduce")
+        if cp.allreduce_busbw and tp == cp.allreduce_busbw_gpus:
+            mib = cp.custom_allreduce_max_bytes / 2**20
+            small += (f" below {mib:g} MiB (vLLM's custom kernel); at and above, the measured NCCL/RCCL bus "
+                      f"bandwidth at that size ({cp.allreduce_busbw_gpus} GPUs, plan/gpus.py)")
+        elif cp.allreduce_busbw:
+            small += f" (the measured NCCL/RCCL curve is for {cp.allreduce_busbw_gpus} GPUs: not used at TP {tp})"
+        print(f"TP all-reduce: {small}", flush=True)
     if dep.lockstep_cost is not None:
         print(f"DP + EP exchange: {dep.lockstep_cost.exchange_kind} per MoE layer, "
               f"{cp.allreduce_latency_s * 1e6:.0f} us per collective + "

@@ -71,7 +71,7 @@ from pagedserve.sim.calibration import (  # noqa: F401  (re-exported)
 from pagedserve.sim.cost_params import (  # noqa: F401  (re-exported)
     ALLREDUCE_LATENCY_S, CPU_NOMINAL_BANDWIDTH, CPU_NOMINAL_FLOPS, GPU_EFFICIENCY, KERNEL_LAUNCH_S,
     KV_DEQUANT_OPS_PER_VALUE, PER_REQUEST_OVERHEAD_S, REFERENCE_STREAM_SHARE, STEP_OVERHEAD_S,
-    VECTOR_SHARE_OF_PEAK_FLOPS, CostParams, default_kv_dequant_s_per_value, memory_share)
+    VECTOR_SHARE_OF_PEAK_FLOPS, CostParams, allreduce_seconds, default_kv_dequant_s_per_value, memory_share)
 from pagedserve.sim.host_overhead import HostOverhead, ServingOverhead, default_host_overhead  # noqa: F401
 from pagedserve.sim.serving_fit import fit_serving, match_client_records, read_request_trace  # noqa: F401
 from pagedserve.sim.step_work import ModelCost, StepFeatures, kernel_count, step_features  # noqa: F401  (re-exported)
@@ -144,8 +144,8 @@ class CostModel:
             attention = max(dec_f, dec_b) + max(att_f - dec_f, att_b - dec_b)
         allreduce = 0.0
         if f.num_allreduces:
-            allreduce = (2 * (tp - 1) / tp * f.allreduce_bytes * self._inv_link
-                         + f.num_allreduces * p.allreduce_latency_s)
+            allreduce = f.num_allreduces * allreduce_seconds(p, tp, f.allreduce_bytes / f.num_allreduces,
+                                                             self._inv_link)
         overhead = (p.step_overhead_s + p.per_request_overhead_s * f.num_reqs
                     + p.per_prefill_overhead_s * f.num_prefills + p.per_token_overhead_s * f.num_tokens)
         swap = f.swap_bytes * self._inv_host + (p.swap_step_overhead_s if f.swap_bytes else 0.0)

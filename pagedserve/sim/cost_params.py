@@ -2,6 +2,7 @@
 and the KV dequantization default. Split out of cost_model.py; the model itself is described there."""
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, field, fields
 
 from pagedserve.sim.host_overhead import HostOverhead, default_host_overhead
@@ -83,6 +84,44 @@ def memory_share(gpu) -> float:
 # same kernels (eagerly, where a CPU launch of ~3 us hides behind long kernels: a lower bound).
 KERNEL_LAUNCH_S = {"cuda": 1.3e-6, "hip": 3.865e-6}
 
+# All-reduces at or above vLLM's custom all-reduce limit go to NCCL / RCCL: the custom kernel (one-shot /
+# two-shot over peer buffers) takes a message only while it is smaller than `max_size`, 8 MiB by default
+# (vllm/distributed/device_communicators/custom_all_reduce.py: max_size=8192 * 1024, `inp_size < max_size`).
+# Those messages are priced from the chip's measured nccl-tests / rccl-tests bus bandwidth at that size
+# (GpuSpec.allreduce_busbw, measured on 8 GPUs: used only at TP 8), interpolated log-log between the measured
+# sizes; a smaller message keeps the custom kernel's latency + link bandwidth (ALLREDUCE_LATENCY_S, below),
+# as does any chip or TP degree nobody measured. nccl-tests times each call with its own launch, which a
+# large message hides (an 8 MiB all-reduce on 8 MI300X takes ~112 us at 131.6 GB/s bus bandwidth). The custom
+# kernel runs on MI300X too: AMD's vLLM fork from May 2024 (ROCm/vllm#27), upstream from vllm-project/vllm#14125.
+CUSTOM_ALLREDUCE_MAX_BYTES = 8 * 2**20
+
+
+def busbw_at(table, nbytes: float) -> float:
+    """Bus bandwidth (bytes/s) at message size `nbytes` from a measured ((bytes, GB/s), ...) table: log-log
+    interpolation between the measured sizes, the end figures beyond them."""
+    pts = sorted((float(b), float(g) * 1e9) for b, g in table)
+    if nbytes <= pts[0][0]:
+        return pts[0][1]
+    for (b0, g0), (b1, g1) in zip(pts, pts[1:]):
+        if nbytes <= b1:
+            w = math.log(nbytes / b0) / math.log(b1 / b0)
+            return math.exp(math.log(g0) + w * math.log(g1 / g0))
+    return pts[-1][1]
+
+
+def allreduce_seconds(params: "CostParams", tp: int, nbytes: float, inv_link: float) -> float:
+    """One all-reduce of `nbytes` over `tp` ranks: a ring's 2 (tp-1)/tp of the data over the link
+    (`inv_link`: seconds per byte) plus the fixed latency; at or above the custom all-reduce limit, on a chip
+    and TP degree with a measured NCCL/RCCL curve, that curve's bus bandwidth at this size instead."""
+    if tp <= 1 or nbytes <= 0:
+        return 0.0
+    ring = 2 * (tp - 1) / tp * nbytes
+    if (params.allreduce_busbw and tp == params.allreduce_busbw_gpus
+            and nbytes >= params.custom_allreduce_max_bytes):
+        return ring / busbw_at(params.allreduce_busbw, nbytes)
+    return ring * inv_link + params.allreduce_latency_s
+
+
 GPU_EFFICIENCY = {
     "gemm_mfu": 0.6, "gemm_mbu": 0.7, "attn_mfu": 0.4, "attn_mbu": 0.6,
     "link_efficiency": 0.7, "host_link_efficiency": 0.8,
@@ -129,6 +168,12 @@ class CostParams:
     # Idle GPU time per kernel the step launches (KERNEL_LAUNCH_S, x ModelCost.kernels_per_step); 0 = not
     # modelled (a calibrated model: its fitted per-step constant holds it).
     kernel_launch_s: float = 0.0
+    # The chip's measured NCCL/RCCL all-reduce bus bandwidth by message size ([[bytes, GB/s], ...]) on
+    # `allreduce_busbw_gpus` GPUs; messages at or above `custom_allreduce_max_bytes` run there (allreduce_seconds).
+    # Empty: every all-reduce at link_bandwidth x link_efficiency + allreduce_latency_s.
+    allreduce_busbw: list = field(default_factory=list)
+    allreduce_busbw_gpus: int = 0
+    custom_allreduce_max_bytes: float = CUSTOM_ALLREDUCE_MAX_BYTES
     gemm_mfu: float = GPU_EFFICIENCY["gemm_mfu"]
     gemm_mbu: float = GPU_EFFICIENCY["gemm_mbu"]
     attn_mfu: float = GPU_EFFICIENCY["attn_mfu"]
@@ -199,6 +244,13 @@ class CostParams:
                      matmul_share=matmul_share(gpu, "bf16"), fp8_matmul_share=matmul_share(gpu, "fp8"),
                      mem_share=memory_share(gpu), kernel_launch_s=KERNEL_LAUNCH_S[getattr(gpu, "runtime", "cuda")],
                      link_bandwidth=gpu.gpu_link_gbps * 1e9 / 2, host_bandwidth=gpu.host_link_gbps * 1e9,
+                     allreduce_busbw=[list(p) for p in getattr(gpu, "allreduce_busbw", ())],
+                     allreduce_busbw_gpus=getattr(gpu, "allreduce_gpus", 0),
                      source=f"defaults for {gpu.name}")
+        # prefill attention at the measured rate of the kernel vLLM runs on the chip, where one was measured
+        # (plan/gpus.py: FA2 on A100); elsewhere the stated attn_mfu of the datasheet peak
+        attention = getattr(gpu, "attention_tflops", 0.0)
+        if attention and gpu.bf16_tflops:
+            params.attn_mfu = attention / gpu.bf16_tflops
         host.apply(params, serving=serving_overhead)
         return params

@@ -55,6 +55,7 @@ from typing import Sequence
 from pagedserve.plan.kv_budget import ModelShape, dtype_bytes
 from pagedserve.plan.parallel import ParallelLayout, stage_layer_counts
 from pagedserve.sim.cost_model import CostModel, CostParams, ModelCost, StepFeatures, step_features
+from pagedserve.sim.cost_params import allreduce_seconds
 from pagedserve.sim.step_work import KERNELS_FIRST_STAGE, KERNELS_LAST_STAGE, KERNELS_PER_STEP_FIXED
 
 DEFAULT_GPUS_PER_NODE = 8
@@ -124,7 +125,8 @@ class ParallelCostModel:
         self.act_bytes = 4 if dtype_bytes(weight_dtype) == 4 else 2
         # the per-rank roofline without communication: this module adds that itself
         self.inner = CostModel(ModelCost.from_shape(shape, weight_dtype, kv_dtype, tp),
-                               replace(params, link_bandwidth=0.0, allreduce_latency_s=0.0), block_size)
+                               replace(params, link_bandwidth=0.0, allreduce_latency_s=0.0, allreduce_busbw=[]),
+                               block_size)
         self.model = self.inner.model
         self.stages: list[_Stage] = []
         first_layer = 0
@@ -162,8 +164,9 @@ class ParallelCostModel:
             return 0.0
         per_layer = 2 * stage.num_layers - (stage.moe_layers if self.layout.expert_parallel else 0)
         data = tokens * self.shape.hidden_size * self.act_bytes
-        return per_layer * (2 * (tp - 1) / tp * data * self._inv_link(stage.first_gpu, tp)
-                            + self.params.allreduce_latency_s)
+        if self.topology.spans_nodes(stage.first_gpu, tp):  # across nodes: the one-node curve does not apply
+            return per_layer * (2 * (tp - 1) / tp * data * self._inv_inter + self.params.allreduce_latency_s)
+        return per_layer * allreduce_seconds(self.params, tp, data, self._inv_intra)
 
     def _all_to_all(self, stage: _Stage, tokens: int) -> float:
         ep = self.layout.ep
@@ -309,7 +312,8 @@ class DPExpertParallelCost:
         self.act_bytes = 4 if dtype_bytes(weight_dtype) == 4 else 2
         # one core's roofline without communication (this class adds the exchange)
         self.inner = CostModel(ModelCost.from_shape(shape, weight_dtype, kv_dtype, 1),
-                               replace(params, link_bandwidth=0.0, allreduce_latency_s=0.0), block_size)
+                               replace(params, link_bandwidth=0.0, allreduce_latency_s=0.0, allreduce_busbw=[]),
+                               block_size)
         self.model = self.inner.model
         self.moe_layers = shape.num_layers - shape.first_dense_layers
         expert = 3 * shape.hidden_size * shape.moe_intermediate_size
