@@ -5,7 +5,8 @@
     python benchmarks/sim_validation.py --live             # + the live server on this machine
                                                            #   (runs benchmarks/sim_vs_real.py, ~25 min)
     python benchmarks/sim_validation.py --no-serving-overhead   # the GPU presets without the serving layer
-    python benchmarks/sim_validation.py --without launch       # a GPU-preset term left out (mem_share, launch, split)
+    python benchmarks/sim_validation.py --without launch       # a term left out (mem_share, launch, split,
+                                                               #   endpoint, async)
 
 Published runs: benchmarks/data/published_gpu_runs.json, gathered for this script: each case
 has its URL, the engine and flags it ran, the model, GPU, TP, the workload (a replay of the
@@ -40,6 +41,7 @@ from pagedserve.config import EngineConfig  # noqa: E402
 from pagedserve.sim.simulator import build_deployment, simulate  # noqa: E402
 
 HOST_PROFILE = "pagedserve"
+WITHOUT: list[str] = []
 DATA = Path(__file__).resolve().parent / "data" / "published_gpu_runs.json"
 GROUPS = {
     "output_throughput": "throughput", "request_throughput": "throughput",
@@ -89,7 +91,13 @@ def run_case(case: dict, models: dict, tmp: Path, serving_overhead: bool) -> dic
     dep = build_deployment(cfg, _model(case["model"], models, tmp), gpu=case["gpu"], tp=case.get("tp", 1),
                            weight_dtype=case.get("weight_dtype"),
                            serving_overhead=serving_overhead and case.get("serving_overhead", True),
-                           host_profile=HOST_PROFILE)
+                           host_profile=HOST_PROFILE,
+                           # the client's endpoint, from the case's documented command
+                           endpoint="completions" if "endpoint" in WITHOUT else case.get("endpoint", "completions"),
+                           # vLLM's profile: the case's vLLM version's async scheduling; pagedserve's
+                           # engine has none (the profile's default)
+                           async_scheduling=(None if HOST_PROFILE != "vllm" else
+                                             False if "async" in WITHOUT else case.get("async_scheduling")))
     workload, concurrency = _workload(case["workload"], dep.vocab_size)
     return simulate(dep, workload, max_concurrency=concurrency).metrics
 
@@ -213,6 +221,30 @@ def without_terms(terms: list[str]) -> None:
     if "split" in terms:
         from pagedserve.sim import host_overhead
         host_overhead.TOKENIZE_OFF_LOOP = False
+    if "delivery" in terms or "engine_loop" in terms:
+        # vLLM's profile as it was before benchmarks/serving_endpoint_probe.py: no per-step delivery
+        # term, no merging, the burst-of-16 per-output figure; or the v0.6 blog's engine loop
+        from pagedserve.sim import host_overhead
+
+        read = host_overhead.vllm_serving
+
+        def older(path=None):
+            got = read(path)
+            if got is None:
+                return None
+            fit = json.loads(Path(path or host_overhead.VLLM_SERVING_PATH).read_text())["fit"]
+            if "delivery" in terms:
+                got.update(deliver_step_s=0.0, merge_outputs=False,
+                           deliver_per_output_s=fit["deliver_per_output_s_burst16"])
+                if got.get("chat"):
+                    got["chat"] = {**got["chat"], "deliver_step_s": 0.0,
+                                   "deliver_per_output_s": fit["deliver_per_output_s_burst16"]}
+            if "engine_loop" in terms:
+                got["engine_loop"] = None
+            return got
+
+        host_overhead.vllm_serving = older
+    WITHOUT[:] = terms  # endpoint, async: read per case in run_case
 
 
 def main() -> int:
@@ -221,10 +253,15 @@ def main() -> int:
     ap.add_argument("--live", action="store_true", help="also the live server on this machine (sim_vs_real.py)")
     ap.add_argument("--repeats", type=int, default=3, help="--live: real runs per workload")
     ap.add_argument("--no-serving-overhead", dest="serving_overhead", action="store_false")
-    ap.add_argument("--without", nargs="+", default=[], choices=("mem_share", "launch", "split"),
+    ap.add_argument("--without", nargs="+", default=[], choices=("mem_share", "launch", "split", "endpoint", "async", "delivery",
+                                                              "engine_loop"),
                     help="leave a GPU-preset term out: the chips' measured STREAM share (every chip at the "
-                         "H100 reference), the per-kernel launch cost, or the admission's split at its "
-                         "tokenizer await (one block of loop work instead)")
+                         "H100 reference), the per-kernel launch cost, the admission's split at its "
+                         "tokenizer await (one block of loop work instead), the cases' endpoints (every case "
+                         "on /v1/completions' terms), vLLM's async scheduling (--host-profile vllm: the step's "
+                         "host work added to the device's in every case), vLLM's measured delivery per step (the "
+                         "burst-of-16 per-output figure, no per-step term, no merging) or its measured V1 engine "
+                         "loop (the v0.6 blog's 2 ms + 20 us instead)")
     ap.add_argument("--host-profile", choices=("vllm", "pagedserve"), default="pagedserve")
     ap.add_argument("--out", default=str(ROOT / "results" / "sim_validation.json"))
     args = ap.parse_args()

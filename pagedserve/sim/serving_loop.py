@@ -95,6 +95,7 @@ class ServingLoop:
     def __init__(self, serving: ServingOverhead) -> None:
         self.serving = serving
         self.api_free_at = 0.0   # the event loop is free again (serial)
+        self.frames_until = 0.0  # the latest step's frames are written by then (merge_outputs)
         self.tok_free_at = 0.0   # the tokenizer thread is free again (split)
         self.split = serving.serial and serving.tokenize_off_loop
         # Requests whose admission is done, on their way into the engine: (entry, key).
@@ -176,5 +177,11 @@ class ServingLoop:
         if not serving.serial:
             return step_end + serving.deliver(num_outputs)
         self.admit(sends, step_end, until=step_end)
-        self.api_free_at = max(step_end, self.api_free_at) + serving.deliver_per_output_s * num_outputs
+        if serving.merge_outputs and self.frames_until > step_end:
+            # the frames of the step before are still being written: these outputs go with them,
+            # the loop only takes the step's message in
+            self.api_free_at = max(step_end, self.api_free_at) + serving.deliver_step_s
+            return self.api_free_at + serving.deliver_s
+        self.api_free_at = max(step_end, self.api_free_at) + serving.deliver_work(num_outputs)
+        self.frames_until = self.api_free_at
         return self.api_free_at + serving.deliver_s
