@@ -202,7 +202,7 @@ def chat_delta(server: dict) -> dict:
             "raw": {"one_output_cells": one, "per_output_at_burst_s": per_out, "burst_streams": CHAT_BURST}}
 
 
-def ship(report: dict, engine: dict | None, report_path: str) -> None:
+def ship(report: dict, engine: dict | None, report_path: str, handover: dict | None = None) -> None:
     """The simulator's terms from a report (and, for vLLM's engine loop, vllm_engine_step_probe.py's):
     host_overhead_vllm.json gets vLLM's delivery per step and per stream (its bursts, raw: both on
     this machine), merge_outputs, a "chat" block (its completions terms + the chat deltas) and an
@@ -237,8 +237,19 @@ def ship(report: dict, engine: dict | None, report_path: str) -> None:
                                f"CPU time, N = {ns} (benchmarks/vllm_engine_step_probe.py, {engine['when']}, load "
                                f"{engine['load_before'].split()[0]}-{engine['load_after'].split()[0]}); async "
                                f"scheduling on, vLLM's default since 0.14 (vllm-project/vllm#27614)")}
+        if name == "vllm" and handover is not None:
+            # the fixed admission's part after the tokenizer await, out of the whole (kept as admit_s_whole)
+            whole = fit.setdefault("admit_s_whole", fit["admit_s"])
+            h = handover["fit"]
+            fit["handover_s"], fit["handover_per_prompt_token_s"] = h["handover_s"], h["handover_per_prompt_token_s"]
+            fit["admit_s"] = max(0.0, whole - h["handover_s"])
+            fit["handover_source"] = (f"AsyncLLM.add_request in thread CPU time, vLLM {handover['vllm']} "
+                                      f"(benchmarks/vllm_handover_probe.py, {handover['when']}, load "
+                                      f"{handover['load_before'].split()[0]}-{handover['load_after'].split()[0]}); "
+                                      f"admit_s is admit_s_whole less it")
         base = {k: fit.get(k, 0.0) for k in ("admit_s", "admit_per_prompt_token_s", "deliver_s",
-                                             "deliver_per_output_s", "deliver_step_s")}
+                                             "deliver_per_output_s", "deliver_step_s", "handover_s",
+                                             "handover_per_prompt_token_s")}
         fit["chat"] = {**base, "admit_s": base["admit_s"] + delta["admit_s"],
                        "admit_per_prompt_token_s": base["admit_per_prompt_token_s"] + delta["admit_per_prompt_token_s"],
                        "deliver_per_output_s": base["deliver_per_output_s"] + delta["deliver_per_output_s"],
@@ -308,10 +319,13 @@ def main(argv=None) -> int:
                          "instead of measuring")
     ap.add_argument("--engine", default=None, metavar="ENGINE.json",
                     help="with --ship: vllm_engine_step_probe.py's report, for vLLM's engine loop")
+    ap.add_argument("--handover", default=None, metavar="HANDOVER.json",
+                    help="with --ship: vllm_handover_probe.py's report, for vLLM's hand-over to the engine core")
     args = ap.parse_args(argv)
     if args.ship:
         ship(json.loads(Path(args.ship).read_text()),
-             json.loads(Path(args.engine).read_text()) if args.engine else None, args.ship)
+             json.loads(Path(args.engine).read_text()) if args.engine else None, args.ship,
+             json.loads(Path(args.handover).read_text()) if args.handover else None)
         return 0
     global _TOK
     from tokenizers import Tokenizer

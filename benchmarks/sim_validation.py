@@ -225,7 +225,7 @@ def without_terms(terms: list[str]) -> None:
     if "split" in terms:
         from pagedserve.sim import host_overhead
         host_overhead.TOKENIZE_OFF_LOOP = False
-    if "delivery" in terms or "engine_loop" in terms:
+    if "delivery" in terms or "engine_loop" in terms or "handover" in terms:
         # vLLM's profile as it was before benchmarks/serving_endpoint_probe.py: no per-step delivery
         # term, no merging, the burst-of-16 per-output figure; or the v0.6 blog's engine loop
         from pagedserve.sim import host_overhead
@@ -245,6 +245,12 @@ def without_terms(terms: list[str]) -> None:
                                    "deliver_per_output_s": fit["deliver_per_output_s_burst16"]}
             if "engine_loop" in terms:
                 got["engine_loop"] = None
+            if "handover" in terms:  # the whole fixed admission before the await again
+                add = fit.get("admit_s_whole", got["admit_s"]) - got["admit_s"]
+                if got.get("chat"):  # a copy: the file's terms are cached
+                    got["chat"] = {**got["chat"], "admit_s": got["chat"]["admit_s"] + add, "handover_s": 0.0,
+                                   "handover_per_prompt_token_s": 0.0}
+                got.update(admit_s=got["admit_s"] + add, handover_s=0.0, handover_per_prompt_token_s=0.0)
             return got
 
         host_overhead.vllm_serving = older
@@ -258,14 +264,15 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=3, help="--live: real runs per workload")
     ap.add_argument("--no-serving-overhead", dest="serving_overhead", action="store_false")
     ap.add_argument("--without", nargs="+", default=[], choices=("mem_share", "launch", "split", "endpoint", "async", "delivery",
-                                                              "engine_loop"),
+                                                              "engine_loop", "handover"),
                     help="leave a GPU-preset term out: the chips' measured STREAM share (every chip at the "
                          "H100 reference), the per-kernel launch cost, the admission's split at its "
                          "tokenizer await (one block of loop work instead), the cases' endpoints (every case "
                          "on /v1/completions' terms), vLLM's async scheduling (--host-profile vllm: the step's "
                          "host work added to the device's in every case), vLLM's measured delivery per step (the "
-                         "burst-of-16 per-output figure, no per-step term, no merging) or its measured V1 engine "
-                         "loop (the v0.6 blog's 2 ms + 20 us instead)")
+                         "burst-of-16 per-output figure, no per-step term, no merging), its measured V1 engine "
+                         "loop (the v0.6 blog's 2 ms + 20 us instead) or its measured hand-over after the "
+                         "tokenizer await (the whole fixed admission before it)")
     ap.add_argument("--host-profile", choices=("vllm", "pagedserve"), default="vllm",
                     help="whose serving layer and engine loop: vllm (default: what the published runs ran) or "
                          "pagedserve (this project's, as `simulate` defaults to)")

@@ -111,3 +111,21 @@ def test_outputs_that_queue_behind_the_frames_being_written_go_out_with_them():
     assert merged.deliver(sends, 1.005, 10) == pytest.approx(1.0102)
     assert plain.deliver(sends, 1.005, 10) == pytest.approx(1.0202)
     assert merged.deliver(sends, 1.05, 10) == pytest.approx(1.0601)  # the loop caught up: frames again
+
+
+def test_the_hand_over_after_the_tokenizer_await_is_loop_work_in_turn():
+    """handover_s (vLLM's add_request: input processing and the send to the engine core) runs on the
+    loop after the tokenizer: in a burst of 3 with 1 s of parse each and 0.5 s of hand-over, the parses
+    take the loop to 3 s, then the hand-overs go one after another: in the engine at 3.5 / 4 / 4.5 s,
+    by hand (without it, all three at 3 s)."""
+    def entries(handover_s):
+        loop = ServingLoop(ServingOverhead(admit_s=1.0, handover_s=handover_s, serial=True, tokenize_off_loop=True))
+        sends = HeapSends()
+        for key in range(3):
+            sends.push(0.0, key, 10)
+        loop.admit(sends, 10.0)
+        return [t for t, _ in loop.entered(10.0)]
+
+    assert entries(0.5) == pytest.approx([3.5, 4.0, 4.5])
+    assert entries(0.0) == pytest.approx([3.0, 3.0, 3.0])
+    assert ServingOverhead(admit_s=1.0, admit_per_prompt_token_s=0.01, handover_s=0.5).admit(10) == pytest.approx(1.6)

@@ -61,7 +61,8 @@ VLLM_STEP_S = 2e-3
 VLLM_PER_REQUEST_S = 20e-6
 HOST_PROFILES = ("vllm", "pagedserve")
 VLLM_SERVING_PATH = Path(__file__).with_name("host_overhead_vllm.json")
-_SERVING_KEYS = ("admit_s", "admit_per_prompt_token_s", "deliver_s", "deliver_per_output_s", "deliver_step_s")
+_SERVING_KEYS = ("admit_s", "admit_per_prompt_token_s", "deliver_s", "deliver_per_output_s", "deliver_step_s",
+                 "handover_s", "handover_per_prompt_token_s")
 _SERVING_FLAGS = ("merge_outputs",)
 # The client's endpoint (`simulate --endpoint`, as `pagedserve bench --endpoint` / `vllm bench serve
 # --backend openai|openai-chat`): /v1/completions, or /v1/chat/completions, whose request renders the
@@ -140,9 +141,18 @@ class ServingOverhead:
     # the loop work that was ready before it. So in a burst every request's parse comes before
     # the first hand-over. Without it the admission is one block of loop work.
     tokenize_off_loop: bool = False
+    # With the split: the loop's work at the hand-over, after the tokenizer await (input
+    # processing, the output processor's entry, the send to the engine core), out of the admission's
+    # fixed part: admit_s is what comes before the await. Measured for vLLM
+    # (benchmarks/vllm_handover_probe.py); 0: not measured (pagedserve's).
+    handover_s: float = 0.0
+    handover_per_prompt_token_s: float = 0.0
 
     def admit(self, prompt_len: int) -> float:
-        return self.admit_s + self.admit_per_prompt_token_s * prompt_len
+        return self.admit_s + self.admit_per_prompt_token_s * prompt_len + self.handover(prompt_len)
+
+    def handover(self, prompt_len: int) -> float:
+        return self.handover_s + self.handover_per_prompt_token_s * prompt_len
 
     def deliver(self, num_outputs: int) -> float:
         return self.deliver_s + self.deliver_step_s + self.deliver_per_output_s * num_outputs
@@ -154,7 +164,7 @@ class ServingOverhead:
     @property
     def is_zero(self) -> bool:
         return not (self.admit_s or self.admit_per_prompt_token_s or self.deliver_s or self.deliver_per_output_s
-                    or self.deliver_step_s)
+                    or self.deliver_step_s or self.handover_s or self.handover_per_prompt_token_s)
 
     def describe(self) -> str:
         if self.is_zero:
@@ -202,6 +212,8 @@ class HostOverhead:
     # The serving layer's loop work per step that delivers anything (ServingOverhead.deliver_step_s).
     deliver_step_s: float = 0.0
     merge_outputs: bool = False  # ServingOverhead.merge_outputs
+    handover_s: float = 0.0  # ServingOverhead.handover_s (out of admit_s: the part after the await)
+    handover_per_prompt_token_s: float = 0.0
     # The chat endpoint's serving terms (a probe file's "chat" block: ServingOverhead's keys, the
     # probe machine's speed); empty: not measured for this file.
     chat: dict = field(default_factory=dict)
@@ -274,7 +286,8 @@ class HostOverhead:
         note = f"{self.source}, host speed x{self.speed:g}"
         params.serving = ServingOverhead(self.admit_s * k, self.admit_per_prompt_token_s * k, self.deliver_s * k,
                                          self.deliver_per_output_s * k, source=note, deliver_step_s=self.deliver_step_s * k,
-                                         merge_outputs=self.merge_outputs,
+                                         merge_outputs=self.merge_outputs, handover_s=self.handover_s * k,
+                                         handover_per_prompt_token_s=self.handover_per_prompt_token_s * k,
                                          serial=True, tokenize_off_loop=TOKENIZE_OFF_LOOP).to_dict() if serving else {}
 
     def to_dict(self) -> dict:

@@ -102,7 +102,7 @@ class ServingLoop:
         self.pending: list[tuple[float, int]] = []
         # The admission split at its await: prompts tokenized (at, key) whose hand-over to the
         # engine waits for the loop.
-        self.handovers: list[tuple[float, int]] = []
+        self.handovers: list[tuple[float, int, int]] = []  # (tokenized at, key, prompt tokens)
 
     def busy(self) -> bool:
         """Something taken is not in the engine yet."""
@@ -132,8 +132,12 @@ class ServingLoop:
                 start = max(self.handovers[0][0], self.api_free_at)
                 if start >= until if until is not None else start > now:
                     break
-                _, key = heapq.heappop(self.handovers)
-                heapq.heappush(self.pending, (start, key))
+                _, key, prompt_len = heapq.heappop(self.handovers)
+                # the hand-over's own loop work (input processing, the send to the engine core)
+                entry = start + serving.handover(prompt_len)
+                if entry > start:
+                    self.api_free_at = entry
+                heapq.heappush(self.pending, (entry, key))
                 continue
             if sent == math.inf or sent > now:
                 break
@@ -152,7 +156,7 @@ class ServingLoop:
                 self.api_free_at = begin + serving.admit_s
                 self.tok_free_at = (max(self.api_free_at, self.tok_free_at)
                                     + serving.admit_per_prompt_token_s * prompt_len)
-                heapq.heappush(self.handovers, (self.tok_free_at, key))
+                heapq.heappush(self.handovers, (self.tok_free_at, key, prompt_len))
                 continue
             entry = begin + serving.admit(prompt_len)
             if serving.serial:
