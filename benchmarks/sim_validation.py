@@ -5,8 +5,9 @@
     python benchmarks/sim_validation.py --live             # + the live server on this machine
                                                            #   (runs benchmarks/sim_vs_real.py, ~25 min)
     python benchmarks/sim_validation.py --no-serving-overhead   # the GPU presets without the serving layer
-    python benchmarks/sim_validation.py --without launch       # a GPU-preset term left out (mem_share, launch, split,
-                                                               #   nccl_curve, fa2, mi300x_fp8)
+    python benchmarks/sim_validation.py --without launch       # a term left out (mem_share, launch, split,
+                                                               #   nccl_curve, fa2, mi300x_fp8, endpoint,
+                                                               #   async, delivery, engine_loop, handover)
 
 Published runs: benchmarks/data/published_gpu_runs.json, gathered for this script: each case
 has its URL, the engine and flags it ran, the model, GPU, TP, the workload (a replay of the
@@ -40,7 +41,12 @@ from pagedserve.bench.workloads import WorkloadRequest, make_workload  # noqa: E
 from pagedserve.config import EngineConfig  # noqa: E402
 from pagedserve.sim.simulator import build_deployment, simulate  # noqa: E402
 
-HOST_PROFILE = "pagedserve"
+# Whose serving layer and engine loop the published runs went through: vLLM's (its API server, its V1
+# engine core, async scheduling where the version had it on: each case says). The vllm profile is
+# those, measured (sim/host_overhead_vllm.json); --host-profile pagedserve prices them as this
+# project's own server and loop instead, which none of the runs used.
+HOST_PROFILE = "vllm"
+WITHOUT: list[str] = []
 DATA = Path(__file__).resolve().parent / "data" / "published_gpu_runs.json"
 GROUPS = {
     "output_throughput": "throughput", "request_throughput": "throughput",
@@ -90,7 +96,13 @@ def run_case(case: dict, models: dict, tmp: Path, serving_overhead: bool) -> dic
     dep = build_deployment(cfg, _model(case["model"], models, tmp), gpu=case["gpu"], tp=case.get("tp", 1),
                            weight_dtype=case.get("weight_dtype"),
                            serving_overhead=serving_overhead and case.get("serving_overhead", True),
-                           host_profile=HOST_PROFILE)
+                           host_profile=HOST_PROFILE,
+                           # the client's endpoint, from the case's documented command
+                           endpoint="completions" if "endpoint" in WITHOUT else case.get("endpoint", "completions"),
+                           # vLLM's profile: the case's vLLM version's async scheduling; pagedserve's
+                           # engine has none (the profile's default)
+                           async_scheduling=(None if HOST_PROFILE != "vllm" else
+                                             False if "async" in WITHOUT else case.get("async_scheduling")))
     workload, concurrency = _workload(case["workload"], dep.vocab_size)
     return simulate(dep, workload, max_concurrency=concurrency).metrics
 
@@ -225,6 +237,36 @@ def without_terms(terms: list[str]) -> None:
                 if term != "mi300x_fp8" or spec.name == "MI300X":
                     spec = dataclasses.replace(spec, **device_figures[term])
             gpus.GPU_PRESETS[key] = spec
+    if "delivery" in terms or "engine_loop" in terms or "handover" in terms:
+        # vLLM's profile as it was before benchmarks/serving_endpoint_probe.py: no per-step delivery
+        # term, no merging, the burst-of-16 per-output figure; or the v0.6 blog's engine loop
+        from pagedserve.sim import host_overhead
+
+        read = host_overhead.vllm_serving
+
+        def older(path=None):
+            got = read(path)
+            if got is None:
+                return None
+            fit = json.loads(Path(path or host_overhead.VLLM_SERVING_PATH).read_text())["fit"]
+            if "delivery" in terms:
+                got.update(deliver_step_s=0.0, merge_outputs=False,
+                           deliver_per_output_s=fit["deliver_per_output_s_burst16"])
+                if got.get("chat"):
+                    got["chat"] = {**got["chat"], "deliver_step_s": 0.0,
+                                   "deliver_per_output_s": fit["deliver_per_output_s_burst16"]}
+            if "engine_loop" in terms:
+                got["engine_loop"] = None
+            if "handover" in terms:  # the whole fixed admission before the await again
+                add = fit.get("admit_s_whole", got["admit_s"]) - got["admit_s"]
+                if got.get("chat"):  # a copy: the file's terms are cached
+                    got["chat"] = {**got["chat"], "admit_s": got["chat"]["admit_s"] + add, "handover_s": 0.0,
+                                   "handover_per_prompt_token_s": 0.0}
+                got.update(admit_s=got["admit_s"] + add, handover_s=0.0, handover_per_prompt_token_s=0.0)
+            return got
+
+        host_overhead.vllm_serving = older
+    WITHOUT[:] = terms  # endpoint, async: read per case in run_case
 
 
 def main() -> int:
@@ -234,12 +276,21 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=3, help="--live: real runs per workload")
     ap.add_argument("--no-serving-overhead", dest="serving_overhead", action="store_false")
     ap.add_argument("--without", nargs="+", default=[],
-                    choices=("mem_share", "launch", "split", "nccl_curve", "fa2", "mi300x_fp8"),
+                    choices=("mem_share", "launch", "split", "nccl_curve", "fa2", "mi300x_fp8", "endpoint", "async",
+                             "delivery", "engine_loop", "handover"),
                     help="leave a GPU-preset term out: the chips' measured STREAM share (every chip at the "
-                         "H100 reference), the per-kernel launch cost, or the admission's split at its "
+                         "H100 reference), the per-kernel launch cost, the admission's split at its "
                          "tokenizer await (one block of loop work instead); the measured device figures of "
-                         "plan/gpus.py: NCCL/RCCL all-reduce curves, A100's FA2 rate, MI300X's fp8 GEMM")
-    ap.add_argument("--host-profile", choices=("vllm", "pagedserve"), default="pagedserve")
+                         "plan/gpus.py: NCCL/RCCL all-reduce curves, A100's FA2 rate, MI300X's fp8 GEMM; "
+                         "the cases' endpoints (every case "
+                         "on /v1/completions' terms), vLLM's async scheduling (--host-profile vllm: the step's "
+                         "host work added to the device's in every case), vLLM's measured delivery per step (the "
+                         "burst-of-16 per-output figure, no per-step term, no merging), its measured V1 engine "
+                         "loop (the v0.6 blog's 2 ms + 20 us instead) or its measured hand-over after the "
+                         "tokenizer await (the whole fixed admission before it)")
+    ap.add_argument("--host-profile", choices=("vllm", "pagedserve"), default="vllm",
+                    help="whose serving layer and engine loop: vllm (default: what the published runs ran) or "
+                         "pagedserve (this project's, as `simulate` defaults to)")
     ap.add_argument("--out", default=str(ROOT / "results" / "sim_validation.json"))
     args = ap.parse_args()
     global HOST_PROFILE

@@ -2,6 +2,8 @@
 layer as one event loop, and the swap probe of calibration. Arithmetic checked by hand."""
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from pagedserve.bench.workloads import WorkloadRequest
@@ -9,7 +11,7 @@ from pagedserve.config import EngineConfig
 from pagedserve.plan.gpus import get_gpu
 from pagedserve.plan.kv_budget import ModelShape
 from pagedserve.sim.cost_model import CostModel, CostParams, ModelCost, ServingOverhead, fit, step_features
-from pagedserve.sim.host_overhead import HostOverhead, default_host_overhead
+from pagedserve.sim.host_overhead import VLLM_SERVING_PATH, HostOverhead, default_host_overhead
 from pagedserve.sim.simulator import build_deployment, simulate
 
 SHAPE = ModelShape(num_layers=2, hidden_size=8, num_attention_heads=2, num_kv_heads=1, head_dim=4,
@@ -150,7 +152,10 @@ def test_gpu_presets_model_the_host_by_default_and_only_drop_the_serving_layer_w
     assert fast.cost_model.params.step_overhead_s == pytest.approx(host.engine_step_s / 2)
     assert ServingOverhead.from_dict(fast.cost_model.params.serving).admit_s == pytest.approx(host.admit_s / 2)
     vllm = build_deployment(EngineConfig(**cfg), "llama-3.1-8b", gpu="L4", host_profile="vllm")
-    assert vllm.cost_model.params.step_overhead_s == 2e-3
+    # vLLM's V1 engine loop as measured (host_overhead_vllm.json), overlapped with the device
+    loop = json.loads(VLLM_SERVING_PATH.read_text())["fit"]["engine_loop"]
+    assert vllm.cost_model.params.step_overhead_s == pytest.approx(loop["step_s"])
+    assert vllm.cost_model.params.host_overlap and not dep.cost_model.params.host_overlap
 
 
 def test_host_overhead_terms_by_hand():
@@ -178,8 +183,10 @@ def test_the_model_runners_input_preparation_joins_the_engine_loop_except_under_
     assert (p.step_overhead_s, p.per_request_overhead_s, p.per_token_overhead_s) == \
         pytest.approx((2.1e-4 / 2, 8e-6 / 2, 6.5e-7 / 2))
     v = unit_params()
-    h.for_profile("vllm").apply(v)  # vLLM's 2 ms is its whole loop, input preparation included
-    assert (v.step_overhead_s, v.per_request_overhead_s, v.per_token_overhead_s) == pytest.approx((2e-3, 2e-5, 0.0))
+    h.for_profile("vllm").apply(v)  # vLLM's measured V1 loop is its whole loop, input preparation included
+    loop = json.loads(VLLM_SERVING_PATH.read_text())["fit"]["engine_loop"]
+    assert (v.step_overhead_s, v.per_request_overhead_s, v.per_token_overhead_s) == pytest.approx(
+        (loop["step_s"], loop["per_request_s"], 0.0))
     old = HostOverhead.from_dict({"step_s": 1e-5, "source": "host_probe on X"})  # a file from before
     assert old.runner_step_s == 0.0 and old.engine_step_s == 1e-5
 
@@ -329,6 +336,6 @@ def test_the_shipped_host_terms_say_where_they_were_measured():
     assert host.source.startswith("host_probe on ")
     assert host.step_s > 0 and host.admit_s > 0 and host.deliver_per_output_s > 0
     assert host.runner_step_s > 0 and host.runner_per_request_s > 0 and "model runner" in host.source
-    assert "engine loop: vLLM v0.6.0" in default_host_overhead(profile="vllm").source
+    assert "engine loop: vLLM 0.32.0 V1 engine core" in default_host_overhead(profile="vllm").source
     with pytest.raises(ValueError, match="host_profile"):
         default_host_overhead(profile="sglang")

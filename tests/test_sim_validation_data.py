@@ -42,3 +42,15 @@ def test_every_case_names_a_source_a_gpu_preset_and_a_model():
             assert info.shape.num_layers == cfg["num_hidden_layers"], name
         else:
             assert name in presets, f"{case['id']}: model {name} is neither a preset nor in the file's models"
+
+
+def test_every_served_case_names_its_endpoint_and_async_scheduling_from_its_source():
+    """The simulator charges the client's endpoint's serving terms and the vLLM version's async
+    scheduling (sim_validation.py reads both per case): a served case without them would run on
+    the defaults silently."""
+    for case in DATA["cases"]:
+        if case["workload"]["kind"] == "batch":
+            continue  # offline: no server
+        assert case["endpoint"] in ("completions", "chat") and case["endpoint_source"], case["id"]
+        assert isinstance(case["async_scheduling"], bool) and case["async_scheduling_source"], case["id"]
+    assert {c["endpoint"] for c in DATA["cases"] if c["id"].startswith("gpustack")} == {"chat"}

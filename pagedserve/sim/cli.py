@@ -34,6 +34,10 @@ def _add_workload_args(p: argparse.ArgumentParser) -> None:
     lo.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of inter-arrival gaps; 1 = Poisson")
     lo.add_argument("--max-concurrency", type=int, default=None, help="closed loop: at most N requests in flight")
     lo.add_argument("--goodput", nargs="+", default=None, metavar="KEY:MS", help="SLOs, e.g. ttft:500 tpot:50")
+    lo.add_argument("--endpoint", choices=("completions", "chat"), default="completions",
+                    help="the client's endpoint, as `pagedserve bench --endpoint` (vllm bench serve --backend openai / "
+                         "openai-chat): the serving layer's terms measured for it (chat renders the template and "
+                         "streams deltas); default completions")
 
 
 def _add_deployment_args(p: argparse.ArgumentParser, engine_flags: bool = True) -> None:
@@ -70,6 +74,10 @@ def _add_deployment_args(p: argparse.ArgumentParser, engine_flags: bool = True) 
                    help="GPU: whose engine loop costs each step on the host: pagedserve = this project's loop as the "
                         "host probe measured it (default), vllm = vLLM v0.6's published 2 ms + 20 us per request, with vLLM's serving layer as "
                         "benchmarks/vllm_host_probe.py measured it (pagedserve/sim/host_overhead_vllm.json)")
+    g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
+                   help="GPU: the engine schedules the next step while the device runs this one, so a step's host "
+                        "work hides under the device's (vLLM's --async-scheduling, its default since 0.14); default: "
+                        "on with --host-profile vllm, off with pagedserve")
     g.add_argument("--no-serving-overhead", dest="serving_overhead", action="store_false",
                    help="GPU: leave the serving layer's per-request CPU time (tokenize, detokenize, SSE) out")
 
@@ -198,6 +206,7 @@ def run(args) -> int:
     dep = build_deployment(config, args.model, gpu=gpu, cost_params=args.cost_model, weight_dtype=args.weight_dtype,
                            host_cpu_speed=host_speed(args.host_cpu_speed), serving_overhead=args.serving_overhead,
                            host_profile=args.host_profile, host_overhead=args.host_overhead,
+                           endpoint=args.endpoint, async_scheduling=args.async_scheduling,
                            max_num_seqs_unset=not knob_given(args, "max_num_seqs"), **shape)
     workload = build_workload(args, dep.vocab_size, dep.config.max_model_len)
     rate = "inf" if math.isinf(args.request_rate) else f"{args.request_rate:g}"

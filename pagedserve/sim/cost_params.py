@@ -211,6 +211,10 @@ class CostParams:
     kv_dequant_s_per_value: float | None = None
     # The serving layer's own time (ServingOverhead.to_dict()); empty = not modelled.
     serving: dict = field(default_factory=dict)
+    # The host's per-step work (the *_overhead_s terms) overlaps the device's: the engine schedules
+    # step n+1 while the device runs step n (vLLM's async scheduling, on by default since 0.14), so a
+    # step takes max(device, host) rather than their sum (sim/executor.py).
+    host_overlap: bool = False
     # The shapes the calibration trace held (simulate warns when a run goes beyond them).
     coverage: dict = field(default_factory=dict)
     source: str = "defaults"

@@ -15,6 +15,16 @@ import random
 from pagedserve.core.outputs import StepResult
 
 
+def host_step_s(params, out) -> float:
+    """The host CPU's part of a step as the cost model charges it (CostParams' per-step, per-request,
+    per-prompt-chunk and per-token overhead terms; token_count_factors, a CPU calibration's, aside)."""
+    sched = out.scheduled
+    prefills = sum(1 for r in sched if len(r.token_ids) > 1)
+    return (params.step_overhead_s + params.per_request_overhead_s * len(sched)
+            + params.per_prefill_overhead_s * prefills + params.per_token_overhead_s * out.num_batched_tokens
+            + params.per_output_overhead_s * sum(1 for r in sched if r.sample))
+
+
 class SimExecutor:
     dp_lockstep = None  # no DP attention + EP lockstep (core/executor.py)
 
@@ -79,7 +89,15 @@ class SimExecutor:
 
     def step_duration(self, out) -> float:
         """How long the step takes (the DP + EP lockstep's executor waits for the turn here)."""
-        return self.cost_model.step_time(out) if not out.is_empty else 0.0
+        if out.is_empty:
+            return 0.0
+        t = self.cost_model.step_time(out)
+        params = self.cost_model.params
+        if getattr(params, "host_overlap", False):
+            # async scheduling: the host's part of the step ran while the device ran the step before
+            host = host_step_s(params, out)
+            t = max(t - host, host)
+        return t
 
     def _note_shape(self, out) -> None:
         shapes = self.shapes

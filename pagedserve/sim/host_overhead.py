@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import functools
 import json
-from dataclasses import asdict, dataclass, fields, replace
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 
 DEFAULTS_PATH = Path(__file__).with_name("host_overhead.json")
@@ -54,11 +54,20 @@ HOST_CPU_PRESETS = {"probe": 1.0}
 #    before overlap), 2 ms + 20 us per request, the simulator's old default. pagedserve's loop
 #    measures 10-200x less (its probe executor builds no device inputs and crosses no process
 #    boundary).
+#    (vLLM 0.6.0's blog figure, 2 ms + 20 us per request, was this profile's loop until the V1 engine
+#    core was measured: benchmarks/serving_endpoint_probe.py, stored in host_overhead_vllm.json's
+#    "engine_loop"; a file without it keeps the blog's figure.)
 VLLM_STEP_S = 2e-3
 VLLM_PER_REQUEST_S = 20e-6
 HOST_PROFILES = ("vllm", "pagedserve")
 VLLM_SERVING_PATH = Path(__file__).with_name("host_overhead_vllm.json")
-_SERVING_KEYS = ("admit_s", "admit_per_prompt_token_s", "deliver_s", "deliver_per_output_s")
+_SERVING_KEYS = ("admit_s", "admit_per_prompt_token_s", "deliver_s", "deliver_per_output_s", "deliver_step_s",
+                 "handover_s", "handover_per_prompt_token_s")
+_SERVING_FLAGS = ("merge_outputs",)
+# The client's endpoint (`simulate --endpoint`, as `pagedserve bench --endpoint` / `vllm bench serve
+# --backend openai|openai-chat`): /v1/completions, or /v1/chat/completions, whose request renders the
+# chat template and whose stream's chunks carry a delta (its terms: a probe file's "chat" block).
+ENDPOINTS = ("completions", "chat")
 
 
 def vllm_serving(path: str | Path | None = None) -> dict | None:
@@ -75,7 +84,15 @@ def _read_vllm_serving(path: str) -> dict | None:
         fit = json.loads(Path(path).read_text())["fit"]
     except (OSError, KeyError, ValueError):
         return None
-    return {**{k: float(fit[k]) for k in _SERVING_KEYS}, "source": fit.get("source", path)}
+    return {**{k: float(fit.get(k, 0.0)) for k in _SERVING_KEYS}, **{k: bool(fit.get(k, False)) for k in _SERVING_FLAGS},
+            "source": fit.get("source", path), "chat": _chat_terms(fit), "engine_loop": fit.get("engine_loop")}
+
+
+def _chat_terms(fit: dict) -> dict | None:
+    chat = fit.get("chat")
+    if not chat:
+        return None
+    return {**{k: float(chat[k]) for k in _SERVING_KEYS if k in chat}, "source": chat.get("source", "")}
 
 
 @dataclass
@@ -95,6 +112,19 @@ class ServingOverhead:
     deliver_s: float = 0.0
     deliver_per_output_s: float = 0.0
     source: str = "none"
+    # With `serial`: the loop's work per step that delivers anything, whatever the streams (the
+    # wake-up on the engine's message and its unpacking: vLLM's output handler takes one message
+    # holding every request's outputs of the step), before the per-stream frames. Measured as the
+    # intercept of the API process's CPU per step against the streams it feeds
+    # (benchmarks/serving_endpoint_probe.py); 0 in a file written before.
+    deliver_step_s: float = 0.0
+    # With `serial`: a stream's outputs that queue while the loop is still writing the frames of the
+    # step before go out with those frames, not in frames of their own (vLLM's API process:
+    # output_processor.RequestOutputCollector merges a streamed request's outputs when its consumer
+    # is behind; measured: fewer chunks than tokens in bursts, benchmarks/serving_endpoint_probe.py).
+    # Such a step costs the loop its per-step work only. pagedserve's server writes every token's
+    # frame (as many chunks as tokens in the same bursts): False.
+    merge_outputs: bool = False
     # One event loop does it all (pagedserve's server, vLLM's API process): with `serial` each
     # admission and each step's per-request delivery work waits for the work before it, so a burst
     # of arrivals, or many streams at once, queue for it (deliver_s stays a latency: the hand-over
@@ -111,23 +141,39 @@ class ServingOverhead:
     # the loop work that was ready before it. So in a burst every request's parse comes before
     # the first hand-over. Without it the admission is one block of loop work.
     tokenize_off_loop: bool = False
+    # With the split: the loop's work at the hand-over, after the tokenizer await (input
+    # processing, the output processor's entry, the send to the engine core), out of the admission's
+    # fixed part: admit_s is what comes before the await. Measured for vLLM
+    # (benchmarks/vllm_handover_probe.py); 0: not measured (pagedserve's).
+    handover_s: float = 0.0
+    handover_per_prompt_token_s: float = 0.0
 
     def admit(self, prompt_len: int) -> float:
-        return self.admit_s + self.admit_per_prompt_token_s * prompt_len
+        return self.admit_s + self.admit_per_prompt_token_s * prompt_len + self.handover(prompt_len)
+
+    def handover(self, prompt_len: int) -> float:
+        return self.handover_s + self.handover_per_prompt_token_s * prompt_len
 
     def deliver(self, num_outputs: int) -> float:
-        return self.deliver_s + self.deliver_per_output_s * num_outputs
+        return self.deliver_s + self.deliver_step_s + self.deliver_per_output_s * num_outputs
+
+    def deliver_work(self, num_outputs: int) -> float:
+        """The loop's own work for a step that fed `num_outputs` streams (what occupies it)."""
+        return self.deliver_step_s + self.deliver_per_output_s * num_outputs
 
     @property
     def is_zero(self) -> bool:
-        return not (self.admit_s or self.admit_per_prompt_token_s or self.deliver_s or self.deliver_per_output_s)
+        return not (self.admit_s or self.admit_per_prompt_token_s or self.deliver_s or self.deliver_per_output_s
+                    or self.deliver_step_s or self.handover_s or self.handover_per_prompt_token_s)
 
     def describe(self) -> str:
         if self.is_zero:
             return ("none modelled (asked for with --no-serving-overhead, or a cost model calibrated without a "
                     "request trace)")
         return (f"admission {self.admit_s * 1e3:.1f} ms + {self.admit_per_prompt_token_s * 1e6:.1f} us/prompt token, "
-                f"delivery {self.deliver_s * 1e3:.1f} ms + {self.deliver_per_output_s * 1e3:.3f} ms per request "
+                f"delivery {self.deliver_s * 1e3:.1f} ms + "
+                + (f"{self.deliver_step_s * 1e3:.3f} ms per step + " if self.deliver_step_s else "")
+                + f"{self.deliver_per_output_s * 1e3:.3f} ms per request "
                 f"in the step{', one event loop (queued)' if self.serial else ''} ({self.source})")
 
     def to_dict(self) -> dict:
@@ -163,6 +209,18 @@ class HostOverhead:
     runner_step_s: float = 0.0
     runner_per_request_s: float = 0.0
     runner_per_token_s: float = 0.0
+    # The serving layer's loop work per step that delivers anything (ServingOverhead.deliver_step_s).
+    deliver_step_s: float = 0.0
+    merge_outputs: bool = False  # ServingOverhead.merge_outputs
+    handover_s: float = 0.0  # ServingOverhead.handover_s (out of admit_s: the part after the await)
+    handover_per_prompt_token_s: float = 0.0
+    # The chat endpoint's serving terms (a probe file's "chat" block: ServingOverhead's keys, the
+    # probe machine's speed); empty: not measured for this file.
+    chat: dict = field(default_factory=dict)
+    # The engine schedules step n+1 while the device runs step n (vLLM's async scheduling): a
+    # step's host work hides under the device's, the step takes max(device, host) instead of their
+    # sum (CostParams.host_overlap).
+    async_scheduling: bool = False
 
     @property
     def engine_step_s(self) -> float:
@@ -174,13 +232,41 @@ class HostOverhead:
             raise ValueError(f"host_profile: one of {HOST_PROFILES}, got {profile!r}")
         if profile == "pagedserve":
             return self
-        # vLLM's figure is its whole loop, input preparation included: no runner terms on top.
         serving = vllm_serving()
-        layer = {k: serving[k] for k in _SERVING_KEYS} if serving else {}
-        return replace(self, step_s=VLLM_STEP_S, per_request_s=VLLM_PER_REQUEST_S, per_token_s=0.0,
-                       runner_step_s=0.0, runner_per_request_s=0.0, runner_per_token_s=0.0, **layer,
-                       source="engine loop: vLLM v0.6.0 blog's 2 ms + 20 us/request; serving layer: "
+        layer = {k: serving[k] for k in _SERVING_KEYS + _SERVING_FLAGS} if serving else {}
+        if serving:
+            layer["chat"] = serving.get("chat") or {}  # vLLM's own chat terms, never pagedserve's
+        loop = (serving or {}).get("engine_loop")
+        if loop:
+            # vLLM V1's engine core measured per step (its whole loop: schedule, input preparation,
+            # sampler, output processing), with async scheduling (on by default since vLLM 0.14)
+            engine = {"step_s": float(loop["step_s"]), "per_request_s": float(loop["per_request_s"]),
+                      "async_scheduling": bool(loop.get("async_scheduling", True))}
+            how = loop.get("source", "measured")
+        else:
+            engine = {"step_s": VLLM_STEP_S, "per_request_s": VLLM_PER_REQUEST_S}
+            how = "vLLM v0.6.0 blog's 2 ms + 20 us/request"
+        # vLLM's figure is its whole loop, input preparation included: no runner terms on top.
+        return replace(self, per_token_s=0.0, runner_step_s=0.0, runner_per_request_s=0.0, runner_per_token_s=0.0,
+                       **engine, **layer,
+                       source=f"engine loop: {how}; serving layer: "
                               + (serving["source"] if serving else self.source))
+
+    def for_endpoint(self, endpoint: str) -> "HostOverhead":
+        """The serving terms of the client's endpoint (ENDPOINTS): completions, the file's own; chat,
+        its "chat" block."""
+        if endpoint not in ENDPOINTS:
+            raise ValueError(f"endpoint: one of {ENDPOINTS}, got {endpoint!r}")
+        if endpoint == "completions":
+            return self
+        if not self.chat:
+            raise ValueError("endpoint chat: this host profile has no chat terms (measure them with "
+                             "benchmarks/serving_endpoint_probe.py)")
+        terms = {k: v for k, v in self.chat.items() if k in _SERVING_KEYS}
+        return replace(self, **terms, source=f"{self.source}; /v1/chat/completions: {self.chat.get('source', '')}")
+
+    def with_async_scheduling(self, on: bool | None) -> "HostOverhead":
+        return self if on is None else replace(self, async_scheduling=bool(on))
 
     def scaled(self, speed: float) -> "HostOverhead":
         """The same work on a host `speed` times as fast per core as the probe machine."""
@@ -195,10 +281,13 @@ class HostOverhead:
         params.step_overhead_s = (self.step_s + self.runner_step_s) * k
         params.per_request_overhead_s = (self.per_request_s + self.runner_per_request_s) * k
         params.per_token_overhead_s = (self.per_token_s + self.runner_per_token_s) * k
+        params.host_overlap = self.async_scheduling
 
         note = f"{self.source}, host speed x{self.speed:g}"
         params.serving = ServingOverhead(self.admit_s * k, self.admit_per_prompt_token_s * k, self.deliver_s * k,
-                                         self.deliver_per_output_s * k, source=note,
+                                         self.deliver_per_output_s * k, source=note, deliver_step_s=self.deliver_step_s * k,
+                                         merge_outputs=self.merge_outputs, handover_s=self.handover_s * k,
+                                         handover_per_prompt_token_s=self.handover_per_prompt_token_s * k,
                                          serial=True, tokenize_off_loop=TOKENIZE_OFF_LOOP).to_dict() if serving else {}
 
     def to_dict(self) -> dict:
@@ -212,17 +301,20 @@ class HostOverhead:
 
 def load_host_overhead(path: str | Path = DEFAULTS_PATH) -> HostOverhead:
     data = json.loads(Path(path).read_text())
-    return HostOverhead.from_dict(data.get("fit", data))
+    fit = data.get("fit", data)
+    return HostOverhead.from_dict({**fit, "chat": _chat_terms(fit) or {}})
 
 
 _DEFAULT: HostOverhead | None = None
 
 
 def default_host_overhead(speed: float | None = None, profile: str = "pagedserve",
-                          path: str | Path | None = None) -> HostOverhead:
+                          path: str | Path | None = None, endpoint: str = "completions",
+                          async_scheduling: bool | None = None) -> HostOverhead:
     """The shipped probe's terms (host_overhead.json), or those of a probe run on the host itself
-    (`path`: `python -m pagedserve.sim.host_probe --out FILE` there), for `profile`, at `speed`
-    (default 1: the probe machine's single-thread speed)."""
+    (`path`: `python -m pagedserve.sim.host_probe --out FILE` there), for `profile` and the client's
+    `endpoint`, at `speed` (default 1: the probe machine's single-thread speed); `async_scheduling`
+    overrides the profile's (None: vLLM's on, pagedserve's off)."""
     global _DEFAULT
     if path is not None:
         base = load_host_overhead(path)
@@ -230,7 +322,7 @@ def default_host_overhead(speed: float | None = None, profile: str = "pagedserve
         if _DEFAULT is None:
             _DEFAULT = load_host_overhead()
         base = _DEFAULT
-    host = base.for_profile(profile)
+    host = base.for_profile(profile).for_endpoint(endpoint).with_async_scheduling(async_scheduling)
     return host if speed is None else host.scaled(speed)
 
 

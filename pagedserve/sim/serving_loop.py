@@ -95,13 +95,14 @@ class ServingLoop:
     def __init__(self, serving: ServingOverhead) -> None:
         self.serving = serving
         self.api_free_at = 0.0   # the event loop is free again (serial)
+        self.frames_until = 0.0  # the latest step's frames are written by then (merge_outputs)
         self.tok_free_at = 0.0   # the tokenizer thread is free again (split)
         self.split = serving.serial and serving.tokenize_off_loop
         # Requests whose admission is done, on their way into the engine: (entry, key).
         self.pending: list[tuple[float, int]] = []
         # The admission split at its await: prompts tokenized (at, key) whose hand-over to the
         # engine waits for the loop.
-        self.handovers: list[tuple[float, int]] = []
+        self.handovers: list[tuple[float, int, int]] = []  # (tokenized at, key, prompt tokens)
 
     def busy(self) -> bool:
         """Something taken is not in the engine yet."""
@@ -131,8 +132,12 @@ class ServingLoop:
                 start = max(self.handovers[0][0], self.api_free_at)
                 if start >= until if until is not None else start > now:
                     break
-                _, key = heapq.heappop(self.handovers)
-                heapq.heappush(self.pending, (start, key))
+                _, key, prompt_len = heapq.heappop(self.handovers)
+                # the hand-over's own loop work (input processing, the send to the engine core)
+                entry = start + serving.handover(prompt_len)
+                if entry > start:
+                    self.api_free_at = entry
+                heapq.heappush(self.pending, (entry, key))
                 continue
             if sent == math.inf or sent > now:
                 break
@@ -151,7 +156,7 @@ class ServingLoop:
                 self.api_free_at = begin + serving.admit_s
                 self.tok_free_at = (max(self.api_free_at, self.tok_free_at)
                                     + serving.admit_per_prompt_token_s * prompt_len)
-                heapq.heappush(self.handovers, (self.tok_free_at, key))
+                heapq.heappush(self.handovers, (self.tok_free_at, key, prompt_len))
                 continue
             entry = begin + serving.admit(prompt_len)
             if serving.serial:
@@ -176,5 +181,11 @@ class ServingLoop:
         if not serving.serial:
             return step_end + serving.deliver(num_outputs)
         self.admit(sends, step_end, until=step_end)
-        self.api_free_at = max(step_end, self.api_free_at) + serving.deliver_per_output_s * num_outputs
+        if serving.merge_outputs and self.frames_until > step_end:
+            # the frames of the step before are still being written: these outputs go with them,
+            # the loop only takes the step's message in
+            self.api_free_at = max(step_end, self.api_free_at) + serving.deliver_step_s
+            return self.api_free_at + serving.deliver_s
+        self.api_free_at = max(step_end, self.api_free_at) + serving.deliver_work(num_outputs)
+        self.frames_until = self.api_free_at
         return self.api_free_at + serving.deliver_s

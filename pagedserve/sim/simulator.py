@@ -56,7 +56,8 @@ def build_deployment(config: EngineConfig, model: str, *, gpu: str | None = None
                      topology: Topology | None = None, weight_dtype: str | None = None,
                      host_cpu_speed: float | None = None, serving_overhead: bool = True,
                      host_profile: str = "pagedserve", host_overhead: str | Path | None = None,
-                     usage: str = "server", max_num_seqs_unset: bool = False) -> Deployment:
+                     usage: str = "server", max_num_seqs_unset: bool = False, endpoint: str = "completions",
+                     async_scheduling: bool | None = None) -> Deployment:
     """Resolve knobs and size the pool exactly as `serve` (on CPU) or `plan` (on a GPU) would.
 
     GPU: pool = plan.budget.compute_plan (total x gpu_memory_utilization - weights/TP -
@@ -75,7 +76,9 @@ def build_deployment(config: EngineConfig, model: str, *, gpu: str | None = None
     work (sim/host_overhead.py: per step and, unless `serving_overhead` is False, per request)
     at `host_cpu_speed` x the probe machine's single-thread speed (default 1); `host_profile`
     says whose engine loop ("vllm": vLLM's published per-step cost; "pagedserve": the probe's);
-    `host_overhead` a probe file measured on the host itself instead of the shipped one.
+    `host_overhead` a probe file measured on the host itself instead of the shipped one; `endpoint`
+    the client's ("completions" or "chat": the serving terms measured for it); `async_scheduling`
+    whether the step's host work overlaps the device's (None: the profile's, vLLM on, pagedserve off).
     On a GPU, an unset max_num_batched_tokens (and max_num_seqs, with `max_num_seqs_unset`) takes
     vLLM's default for the preset and `usage` ("server": `vllm serve`; "offline": the LLM class).
     """
@@ -133,7 +136,8 @@ def build_deployment(config: EngineConfig, model: str, *, gpu: str | None = None
         if cost_params is None:
             from pagedserve.sim.host_overhead import default_host_overhead
 
-            params = CostParams.for_gpu(spec, default_host_overhead(host_cpu_speed, host_profile, host_overhead),
+            params = CostParams.for_gpu(spec, default_host_overhead(host_cpu_speed, host_profile, host_overhead,
+                                                                    endpoint, async_scheduling),
                                         serving_overhead)
         else:
             params = cost_params

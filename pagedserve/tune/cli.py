@@ -93,7 +93,7 @@ def run(args) -> int:
 
     host = {"weight_dtype": args.weight_dtype, "host_cpu_speed": host_speed(args.host_cpu_speed),
             "serving_overhead": args.serving_overhead, "host_profile": args.host_profile,
-            "host_overhead": args.host_overhead}
+            "host_overhead": args.host_overhead, "endpoint": args.endpoint, "async_scheduling": args.async_scheduling}
 
     # On a GPU preset, max_num_seqs left unset (by the flags and by the point swept) is vLLM's
     # default for the device, as `simulate` and `plan` take it (plan/budget.vllm_batch_defaults).
