@@ -431,7 +431,13 @@ def test_sampled_parse_reads_the_same_gauges_and_counters_under_every_naming():
 
     fixtures = sorted((Path(__file__).parent / "fixtures" / "metrics").glob("*.txt"))
     assert len(fixtures) >= 30
+    from pagedserve.metrics import EngineMetrics
+
     texts = [f.read_text() for f in fixtures] + [LLAMACPP_TEXT]
+    for names in ("pagedserve", "vllm", "both"):  # a live render under each --metric-names
+        m = EngineMetrics("m", 1024, log_interval=0, names=names)
+        m.set_state(running=3, waiting=1, swapped=0, used_blocks=5, total_blocks=10, block_size=16)
+        texts.append(m.render().decode())
     for text in texts:
         full, sampled = _full_and_sampled(text)
         assert any(full.value(n) is not None for n in SAMPLED)
