@@ -106,6 +106,30 @@ def real_metrics(result: dict) -> dict:
             "failed": s["failed_requests"]}
 
 
+def itl_tail_at_scrapes(result: dict) -> tuple[float, int, int, float]:
+    """The real run's P99 ITL, how many inter-token gaps lie above it, how many of those span the
+    start of one of the bench's mid-run /metrics scrapes (bench and run on one clock), and how many
+    would by chance (each gap / the scrape interval): a diagnostic for the bench's own cost in the
+    tail, which the simulator does not model."""
+    scrapes = sorted((result.get("server_timeline") or {}).get("t") or [])
+    gaps = []
+    for r in result["requests"]:
+        if not r.get("success") or r.get("ttft") is None:
+            continue
+        t = r["start"] + r["ttft"]
+        for itl in r["itl"]:
+            gaps.append((itl, t))
+            t += itl
+    if not gaps:
+        return math.nan, 0, 0, 0.0
+    values = sorted(g for g, _ in gaps)
+    p99 = values[min(len(values) - 1, int(0.99 * len(values)))]
+    over = [(g, t) for g, t in gaps if g > p99]
+    spanning = sum(1 for g, t in over if any(t <= s < t + g for s in scrapes))
+    interval = statistics.median(b - a for a, b in zip(scrapes, scrapes[1:])) if len(scrapes) > 2 else math.inf
+    return p99, len(over), spanning, sum(min(1.0, g / interval) for g, _ in over)
+
+
 def sim_args(model: Path, cost: Path, w: Workload):
     from pagedserve.cli import build_parser
 
@@ -326,9 +350,15 @@ def main() -> int:
                                         "wall_over_first_model": held["wall_over_model"],
                                         "busy_fraction": m["busy_fraction"],
                                         "step_errors_by_kind": held["by_kind"], "step_errors": held["all"]})
+            p99, n_over, n_scrape, by_chance = itl_tail_at_scrapes(result)
+            diagnostics[w.name][-1]["itl_gaps_over_p99"] = {"p99_ms": p99 * 1e3, "gaps": n_over,
+                                                            "spanning_a_scrape": n_scrape, "by_chance": by_chance}
             print(f"[{rnd}] {w.name}: load {load0} -> {load_average()}; steps x{held['wall_over_model']:.2f} of the "
                   f"first model; busy {m['busy_fraction']:.0%}; "
-                  + ", ".join(f"{label} {fmt.format(m[key])}" for key, label, fmt in METRICS), flush=True)
+                  + ", ".join(f"{label} {fmt.format(m[key])}" for key, label, fmt in METRICS)
+                  + f"; ITL gaps over the P99: {n_over}, {n_scrape} of them spanning a bench /metrics scrape "
+                  f"(by chance ~{by_chance:.1f})",
+                  flush=True)
 
     pooled_cost = work / "cost_pooled.json"
     calib_text = fit_cost(model, all_traces, all_benches, pooled_cost)

@@ -324,8 +324,7 @@ other_metric 1.0
     assert summarize_server_metrics(parse_metrics("other_metric 1\n"), snap, [snap]) is None
 
 
-def test_parse_llamacpp_names():
-    text = """# TYPE llamacpp:kv_cache_usage_ratio gauge
+LLAMACPP_TEXT = """# TYPE llamacpp:kv_cache_usage_ratio gauge
 llamacpp:kv_cache_usage_ratio 0.5
 # TYPE llamacpp:requests_processing gauge
 llamacpp:requests_processing 2
@@ -336,6 +335,10 @@ llamacpp:tokens_predicted_total 120
 # TYPE llamacpp:prompt_tokens_total counter
 llamacpp:prompt_tokens_total 300
 """
+
+
+def test_parse_llamacpp_names():
+    text = LLAMACPP_TEXT
     snap = parse_metrics(text, t=2.0)
     assert snap.t == 2.0
     assert snap.gauges == {"kv_cache_usage_perc": 0.5, "num_requests_running": 2, "num_requests_waiting": 1}
@@ -410,3 +413,92 @@ def test_sweep_table_and_plots(tmp_path):
     paths.append(plot_sweep("max_concurrency", [("1", s1), ("4", s2)], tmp_path))
     for p in paths:
         assert p.exists() and p.stat().st_size > 1000
+
+
+def _full_and_sampled(text):
+    from pagedserve.bench.metrics_scrape import SAMPLED
+
+    return parse_metrics(text), parse_metrics(text, only=SAMPLED)
+
+
+def test_sampled_parse_reads_the_same_gauges_and_counters_under_every_naming():
+    """Mid-run scrapes parse only the families the summary and the timeline read (a full parse of
+    pagedserve's ~600 histogram buckets held the bench's token-stamping loop ~10-14 ms every 0.5 s):
+    the values must be the full parse's, for pagedserve, vLLM (V1 and V0 names) and llama.cpp."""
+    from pathlib import Path
+
+    from pagedserve.bench.metrics_scrape import BREAKDOWNS, SAMPLED
+
+    fixtures = sorted((Path(__file__).parent / "fixtures" / "metrics").glob("*.txt"))
+    assert len(fixtures) >= 30
+    from pagedserve.metrics import EngineMetrics
+
+    texts = [f.read_text() for f in fixtures] + [LLAMACPP_TEXT]
+    for names in ("pagedserve", "vllm", "both"):  # a live render under each --metric-names
+        m = EngineMetrics("m", 1024, log_interval=0, names=names)
+        m.set_state(running=3, waiting=1, swapped=0, used_blocks=5, total_blocks=10, block_size=16)
+        texts.append(m.render().decode())
+    for text in texts:
+        full, sampled = _full_and_sampled(text)
+        assert any(full.value(n) is not None for n in SAMPLED)
+        for name in SAMPLED:
+            assert sampled.value(name) == full.value(name), name
+        for name, label, _ in BREAKDOWNS:
+            assert sampled.by_label(name, label) == full.by_label(name, label)
+        assert sampled.naming == full.naming
+        assert not sampled.histograms
+
+
+def test_mid_run_samples_skip_histograms_before_and_after_stay_whole(monkeypatch):
+    """MetricsSampler against a scripted session serving a real engine render: the samples taken
+    while the run streams hold no histograms (their buckets were never parsed) and the same
+    gauges as a full parse; the scrape before the run keeps everything."""
+    from pagedserve.bench import metrics_scrape
+    from pagedserve.metrics import EngineMetrics
+
+    m = EngineMetrics("m", 1024, log_interval=0)
+    m.set_state(running=3, waiting=1, swapped=0, used_blocks=5, total_blocks=10, block_size=16)
+    text = m.render().decode()
+
+    class Response:
+        status = 200
+
+        async def text(self):
+            return text
+
+        async def __aenter__(self):
+            return self
+
+        async def __aexit__(self, *exc):
+            return False
+
+    class Session:
+        def __init__(self, *args, **kwargs):
+            pass
+
+        def get(self, url):
+            return Response()
+
+        async def close(self):
+            pass
+
+    monkeypatch.setattr(metrics_scrape.aiohttp, "ClientSession", Session)
+
+    async def run():
+        sampler = metrics_scrape.MetricsSampler("http://127.0.0.1:1", interval=0)
+        await sampler.start()
+        sampler.mark_run_start(0.0)
+        for _ in range(5):
+            await asyncio.sleep(0)
+        await sampler.stop()
+        return sampler
+
+    sampler = asyncio.run(run())
+    full = parse_metrics(text)
+    assert full.histograms and sampler.before.histograms.keys() == full.histograms.keys()
+    during = sampler.samples[:-1]
+    assert during
+    for snap in during:
+        assert not snap.histograms
+        assert snap.value("num_requests_running") == 3 and snap.value("kv_cache_usage_perc") == pytest.approx(0.5)
+    assert sampler.after.histograms.keys() == full.histograms.keys()
