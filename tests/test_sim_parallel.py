@@ -4,6 +4,7 @@ touches; and the layout comparison through `simulate` / `tune`."""
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 
@@ -32,6 +33,26 @@ STEPS = [([1] * 16, [900 + i for i in range(16)]), ([512], [512]), ([1] * 8 + [2
 def test_dense_tp_inside_a_node_is_the_single_rank_model(new, ctx):
     plain = CostModel(ModelCost.from_shape(LLAMA70, "bfloat16", None, 4), H100)
     assert model(LLAMA70, ParallelLayout(4)).predict(new, ctx) == pytest.approx(plain.predict(new, ctx), rel=1e-12)
+
+
+@pytest.mark.parametrize("new,ctx", STEPS)
+def test_a_quantized_kv_cache_costs_its_dequantization_under_tp_and_pp_too(new, ctx):
+    """fp8 KV: the layouts charge the decode of every K/V value attention reads, as one rank does
+    (ParallelCostModel's stages once dropped that term: an fp8-KV TP deployment was priced as if
+    the cache were bf16)."""
+    plain = CostModel(ModelCost.from_shape(LLAMA70, "bfloat16", "fp8", 4), H100)
+    tp = ParallelCostModel(LLAMA70, "bfloat16", "fp8", ParallelLayout(4), H100)
+    assert tp.breakdown(new, ctx).dequant > 0
+    assert tp.predict(new, ctx) == pytest.approx(plain.predict(new, ctx), rel=1e-12)
+    # PP: against the same layout with the decode free, the step costs more; one request's one
+    # micro-batch walks both (equal, 40-layer) stages, so it pays both stages' decode
+    pp = ParallelCostModel(LLAMA70, "bfloat16", "fp8", ParallelLayout(4, 2), H100)
+    free = ParallelCostModel(LLAMA70, "bfloat16", "fp8", ParallelLayout(4, 2), replace(H100, kv_dequant_s_per_value=0.0))
+    t = pp.breakdown(new, ctx)
+    assert t.dequant > 0 and free.breakdown(new, ctx).dequant == 0.0
+    assert pp.predict(new, ctx) > free.predict(new, ctx)
+    if len(new) == 1:
+        assert pp.predict(new, ctx) - free.predict(new, ctx) == pytest.approx(2 * t.dequant, rel=1e-9)
 
 
 def test_tp_across_nodes_pays_the_nic():

@@ -93,11 +93,12 @@ class ParallelStepTime:
     overhead: float = 0.0
     swap: float = 0.0
     launch: float = 0.0    # the stages' kernel launches on the critical path (CostModel: kernel_launch_s)
+    dequant: float = 0.0   # a quantized KV cache's decode of what the stages' attention reads (CostModel's term)
 
     @property
     def total(self) -> float:
         return self.linear + self.attention + self.allreduce + self.all_to_all + self.pipeline + self.overhead \
-            + self.swap + self.launch
+            + self.swap + self.launch + self.dequant
 
 
 @dataclass(frozen=True)
@@ -192,7 +193,7 @@ class ParallelCostModel:
         # the stage's own kernels (inner's launch term counts the whole model's)
         launch = self.params.kernel_launch_s * stage.model.kernels_per_step if f.num_reqs else 0.0
         return ParallelStepTime(linear=t.linear, attention=t.attention, allreduce=self._allreduce(stage, f.num_tokens),
-                                all_to_all=self._all_to_all(stage, f.num_tokens), launch=launch)
+                                all_to_all=self._all_to_all(stage, f.num_tokens), launch=launch, dequant=t.dequant)
 
     def _send(self, stage: _Stage, tokens: int) -> float:
         """Activations from `stage` to the next one (each TP rank sends the full hidden)."""
@@ -223,6 +224,7 @@ class ParallelCostModel:
             out.allreduce += t.allreduce
             out.all_to_all += t.all_to_all
             out.launch += t.launch
+            out.dequant += t.dequant
         work = sum(times[g][busiest].total for g in range(len(groups)))
         trip = max(sum(t.total for t in times[g]) + sum(self._send(st, sum(groups[g][0]))
                                                           for st in self.stages[:-1])
