@@ -393,12 +393,18 @@ void ps_gemm_bf16(const uint16_t* x, int64_t ldx, int64_t M, int64_t K, const ui
     const int64_t panels = N / NRB;
     // Row blocks of ~512 KB of x (half the fp32 rows' bytes: the same rows per block as fp32).
     const int64_t mc_rows = std::max<int64_t>(MRB, ((int64_t(1) << 18) / std::max<int64_t>(K, 1)) / MRB * MRB);
-    const bool parallel = num_threads > 1 && panels > 1 && M * N * K >= (int64_t(1) << 18);
+    // As in ps_gemm: a one-row GEMM over a weight of >= kParallelWeight elements is a weight
+    // stream that both cores read faster than one (at half fp32's bytes such a weight still
+    // takes ~5 us to read against the team's ~1 us); up to MRB/2 rows no software prefetch
+    // (the hardware prefetchers keep the linear panel read ahead); no barrier between row
+    // blocks (static split, the same panels per thread in every block).
+    const bool parallel = num_threads > 1 && panels > 1 && (M * N * K >= (int64_t(1) << 18) || N * K >= kParallelWeight);
+    const bool stream = M <= MRB / 2;
     const int64_t panel_bytes = K * NRB * 2, pair_bytes = 2 * NRB * 2;
 #pragma omp parallel num_threads(num_threads) if (parallel)
     for (int64_t m0 = 0; m0 < M; m0 += mc_rows) {
         const int64_t m1 = std::min(M, m0 + mc_rows);
-#pragma omp for schedule(static)
+#pragma omp for schedule(static) nowait
         for (int64_t p = 0; p < panels; ++p) {
             const uint16_t* panel = packed + p * K * NRB;
             const uint16_t* panel_bias = bias ? bias + p * NRB : nullptr;
@@ -411,7 +417,8 @@ void ps_gemm_bf16(const uint16_t* x, int64_t ldx, int64_t M, int64_t K, const ui
                 // bring the next panel (panel_bytes / 64 lines) into L2, about one line per pair.
                 const int64_t half = (panel_bytes / 64 + 1) / 2;
                 const Prefetch pf =
-                    pass == 0   ? Prefetch{reinterpret_cast<const char*>(panel) + bf16k::kPrefetchPairs * pair_bytes, pair_bytes, int(pair_bytes / 64)}
+                    stream      ? Prefetch{nullptr, 0, 0}
+                    : pass == 0 ? Prefetch{reinterpret_cast<const char*>(panel) + bf16k::kPrefetchPairs * pair_bytes, pair_bytes, int(pair_bytes / 64)}
                     : pass <= 2 ? Prefetch{next + (pass - 1) * half * 64, 64 * ((half + pairs - 1) / pairs), 1}
                                 : Prefetch{nullptr, 0, 0};
                 bf16k::kKernels[rows - 1](x + m * ldx, ldx, panel, K, panel_bias, out + m * ldo + p * NRB, ldo, pf);
