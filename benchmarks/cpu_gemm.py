@@ -9,7 +9,8 @@ F.linear bf16 is then oneDNN with a per-call weight reorder, "onednn" the prepac
     python benchmarks/cpu_gemm.py --threads 2 --rows 1,2,4 --cold-mb 256   # cold weights, GB/s
 
 Shapes: the 19M and 246M peer models' layers (qkv, o, gate_up, down, lm_head). Each number is the
-best of `--repeats` interleaved timings (the three methods take turns, so a burst of load hits
+best of `--repeats` interleaved timings (the methods take turns, the order reversed every other
+repetition, so a burst of load hits
 them alike), in GFLOP/s; the ratio is ours / F.linear. Every output is checked against F.linear
 first. The weight is the same one call after call, so weights that fit the caches are warm:
 read these as kernel efficiency; the engine's own step (step_breakdown.py) shows the cold case.
@@ -29,6 +30,8 @@ process holds one of its cores, and the fastest tenth are the calls that nothing
 called on the same packed weights, interleaved with the others (an A/B of a kernel change in
 one process); `--vs-fp32` (bf16 only) adds "fp32": this checkout's fp32 path on fp32 copies of
 the same weights (cold: GB/s of its own fp32 bytes; the bf16/fp32 time ratio is printed).
+`--cpu-time` (one thread) times by the thread's CPU time, which a preempting process does not
+add to: the steadiest figure on a shared machine (cache interference still shows).
 `--shapes qkv,o,gate_up,down,lm_head` picks layers (the LM head at prefill sizes is slow and,
 in the engine, only ever sees the last row of each sequence).
 """
@@ -79,11 +82,11 @@ def call_lib(lib, x: torch.Tensor, packed: torch.Tensor, out: torch.Tensor) -> N
     fn(x.data_ptr(), k, m, k, packed.data_ptr(), n, None, out.data_ptr(), n, torch.get_num_threads())
 
 
-def best_seconds(fn, calls: int) -> float:
-    t0 = time.perf_counter()
+def best_seconds(fn, calls: int, clock=time.perf_counter) -> float:
+    t0 = clock()
     for _ in range(calls):
         fn()
-    return (time.perf_counter() - t0) / calls
+    return (clock() - t0) / calls
 
 
 def stream_reader():
@@ -100,6 +103,13 @@ def stream_reader():
     lib.ps_stream_read.restype = ctypes.c_double
     return lib.ps_stream_read
 
+
+
+def in_turn(fns: dict, rep: int) -> list:
+    """The methods in order, reversed every other repetition: whichever runs second after
+    another method ran ~5-10% faster in an A/A run of one build against itself (M = 8-32)."""
+    items = list(fns.items())
+    return items if rep % 2 == 0 else items[::-1]
 
 
 def cold(model: str, n: int, k: int, rows: list[int], args, dtype: torch.dtype) -> None:
@@ -131,9 +141,9 @@ def cold(model: str, n: int, k: int, rows: list[int], args, dtype: torch.dtype) 
             x32, out32 = x.float(), torch.empty(m, n)
             fns["fp32"] = lambda i: call_lib(gemm.load_gemm(), x32, fp32[i], out32)
         times: dict[str, list[float]] = {name: [] for name in fns}
-        clock = time.perf_counter
+        clock = args.clock
         for round_ in range(args.repeats + 1):  # round 0 warms up
-            for name, fn in fns.items():
+            for name, fn in in_turn(fns, round_):
                 for i in range(copies):
                     t0 = clock()
                     fn(i)
@@ -163,7 +173,13 @@ def main() -> None:
     ap.add_argument("--before", default=None, help="another gemm.cpp to time beside this checkout's")
     ap.add_argument("--vs-fp32", action="store_true", help="bf16: also this checkout's fp32 path on fp32 weights")
     ap.add_argument("--shapes", default=",".join(LAYERS), help="layers to time: " + ",".join(LAYERS))
+    ap.add_argument("--cpu-time", action="store_true",
+                    help="time by the thread's CPU time (one thread only): a call that another process "
+                         "preempted is not charged for the wait")
     args = ap.parse_args()
+    if args.cpu_time and args.threads != 1:
+        raise SystemExit("--cpu-time needs --threads 1: the GEMM then runs on the calling thread")
+    clock = args.clock = time.thread_time if args.cpu_time else time.perf_counter
     dtype = getattr(torch, args.dtype)
     args.vs_fp32 = args.vs_fp32 and dtype == torch.bfloat16
     layers = set(args.shapes.split(","))
@@ -216,9 +232,9 @@ def main() -> None:
                 best = {name: float("inf") for name in fns}
                 for name, fn in fns.items():
                     fn()  # warm-up (oneDNN creates its primitive on the first call)
-                for _ in range(args.repeats):
-                    for name, fn in fns.items():
-                        best[name] = min(best[name], best_seconds(fn, calls))
+                for rep in range(args.repeats):
+                    for name, fn in in_turn(fns, rep):
+                        best[name] = min(best[name], best_seconds(fn, calls, clock))
                 rate = {name: 2 * m * n * k / s / 1e9 for name, s in best.items()}
                 dnn = f" onednn {rate['onednn']:6.1f}" if "onednn" in rate else ""
                 vs_dnn = f" [{best['onednn'] / best['ours']:.2f}x]" if "onednn" in rate else ""
