@@ -124,8 +124,9 @@ def test_bf16_matches_fp32_matmul_of_the_same_bf16_values(lib, m, k):
     """The AVX512-BF16 kernel against an fp32 matmul of the same bf16 x, W and bias: fp32
     accumulation, then one rounding to bf16, so |error| <= 2^-8 |exact| (bf16's half ulp,
     with room for a tie) + the fp32 summation bound. Covers every row remainder of the 8-row
-    kernel and of the 6-row two-panel one (24+ rows: 25, 28, 29, 33 and 300 end in 1, 4, 5, 3
-    and 2 rows; n = 3 panels leaves an odd last panel to the 8-row kernel), odd K (the last k
+    kernel and of the 6-row two-panel one (from 24 rows: 8 single-panel rows, then 6-row
+    passes; 25, 28, 29, 33 and 300 leave 5, 2, 3, 1 and 4 or 0; n = 3 panels leaves an odd
+    last panel to the 8-row kernel), odd K (the last k
     step stored alone), the one-row kernel's 4-way k-pair split, a tall x swept in row blocks,
     strided rows, bias, one and two threads. Builds without the kernel (AVX2, portable, or a
     CPU without AVX512-BF16) report a panel width of 0."""

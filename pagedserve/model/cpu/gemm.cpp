@@ -465,10 +465,9 @@ void ps_gemm_bf16(const uint16_t* x, int64_t ldx, int64_t M, int64_t K, const ui
     const int64_t panel_bytes = K * NRB * 2, pair_bytes = 2 * NRB * 2;
     // Three 8-row passes or more (x then lives in L2): panels go in pairs through the 6 x 64
     // kernel, an odd last panel alone through the 8 x 32 one; either way each thread has a
-    // contiguous run. One thread, thread CPU time, 246M shapes: +2-8% GFLOP/s at M = 32, 256
-    // and 2,048 (~205 -> ~215, beside prepacked oneDNN's ~218 at 2,048); at M = 16 it lost on
-    // the 11 MB gate_up weight (0.91x: its first pass, the one that reads the weight from
-    // memory, would have 6 rows instead of 8): benchmarks/README.md, "bf16 GEMM on both cores".
+    // contiguous run. One thread, thread CPU time, 246M shapes, warm: 0.98-1.08x at M = 32,
+    // +4-7% at 256 and 2,048 (~205 -> ~215 GFLOP/s, beside prepacked oneDNN's ~218 at 2,048);
+    // cold 1.0-1.07x at 24-64 (benchmarks/README.md, "bf16 GEMM: small M and the prefill tile").
     const bool dual = M >= 3 * MRB;
     const int64_t units = dual ? (panels + 1) / 2 : panels;
 #pragma omp parallel num_threads(num_threads) if (parallel)
@@ -483,16 +482,23 @@ void ps_gemm_bf16(const uint16_t* x, int64_t ldx, int64_t M, int64_t K, const ui
                 const char* next = reinterpret_cast<const char*>(panel) + 2 * panel_bytes;
                 const int64_t pairs = std::max<int64_t>(K / 2, 1);
                 const int64_t half = (2 * panel_bytes / 64 + 1) / 2;
-                for (int64_t m = m0; m < m1; m += bf16k::MR2) {
+                // Pass 0 reads the pair from memory: 8 rows through the single-panel kernel on
+                // each panel (8 rows of work per weight byte fetched; the 6-row pair kernel has
+                // 6, and ran 4-6% slower with cold weights at M = 24-32, one thread); the other
+                // rows then run from L2 through the pair kernel, whose passes 1 and 2 bring the
+                // next pair into cache, as in the single-panel loop.
+                const int64_t first = std::min<int64_t>(MRB, m1 - m0);
+                for (int h = 0; h < 2; ++h) {
+                    const uint16_t* half_panel = panel + h * K * NRB;
+                    const Prefetch ahead{reinterpret_cast<const char*>(half_panel) + bf16k::kPrefetchPairs * pair_bytes, pair_bytes, int(pair_bytes / 64)};
+                    bf16k::kKernels[first - 1](x + m0 * ldx, ldx, half_panel, K, panel_bias ? panel_bias + h * NRB : nullptr,
+                                               out + m0 * ldo + (p + h) * NRB, ldo, ahead);
+                }
+                for (int64_t m = m0 + first; m < m1; m += bf16k::MR2) {
                     const int rows = int(std::min<int64_t>(bf16k::MR2, m1 - m));
-                    const int64_t pass = (m - m0) / bf16k::MR2;
-                    // Pass 0 reads the pair from memory: ahead in the first panel (the hardware
-                    // prefetcher follows the second's stream); passes 1 and 2 bring the next
-                    // pair into cache, as in the single-panel loop.
-                    const Prefetch pf =
-                        pass == 0   ? Prefetch{reinterpret_cast<const char*>(panel) + bf16k::kPrefetchPairs * pair_bytes, pair_bytes, int(pair_bytes / 64)}
-                        : pass <= 2 ? Prefetch{next + (pass - 1) * half * 64, 64 * ((half + pairs - 1) / pairs), 1}
-                                    : Prefetch{nullptr, 0, 0};
+                    const int64_t pass = 1 + (m - m0 - first) / bf16k::MR2;
+                    const Prefetch pf = pass <= 2 ? Prefetch{next + (pass - 1) * half * 64, 64 * ((half + pairs - 1) / pairs), 1}
+                                                  : Prefetch{nullptr, 0, 0};
                     bf16k::kKernels2[rows - 1](x + m * ldx, ldx, panel, K, panel_bias, out + m * ldo + p * NRB, ldo, pf);
                 }
                 continue;
