@@ -9,7 +9,8 @@ F.linear bf16 is then oneDNN with a per-call weight reorder, "onednn" the prepac
     python benchmarks/cpu_gemm.py --threads 2 --rows 1,2,4 --cold-mb 256   # cold weights, GB/s
 
 Shapes: the 19M and 246M peer models' layers (qkv, o, gate_up, down, lm_head). Each number is the
-best of `--repeats` interleaved timings (the three methods take turns, so a burst of load hits
+best of `--repeats` interleaved timings (the methods take turns, the order reversed every other
+repetition, so a burst of load hits
 them alike), in GFLOP/s; the ratio is ours / F.linear. Every output is checked against F.linear
 first. The weight is the same one call after call, so weights that fit the caches are warm:
 read these as kernel efficiency; the engine's own step (step_breakdown.py) shows the cold case.
@@ -24,12 +25,22 @@ contiguous slice: stream_read.cpp) and "stream+pf" (that read with a software pr
 is timed alone and the figure is the 10th percentile of the per-call times, the median in
 brackets: on a shared machine a two-thread call waits a whole time slice whenever another
 process holds one of its cores, and the fastest tenth are the calls that nothing slowed.
+
+`--before SRC` adds "before": another gemm.cpp (e.g. main's), built with the same flags and
+called on the same packed weights, interleaved with the others (an A/B of a kernel change in
+one process); `--vs-fp32` (bf16 only) adds "fp32": this checkout's fp32 path on fp32 copies of
+the same weights (cold: GB/s of its own fp32 bytes; the bf16/fp32 time ratio is printed).
+`--cpu-time` (one thread) times by the thread's CPU time, which a preempting process does not
+add to: the steadiest figure on a shared machine (cache interference still shows).
+`--shapes qkv,o,gate_up,down,lm_head` picks layers (the LM head at prefill sizes is slow and,
+in the engine, only ever sees the last row of each sequence).
 """
 from __future__ import annotations
 
 import argparse
 import ctypes
 import math
+import os
 import time
 from pathlib import Path
 
@@ -40,13 +51,42 @@ from common import quantile  # noqa: E402 (benchmarks/ is the script's directory
 
 SHAPES = {"19m": [(512, 256), (256, 256), (1376, 256), (256, 688), (32000, 256)],
           "246m": [(1536, 1024), (1024, 1024), (5632, 1024), (1024, 2816), (32000, 1024)]}
+LAYERS = ("qkv", "o", "gate_up", "down", "lm_head")  # the order of each model's SHAPES
 
 
-def best_seconds(fn, calls: int) -> float:
-    t0 = time.perf_counter()
+def before_library(source: str):
+    """Another build of gemm.cpp (same flags), bound like the engine's, sharing its packed layout."""
+    from pagedserve import native
+    from pagedserve.model.cpu import gemm
+
+    src = Path(source).resolve()
+    compiler = native.find_compiler()
+    path = native.library_path(src, compiler)
+    if not path.exists():
+        native.compile_library(compiler, src, path)
+    lib = ctypes.CDLL(str(path))
+    lib.ps_abi_version.restype = ctypes.c_int
+    gemm.bind(lib)
+    now = gemm.load_gemm()
+    if (lib.ps_abi_version(), lib.ps_gemm_panel_width(), lib.ps_gemm_bf16_panel_width()) != \
+            (now.ps_abi_version(), now.ps_gemm_panel_width(), now.ps_gemm_bf16_panel_width()):
+        raise SystemExit("--before: the two builds differ in ABI or panel width: their packed weights would differ")
+    return lib
+
+
+def call_lib(lib, x: torch.Tensor, packed: torch.Tensor, out: torch.Tensor) -> None:
+    """out = x @ W^T through `lib` (a gemm.cpp build), no bias; x and out contiguous."""
+    m, k = x.shape
+    n = packed.shape[0] * packed.shape[2]
+    fn = lib.ps_gemm_bf16 if packed.dtype == torch.bfloat16 else lib.ps_gemm
+    fn(x.data_ptr(), k, m, k, packed.data_ptr(), n, None, out.data_ptr(), n, torch.get_num_threads())
+
+
+def best_seconds(fn, calls: int, clock=time.perf_counter) -> float:
+    t0 = clock()
     for _ in range(calls):
         fn()
-    return (time.perf_counter() - t0) / calls
+    return (clock() - t0) / calls
 
 
 def stream_reader():
@@ -65,6 +105,13 @@ def stream_reader():
 
 
 
+def in_turn(fns: dict, rep: int) -> list:
+    """The methods in order, reversed every other repetition: whichever runs second after
+    another method ran ~5-10% faster in an A/A run of one build against itself (M = 8-32)."""
+    items = list(fns.items())
+    return items if rep % 2 == 0 else items[::-1]
+
+
 def cold(model: str, n: int, k: int, rows: list[int], args, dtype: torch.dtype) -> None:
     """GB/s of weight read per method over copies of the weight larger than the caches, cycled."""
     from pagedserve.model.cpu import gemm
@@ -74,20 +121,29 @@ def cold(model: str, n: int, k: int, rows: list[int], args, dtype: torch.dtype) 
     copies = max(2, math.ceil(args.cold_mb * 2**20 / size))
     plain = [(torch.randn(n, k) * 0.02).to(dtype) for _ in range(copies)]
     packed = [gemm.pack(w) for w in plain]
+    fp32 = [gemm.pack(w.float()) for w in plain] if args.vs_fp32 else None
     threads = torch.get_num_threads()
+    tol = dict(rtol=1e-4, atol=1e-4) if dtype == torch.float32 else dict(rtol=1e-2, atol=1e-2)
     cells = []
     for m in rows:
         x = torch.randn(m, k).to(dtype)
-        torch.testing.assert_close(gemm.linear(x, packed[0], None).float(), F.linear(x.float(), plain[0].float()),
-                                   rtol=1e-4, atol=1e-4)
-        fns = {"stream": lambda i: read(packed[i].data_ptr(), n * k, threads, 0),
-               "stream+pf": lambda i: read(packed[i].data_ptr(), n * k, threads, 4096),
+        torch.testing.assert_close(gemm.linear(x, packed[0], None).float(), F.linear(x.float(), plain[0].float()), **tol)
+        out = torch.empty(m, n, dtype=dtype)
+        floats = size // 4  # stream_read counts 4-byte words
+        fns = {"stream": lambda i: read(packed[i].data_ptr(), floats, threads, 0),
+               "stream+pf": lambda i: read(packed[i].data_ptr(), floats, threads, 4096),
                "mkl": lambda i: F.linear(x, plain[i]),
                "ours": lambda i: gemm.linear(x, packed[i], None)}
+        if args.before_lib is not None:  # both through call_lib: the same Python work per call
+            fns["after"] = lambda i: call_lib(gemm.load_gemm(), x, packed[i], out)
+            fns["before"] = lambda i: call_lib(args.before_lib, x, packed[i], out)
+        if fp32 is not None:
+            x32, out32 = x.float(), torch.empty(m, n)
+            fns["fp32"] = lambda i: call_lib(gemm.load_gemm(), x32, fp32[i], out32)
         times: dict[str, list[float]] = {name: [] for name in fns}
-        clock = time.perf_counter
+        clock = args.clock
         for round_ in range(args.repeats + 1):  # round 0 warms up
-            for name, fn in fns.items():
+            for name, fn in in_turn(fns, round_):
                 for i in range(copies):
                     t0 = clock()
                     fn(i)
@@ -95,11 +151,14 @@ def cold(model: str, n: int, k: int, rows: list[int], args, dtype: torch.dtype) 
                         times[name].append(clock() - t0)
         p10 = {name: quantile(t, 0.1) for name, t in times.items()}
         med = {name: quantile(t, 0.5) for name, t in times.items()}
-        cells.append(f"M={m}: " + " ".join(f"{name} {size / p10[name] / 1e9:5.1f} ({size / med[name] / 1e9:5.1f})"
+        nbytes = {name: size * (2 if name == "fp32" and dtype == torch.bfloat16 else 1) for name in fns}
+        extra = f" before/after {p10['before'] / p10['after']:.2f}" if "before" in fns else ""
+        extra += f" fp32/ours {p10['fp32'] / p10['ours']:.2f}" if "fp32" in fns else ""
+        cells.append(f"M={m}: " + " ".join(f"{name} {nbytes[name] / p10[name] / 1e9:5.1f} ({nbytes[name] / med[name] / 1e9:5.1f})"
                                            for name in fns)
-                     + f" ours/stream {min(p10['stream'], p10['stream+pf']) / p10['ours']:.2f}, {p10['ours'] * 1e6:.0f} us")
+                     + f" ours/stream {min(p10['stream'], p10['stream+pf']) / p10['ours']:.2f}{extra}, {p10['ours'] * 1e6:.0f} us")
     print(f"{model} {n}x{k} ({size / 2**20:.1f} MiB x {copies}): " + " | ".join(cells), flush=True)
-    del plain, packed
+    del plain, packed, fp32
 
 
 def main() -> None:
@@ -111,8 +170,19 @@ def main() -> None:
     ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     ap.add_argument("--cold-mb", type=int, default=0,
                     help="cycle weight copies totalling this many MB (cold weights) and print GB/s")
+    ap.add_argument("--before", default=None, help="another gemm.cpp to time beside this checkout's")
+    ap.add_argument("--vs-fp32", action="store_true", help="bf16: also this checkout's fp32 path on fp32 weights")
+    ap.add_argument("--shapes", default=",".join(LAYERS), help="layers to time: " + ",".join(LAYERS))
+    ap.add_argument("--cpu-time", action="store_true",
+                    help="time by the thread's CPU time (one thread only): a call that another process "
+                         "preempted is not charged for the wait")
     args = ap.parse_args()
+    if args.cpu_time and args.threads != 1:
+        raise SystemExit("--cpu-time needs --threads 1: the GEMM then runs on the calling thread")
+    clock = args.clock = time.thread_time if args.cpu_time else time.perf_counter
     dtype = getattr(torch, args.dtype)
+    args.vs_fp32 = args.vs_fp32 and dtype == torch.bfloat16
+    layers = set(args.shapes.split(","))
     torch.set_num_threads(args.threads)
     from pagedserve.model.cpu import gemm
     from pagedserve.model.layers import LINEAR_METHODS
@@ -122,20 +192,27 @@ def main() -> None:
     rows = [int(m) for m in args.rows.split(",")]
     if not gemm.panel_width(dtype):
         raise SystemExit(f"the CPU GEMM has no {args.dtype} kernel on this CPU")
+    args.before_lib = before_library(args.before) if args.before else None
+    load = f"load average {os.getloadavg()[0]:.1f}"
     if args.cold_mb:
         print(f"{args.dtype}, torch threads {torch.get_num_threads()}, cold: >= {args.cold_mb} MB of weight "
-              f"copies cycled; GB/s of weight read")
+              f"copies cycled; GB/s of weight read; {load}")
         for model in args.models.split(","):
-            for n, k in SHAPES[model]:
-                cold(model, n, k, rows, args, dtype)
+            for layer, (n, k) in zip(LAYERS, SHAPES[model]):
+                if layer in layers:
+                    cold(model, n, k, rows, args, dtype)
+        print(f"load average at the end {os.getloadavg()[0]:.1f}")
         return
     tol = dict(rtol=1e-4, atol=1e-4) if dtype == torch.float32 else dict(rtol=1e-2, atol=1e-2)
     print(f"{args.dtype}, torch threads {torch.get_num_threads()}, panel width {gemm.panel_width(dtype)}; "
-          f"GFLOP/s, (ours / F.linear) [ours / onednn]")
+          f"GFLOP/s, (ours / F.linear) [ours / onednn] {{before: before/after time}} {{fp32: fp32/ours time}}; {load}")
     for model in args.models.split(","):
-        for n, k in SHAPES[model]:
+        for layer, (n, k) in zip(LAYERS, SHAPES[model]):
+            if layer not in layers:
+                continue
             weight = (torch.randn(n, k) * 0.02).to(dtype)
             packed = gemm.pack(weight)
+            packed32 = gemm.pack(weight.float()) if args.vs_fp32 else None
             prepacked = onednn.pack(weight) if has_onednn else None
             cells = []
             for m in rows:
@@ -145,17 +222,28 @@ def main() -> None:
                 fns = {"mkl": lambda: F.linear(x, weight), "ours": lambda: gemm.linear(x, packed, None)}
                 if prepacked is not None:
                     fns["onednn"] = lambda: onednn.apply(x, prepacked, None)
+                out = torch.empty(m, n, dtype=dtype)
+                if args.before_lib is not None:  # both through call_lib: the same Python work per call
+                    fns["after"] = lambda: call_lib(gemm.load_gemm(), x, packed, out)
+                    fns["before"] = lambda: call_lib(args.before_lib, x, packed, out)
+                if packed32 is not None:
+                    x32, out32 = x.float(), torch.empty(m, n)
+                    fns["fp32"] = lambda: call_lib(gemm.load_gemm(), x32, packed32, out32)
                 best = {name: float("inf") for name in fns}
                 for name, fn in fns.items():
                     fn()  # warm-up (oneDNN creates its primitive on the first call)
-                for _ in range(args.repeats):
-                    for name, fn in fns.items():
-                        best[name] = min(best[name], best_seconds(fn, calls))
+                for rep in range(args.repeats):
+                    for name, fn in in_turn(fns, rep):
+                        best[name] = min(best[name], best_seconds(fn, calls, clock))
                 rate = {name: 2 * m * n * k / s / 1e9 for name, s in best.items()}
                 dnn = f" onednn {rate['onednn']:6.1f}" if "onednn" in rate else ""
                 vs_dnn = f" [{best['onednn'] / best['ours']:.2f}x]" if "onednn" in rate else ""
-                cells.append(f"M={m}: mkl {rate['mkl']:6.1f}{dnn} ours {rate['ours']:6.1f} ({best['mkl'] / best['ours']:.2f}x){vs_dnn}")
+                vs = f" after {rate['after']:6.1f} before {rate['before']:6.1f} {{{best['before'] / best['after']:.2f}x}}" \
+                    if "before" in rate else ""
+                vs += f" fp32 {rate['fp32']:6.1f} {{{best['fp32'] / best['ours']:.2f}x}}" if "fp32" in rate else ""
+                cells.append(f"M={m}: mkl {rate['mkl']:6.1f}{dnn} ours {rate['ours']:6.1f} ({best['mkl'] / best['ours']:.2f}x){vs_dnn}{vs}")
             print(f"{model} {n}x{k}: " + " | ".join(cells), flush=True)
+    print(f"load average at the end {os.getloadavg()[0]:.1f}")
 
 
 if __name__ == "__main__":

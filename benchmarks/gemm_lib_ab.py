@@ -13,6 +13,13 @@ of random ids, greedy), the order of the two alternating by round. Every step is
 it prints each side's 10th percentile and median step time (the 10th percentile is the steps
 that no other load slowed: with two threads a step waits whole time slices when another process
 holds a core), tok/s at that step time, and after / before.
+
+`--dtype bfloat16` runs the model in bf16 (the bf16 GEMM where the CPU has AVX512-BF16).
+`--prefill` times bursts instead of decode steps: each side in turn gets `--seqs` new requests
+of 128-token prompts (max_tokens 1) and is timed from adding them to the last one finishing,
+i.e. the burst's last TTFT (the 32 x 128 burst: `--seqs 32 --prefill`); per-burst quantiles.
+`--threads 1 --cpu-time` times by the thread's CPU time instead of the wall clock: on a loaded
+machine the only steady figure (a step preempted for a time slice is not charged for it).
 """
 from __future__ import annotations
 
@@ -35,7 +42,15 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=32, help="decode steps per side per round")
     ap.add_argument("--rounds", type=int, default=8)
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch's default)")
+    ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    ap.add_argument("--prefill", action="store_true", help="time bursts of --seqs prompts instead of decode steps")
+    ap.add_argument("--cpu-time", action="store_true",
+                    help="time by this thread's CPU time (needs --threads 1: the engine core and its GEMMs then "
+                         "run on this thread), which a preempting process does not add to")
     args = ap.parse_args()
+    if args.cpu_time and args.threads != 1:
+        raise SystemExit("--cpu-time needs --threads 1")
+    args.clock = time.thread_time if args.cpu_time else time.perf_counter
 
     import torch
 
@@ -53,16 +68,23 @@ def main() -> None:
     before = ctypes.CDLL(str(path))
     before.ps_abi_version.restype = ctypes.c_int
     gemm.bind(before)
-    if (before.ps_abi_version(), before.ps_gemm_panel_width()) != (after.ps_abi_version(), after.ps_gemm_panel_width()):
+    def layout(lib):
+        return lib.ps_abi_version(), lib.ps_gemm_panel_width(), lib.ps_gemm_bf16_panel_width()
+
+    if layout(before) != layout(after):
         raise SystemExit("the two builds differ in ABI or panel width: their packed weights would differ")
     libs = {"before": before, "after": after}
 
     steps_per_request = args.rounds * 2 * (args.steps + 1) + 16
-    llm = LLM(model=args.model, dtype="float32", max_model_len=128 + steps_per_request + 16, max_num_seqs=args.seqs,
+    llm = LLM(model=args.model, dtype=args.dtype, max_model_len=128 + steps_per_request + 16, max_num_seqs=args.seqs,
               enable_prefix_caching=False, kv_cache_memory=2 * 2**30)
     engine = llm.engine
     rng = random.Random(0)
     vocab = engine.model_config.vocab_size
+    print(f"engine dtype {engine.dtype}")
+    if args.prefill:
+        prefill_ab(args, engine, libs, after, rng, vocab)
+        return
     params = SamplingParams(max_tokens=steps_per_request, ignore_eos=True, temperature=0.0)
     for i in range(args.seqs):
         engine.add_request(f"ab-{i}", [rng.randrange(3, vocab) for _ in range(128)], params)
@@ -72,7 +94,7 @@ def main() -> None:
     for _ in range(4):
         engine.step()
     times: dict[str, list[float]] = {name: [] for name in libs}
-    clock = time.perf_counter
+    clock = args.clock
     for round_ in range(args.rounds):
         for name in (("before", "after") if round_ % 2 == 0 else ("after", "before")):
             lib = libs[name]
@@ -83,14 +105,54 @@ def main() -> None:
                 engine.step()
                 times[name].append(clock() - t0)
     gemm.load_gemm = lambda: after
-    print(f"{args.model}: {args.seqs} running, torch threads {torch.get_num_threads()}, {args.rounds} rounds x "
-          f"{args.steps} steps per side; load average {os.getloadavg()[0]:.1f}")
+    report(args, times, f"{args.seqs} running", "step", args.seqs)
+
+
+def prefill_ab(args, engine, libs, after, rng, vocab) -> None:
+    """Bursts of --seqs fresh 128-token prompts, the two builds in turn (a burst warms up first)."""
+    from pagedserve import SamplingParams
+    from pagedserve.model.cpu import gemm
+
+    params = SamplingParams(max_tokens=1, ignore_eos=True, temperature=0.0)
+    counter = iter(range(10**9))
+
+    def burst() -> float:
+        prompts = [[rng.randrange(3, vocab) for _ in range(128)] for _ in range(args.seqs)]
+        t0 = args.clock()
+        for prompt in prompts:
+            engine.add_request(f"burst-{next(counter)}", prompt, params)
+        while engine.has_unfinished_requests():
+            engine.step()
+        return args.clock() - t0
+
+    times: dict[str, list[float]] = {name: [] for name in libs}
+    for round_ in range(args.rounds + 1):  # round 0 warms up both
+        for name in (("before", "after") if round_ % 2 == 0 else ("after", "before")):
+            lib = libs[name]
+            gemm.load_gemm = lambda lib=lib: lib
+            seconds = burst()
+            if round_:
+                times[name].append(seconds)
+    gemm.load_gemm = lambda: after
+    report(args, times, f"bursts of {args.seqs} x 128-token prompts", "burst", args.seqs * 128)
+
+
+def report(args, times: dict[str, list[float]], what: str, unit: str, tokens: int) -> None:
+    import torch
+
+    print(f"{args.model} ({args.dtype}): {what}, torch threads {torch.get_num_threads()}, {args.rounds} rounds"
+          + ("" if args.prefill else f" x {args.steps} steps") + " per side"
+          + ("; thread CPU time" if args.cpu_time else "") + f"; load average {os.getloadavg()[0]:.1f}")
     p10 = {name: quantile(t, 0.1) for name, t in times.items()}
     med = {name: quantile(t, 0.5) for name, t in times.items()}
-    for name in libs:
-        print(f"  {name:>6}: step p10 {p10[name] * 1e3:7.3f} ms ({args.seqs / p10[name]:7.1f} tok/s), "
-              f"median {med[name] * 1e3:7.3f} ms ({args.seqs / med[name]:7.1f} tok/s)")
-    print(f"  after / before step time: p10 {p10['after'] / p10['before']:.3f}, median {med['after'] / med['before']:.3f}")
+    for name in times:
+        print(f"  {name:>6}: {unit} p10 {p10[name] * 1e3:8.2f} ms ({tokens / p10[name]:7.1f} tok/s), "
+              f"median {med[name] * 1e3:8.2f} ms ({tokens / med[name]:7.1f} tok/s)")
+    per = 1 if args.prefill else args.steps  # a round's timings per side, paired by round
+    rounds = {name: [quantile(t[i:i + per], 0.5) for i in range(0, len(t), per)] for name, t in times.items()}
+    ratios = sorted(a / b for a, b in zip(rounds["after"], rounds["before"]))
+    print(f"  after / before {unit} time: p10 {p10['after'] / p10['before']:.3f}, median {med['after'] / med['before']:.3f}; "
+          f"per round (each side's median, paired) min {ratios[0]:.3f} median {quantile(ratios, 0.5):.3f} max {ratios[-1]:.3f}")
 
 
 if __name__ == "__main__":

@@ -118,15 +118,18 @@ def run_bf16(lib, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     return out
 
 
-@pytest.mark.parametrize("m", [1, 2, 7, 8, 9, 33, 300])
+@pytest.mark.parametrize("m", [1, 2, 7, 8, 9, 25, 28, 29, 33, 300])
 @pytest.mark.parametrize("k", [1, 2, 3, 19, 256, 2048])
 def test_bf16_matches_fp32_matmul_of_the_same_bf16_values(lib, m, k):
     """The AVX512-BF16 kernel against an fp32 matmul of the same bf16 x, W and bias: fp32
     accumulation, then one rounding to bf16, so |error| <= 2^-8 |exact| (bf16's half ulp,
     with room for a tie) + the fp32 summation bound. Covers every row remainder of the 8-row
-    kernel, odd K (the last k step stored alone), the one-row kernel's 4-way k-pair split, a
-    tall x swept in row blocks, strided rows, bias, one and two threads. Builds without the
-    kernel (AVX2, portable, or a CPU without AVX512-BF16) report a panel width of 0."""
+    kernel and of the 6-row two-panel one (from 24 rows: 8 single-panel rows, then 6-row
+    passes; 25, 28, 29, 33 and 300 leave 5, 2, 3, 1 and 4 or 0; n = 3 panels leaves an odd
+    last panel to the 8-row kernel), odd K (the last k
+    step stored alone), the one-row kernel's 4-way k-pair split, a tall x swept in row blocks,
+    strided rows, bias, one and two threads. Builds without the kernel (AVX2, portable, or a
+    CPU without AVX512-BF16) report a panel width of 0."""
     nr = lib.ps_gemm_bf16_panel_width()
     if not nr:
         assert not (cpu_features().avx512_bf16 and lib is gemm.load_gemm())

@@ -292,6 +292,68 @@ constexpr auto make_table(std::integer_sequence<int, Rs...>) {
 
 const auto kKernels = make_table(std::make_integer_sequence<int, MR>{});
 
+// Two adjacent panels (64 output columns) times R <= MR2 rows: 4 weight vectors per k pair, so
+// one broadcast of x feeds 4 vdpbf16ps instead of 2. With x in L2 (more than MR rows) the
+// 8 x 2 kernel issues a broadcast per two dot products, which holds it ~5% below the
+// instruction's rate; this one issues one per four (6 x 4 = 24 accumulators). Each output is
+// the same sum in the same order as micro_kernel<R> (bias, then k pairs in increasing order,
+// one accumulator), so results are bit-identical to the single-panel kernels'.
+constexpr int MR2 = 6;
+
+template <int R>
+inline void micro_kernel2(const uint16_t* x, int64_t ldx, const uint16_t* panel, int64_t K, const uint16_t* bias,
+                          uint16_t* out, int64_t ldo, Prefetch pf) {
+    constexpr int NW = 2 * NV;
+    const int64_t second = K * NR;  // the next panel, in elements
+    __m512 acc[R][NW];
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+        for (int j = 0; j < NW; ++j) acc[r][j] = bias ? bias_load(bias + j * 16) : _mm512_setzero_ps();
+    const int64_t pairs = K / 2;
+    for (int64_t q = 0; q < pairs; ++q) {
+        const uint16_t* b = panel + q * 2 * NR;
+        for (int line = 0; line < pf.lines; ++line) __builtin_prefetch(pf.base + q * pf.step + line * 64, 0, 3);
+        __m512bh w[NW];
+#pragma GCC unroll 4
+        for (int j = 0; j < NW; ++j) w[j] = wload(b + (j / NV) * second + (j % NV) * 32);
+#pragma GCC unroll 8
+        for (int r = 0; r < R; ++r) {
+            const __m512bh a = pair_of(x + r * ldx, 2 * q);
+#pragma GCC unroll 4
+            for (int j = 0; j < NW; ++j) acc[r][j] = _mm512_dpbf16_ps(acc[r][j], a, w[j]);
+        }
+    }
+    if (K % 2) {
+        const uint16_t* b = panel + (K - 1) * NR;
+        __m512bh w[NW];
+        for (int j = 0; j < NW; ++j) w[j] = widened(b + (j / NV) * second + (j % NV) * 16);
+        for (int r = 0; r < R; ++r) {
+            const __m512bh a = reinterpret_cast<__m512bh>(_mm512_set1_epi32(int(x[r * ldx + K - 1])));
+            for (int j = 0; j < NW; ++j) acc[r][j] = _mm512_dpbf16_ps(acc[r][j], a, w[j]);
+        }
+    }
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+        for (int j = 0; j < NW; ++j) store_bf16(out + r * ldo + j * 16, acc[r][j]);
+}
+
+// One row keeps the single-panel four-way kernel (its sums are in a different order), per panel.
+template <>
+inline void micro_kernel2<1>(const uint16_t* x, int64_t ldx, const uint16_t* panel, int64_t K, const uint16_t* bias,
+                             uint16_t* out, int64_t ldo, Prefetch pf) {
+    micro_kernel<1>(x, ldx, panel, K, bias, out, ldo, pf);
+    micro_kernel<1>(x, ldx, panel + K * NR, K, bias ? bias + NR : nullptr, out + NR, ldo, Prefetch{nullptr, 0, 0});
+}
+
+template <int... Rs>
+constexpr auto make_table2(std::integer_sequence<int, Rs...>) {
+    return std::array<MicroKernel, sizeof...(Rs)>{&micro_kernel2<Rs + 1>...};
+}
+
+const auto kKernels2 = make_table2(std::make_integer_sequence<int, MR2>{});
+
 }  // namespace bf16k
 #define PS_HAVE_BF16 1
 #else
@@ -393,13 +455,55 @@ void ps_gemm_bf16(const uint16_t* x, int64_t ldx, int64_t M, int64_t K, const ui
     const int64_t panels = N / NRB;
     // Row blocks of ~512 KB of x (half the fp32 rows' bytes: the same rows per block as fp32).
     const int64_t mc_rows = std::max<int64_t>(MRB, ((int64_t(1) << 18) / std::max<int64_t>(K, 1)) / MRB * MRB);
-    const bool parallel = num_threads > 1 && panels > 1 && M * N * K >= (int64_t(1) << 18);
+    // As in ps_gemm: a one-row GEMM over a weight of >= kParallelWeight elements is a weight
+    // stream that both cores read faster than one (at half fp32's bytes such a weight still
+    // takes ~5 us to read against the team's ~1 us); up to MRB/2 rows no software prefetch
+    // (the hardware prefetchers keep the linear panel read ahead); no barrier between row
+    // blocks (static split, the same panels per thread in every block).
+    const bool parallel = num_threads > 1 && panels > 1 && (M * N * K >= (int64_t(1) << 18) || N * K >= kParallelWeight);
+    const bool stream = M <= MRB / 2;
     const int64_t panel_bytes = K * NRB * 2, pair_bytes = 2 * NRB * 2;
+    // Three 8-row passes or more (x then lives in L2): panels go in pairs through the 6 x 64
+    // kernel, an odd last panel alone through the 8 x 32 one; either way each thread has a
+    // contiguous run. One thread, thread CPU time, 246M shapes, warm: 0.98-1.08x at M = 32,
+    // +4-7% at 256 and 2,048 (~205 -> ~215 GFLOP/s, beside prepacked oneDNN's ~218 at 2,048);
+    // cold 1.0-1.07x at 24-64 (benchmarks/README.md, "bf16 GEMM: small M and the prefill tile").
+    const bool dual = M >= 3 * MRB;
+    const int64_t units = dual ? (panels + 1) / 2 : panels;
 #pragma omp parallel num_threads(num_threads) if (parallel)
     for (int64_t m0 = 0; m0 < M; m0 += mc_rows) {
         const int64_t m1 = std::min(M, m0 + mc_rows);
-#pragma omp for schedule(static)
-        for (int64_t p = 0; p < panels; ++p) {
+#pragma omp for schedule(static) nowait
+        for (int64_t u = 0; u < units; ++u) {
+            if (dual && 2 * u + 1 < panels) {
+                const int64_t p = 2 * u;
+                const uint16_t* panel = packed + p * K * NRB;
+                const uint16_t* panel_bias = bias ? bias + p * NRB : nullptr;
+                const char* next = reinterpret_cast<const char*>(panel) + 2 * panel_bytes;
+                const int64_t pairs = std::max<int64_t>(K / 2, 1);
+                const int64_t half = (2 * panel_bytes / 64 + 1) / 2;
+                // Pass 0 reads the pair from memory: 8 rows through the single-panel kernel on
+                // each panel (8 rows of work per weight byte fetched; the 6-row pair kernel has
+                // 6, and ran 4-6% slower with cold weights at M = 24-32, one thread); the other
+                // rows then run from L2 through the pair kernel, whose passes 1 and 2 bring the
+                // next pair into cache, as in the single-panel loop.
+                const int64_t first = std::min<int64_t>(MRB, m1 - m0);
+                for (int h = 0; h < 2; ++h) {
+                    const uint16_t* half_panel = panel + h * K * NRB;
+                    const Prefetch ahead{reinterpret_cast<const char*>(half_panel) + bf16k::kPrefetchPairs * pair_bytes, pair_bytes, int(pair_bytes / 64)};
+                    bf16k::kKernels[first - 1](x + m0 * ldx, ldx, half_panel, K, panel_bias ? panel_bias + h * NRB : nullptr,
+                                               out + m0 * ldo + (p + h) * NRB, ldo, ahead);
+                }
+                for (int64_t m = m0 + first; m < m1; m += bf16k::MR2) {
+                    const int rows = int(std::min<int64_t>(bf16k::MR2, m1 - m));
+                    const int64_t pass = 1 + (m - m0 - first) / bf16k::MR2;
+                    const Prefetch pf = pass <= 2 ? Prefetch{next + (pass - 1) * half * 64, 64 * ((half + pairs - 1) / pairs), 1}
+                                                  : Prefetch{nullptr, 0, 0};
+                    bf16k::kKernels2[rows - 1](x + m * ldx, ldx, panel, K, panel_bias, out + m * ldo + p * NRB, ldo, pf);
+                }
+                continue;
+            }
+            const int64_t p = dual ? 2 * u : u;
             const uint16_t* panel = packed + p * K * NRB;
             const uint16_t* panel_bias = bias ? bias + p * NRB : nullptr;
             const char* next = reinterpret_cast<const char*>(panel) + panel_bytes;
@@ -411,7 +515,8 @@ void ps_gemm_bf16(const uint16_t* x, int64_t ldx, int64_t M, int64_t K, const ui
                 // bring the next panel (panel_bytes / 64 lines) into L2, about one line per pair.
                 const int64_t half = (panel_bytes / 64 + 1) / 2;
                 const Prefetch pf =
-                    pass == 0   ? Prefetch{reinterpret_cast<const char*>(panel) + bf16k::kPrefetchPairs * pair_bytes, pair_bytes, int(pair_bytes / 64)}
+                    stream      ? Prefetch{nullptr, 0, 0}
+                    : pass == 0 ? Prefetch{reinterpret_cast<const char*>(panel) + bf16k::kPrefetchPairs * pair_bytes, pair_bytes, int(pair_bytes / 64)}
                     : pass <= 2 ? Prefetch{next + (pass - 1) * half * 64, 64 * ((half + pairs - 1) / pairs), 1}
                                 : Prefetch{nullptr, 0, 0};
                 bf16k::kKernels[rows - 1](x + m * ldx, ldx, panel, K, panel_bias, out + m * ldo + p * NRB, ldo, pf);
