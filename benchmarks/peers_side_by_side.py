@@ -110,21 +110,22 @@ def command_for(engine: str, model: str, batch_sizes: list[int], args) -> list[s
     return None
 
 
-def parse(engine: str, stdout: str) -> dict[int, float]:
-    """{batch size: output tok/s}."""
-    out: dict[int, float] = {}
+def parse(engine: str, stdout: str) -> dict[int, dict]:
+    """{batch size: {"out_tok_s": output tok/s, "ttft_s": seconds until the whole batch had its first
+    token (the burst's prefill; llama.cpp's batched-bench: its T_PP)}}."""
+    out: dict[int, dict] = {}
     if engine == "llama.cpp":
         # | PP | TG | B | N_KV | T_PP s | S_PP t/s | T_TG s | S_TG t/s | T s | S t/s |
         for line in stdout.splitlines():
             cells = [c.strip() for c in line.strip().strip("|").split("|")]
             if len(cells) >= 10 and cells[2].isdigit():
                 b, tg, total_s = int(cells[2]), int(cells[1]), float(cells[8])
-                out[b] = round(b * tg / total_s, 1)
+                out[b] = {"out_tok_s": round(b * tg / total_s, 1), "ttft_s": float(cells[4])}
         return out
     for line in stdout.splitlines():
         if line.startswith("{"):
             d = json.loads(line)
-            out[int(d["bs"])] = float(d["out_tok_s"])
+            out[int(d["bs"])] = {"out_tok_s": float(d["out_tok_s"]), "ttft_s": d.get("ttft_s")}
     return out
 
 
@@ -137,7 +138,7 @@ def pinned(cmd: list[str], threads: int) -> list[str]:
     return ["taskset", "-c", live.cpu_list(threads), *cmd]
 
 
-def run_engine(engine: str, model: str, batch_sizes: list[int], args) -> dict[int, float] | str:
+def run_engine(engine: str, model: str, batch_sizes: list[int], args) -> dict[int, dict] | str:
     cmd = command_for(engine, model, batch_sizes, args)
     if not Path(cmd[0]).exists():
         return f"not installed ({cmd[0]})"
@@ -374,7 +375,9 @@ def main() -> None:
             print(table(f"{model}: P99 TTFT s at concurrency", results, cols, lambda v: v["ttft_p99_s"] or 0.0))
         else:
             print(table(f"\n{model}: output tok/s at batch size (best of {args.rounds})", results, cols,
-                        lambda v: v))
+                        lambda v: v["out_tok_s"]))
+            print(table(f"{model}: seconds to the whole batch's first token (the burst's prefill; ratio < 1: "
+                        f"pagedserve faster)", results, cols, lambda v: v["ttft_s"] or float("nan")))
     print(f"load after: {os.getloadavg()}")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(report, indent=1, default=str))
