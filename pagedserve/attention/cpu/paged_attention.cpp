@@ -281,6 +281,21 @@ void attend_tile(int64_t R, int64_t G, int64_t nc, int64_t dp, const int64_t* ro
     for (int64_t r = 0; r < R; ++r) {
         const float* qr = qf + r * dp;
         if constexpr (NCT > 0) {
+            if (n == kLanes) {  // a whole tile (every tile of a decode but its last): keys unrolled at
+                // compile time, so the 16 partial dot products stay in registers for the reduction
+                // instead of going through `part` in memory.
+                v16 qv[NCT], parts[kLanes];
+                for (int c = 0; c < NCT; ++c) qv[c] = load16(qr + c * kLanes);
+#pragma GCC unroll 16
+                for (int t = 0; t < kLanes; ++t) {
+                    const float* kr = kt + t * ks;
+                    v16 p = qv[0] * load16(kr);
+                    for (int c = 1; c < NCT; ++c) p += qv[c] * load16(kr + c * kLanes);
+                    parts[kSlot[t]] = p;
+                }
+                store16(sc + r * kLanes, sum_lanes_16(parts));
+                continue;
+            }
             v16 qv[NCT];
             for (int c = 0; c < NCT; ++c) qv[c] = load16(qr + c * kLanes);
             for (int64_t t = 0; t < n; ++t) {
@@ -336,8 +351,32 @@ void attend_tile(int64_t R, int64_t G, int64_t nc, int64_t dp, const int64_t* ro
         l[r] += sum;
     }
 
-    // acc += P V, row by row: the row's accumulator stays in registers across the tile's keys.
-    for (int64_t r = 0; r < R; ++r) {
+    // acc += P V. Rows in fours (twos for head_dim 128): their accumulators (16 registers) stay
+    // in registers across the tile's keys and each V row is loaded once for all of them, not
+    // once per row; the rest row by row.
+    int64_t r_first = 0;
+    if constexpr (NCT > 0) {
+        constexpr int kRows = NCT <= 4 ? 4 : 2;
+        for (; r_first + kRows <= R; r_first += kRows) {
+            const float* pr = sc + r_first * kLanes;
+            float* ar = acc + r_first * dp;
+            v16 av[kRows][NCT];
+            for (int i = 0; i < kRows; ++i)
+                for (int c = 0; c < NCT; ++c) av[i][c] = load16(ar + i * dp + c * kLanes);
+            for (int64_t t = 0; t < n; ++t) {
+                const float* vr = vt + t * vs;
+                v16 vv[NCT];
+                for (int c = 0; c < NCT; ++c) vv[c] = load16(vr + c * kLanes);
+                for (int i = 0; i < kRows; ++i) {
+                    const float w = pr[i * kLanes + t];
+                    for (int c = 0; c < NCT; ++c) av[i][c] += w * vv[c];
+                }
+            }
+            for (int i = 0; i < kRows; ++i)
+                for (int c = 0; c < NCT; ++c) store16(ar + i * dp + c * kLanes, av[i][c]);
+        }
+    }
+    for (int64_t r = r_first; r < R; ++r) {
         const float* pr = sc + r * kLanes;
         float* ar = acc + r * dp;
         if constexpr (NCT > 0) {
