@@ -214,7 +214,7 @@ def main() -> None:
     rng = random.Random(0)
     vocab = engine.model_config.vocab_size
     if not args.child:
-        print(f"{args.model}: {sum(p.numel() for p in runner.model.parameters()) / 1e6:.1f}M parameters, "
+        print(f"{args.model}: {sum(t.numel() for t in (*runner.model.parameters(), *runner.model.buffers())) / 1e6:.1f}M parameters, "
               f"{args.dtype}, torch threads {torch.get_num_threads()}, {args.new_tokens} new tokens; "
               f"load average {os.getloadavg()[0]:.1f}")
     rows = []

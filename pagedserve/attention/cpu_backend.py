@@ -50,12 +50,12 @@ class KernelMetadata:
     plan_arrays: tuple[np.ndarray, ...] = field(default=(), repr=False)
     plan_ref: object = field(default=None, repr=False)  # ctypes.byref(plan), made once per step
     checked_slots: int = field(default=-1, repr=False)  # pool size the slots and tables were checked against
-    slot_mapping_ptr: int = field(default=0, repr=False)  # slot_mapping.data_ptr(), read once per step
+    slot_mapping_arg: object = field(default=None, repr=False)  # c_void_p(slot_mapping.data_ptr()), once per step
     checked_pools: dict = field(default_factory=dict, repr=False)  # id(k_cache) -> (k_cache, v_cache, token stride)
 
     def __post_init__(self) -> None:
         self.plan_ref = ctypes.byref(self.plan)
-        self.slot_mapping_ptr = self.slot_mapping.data_ptr()
+        self.slot_mapping_arg = ctypes.c_void_p(self.slot_mapping.data_ptr())
 
     def contiguous_pool_stride(self, k_cache: torch.Tensor, v_cache: torch.Tensor) -> int:
         """k_cache's token stride, after refusing a pool that is not contiguous [num_slots, KV, D]
@@ -180,9 +180,10 @@ def _row_stride(x: torch.Tensor) -> tuple[torch.Tensor, int]:
 
 @cache
 def _attention_layer_call() -> ConvertedArgs:
-    """ps_attention_layer, the plan passed as made (a byref) and the rest converted once per
-    distinct tuple of values (native.ConvertedArgs: the same shapes and addresses every layer)."""
-    return ConvertedArgs(load_kernel().ps_attention_layer, raw=1)
+    """ps_attention_layer, the step's plan and slot mapping passed as made (ctypes objects made
+    once per step) and the rest converted once per distinct tuple of values (native.ConvertedArgs:
+    each layer's shapes and addresses are the same every step)."""
+    return ConvertedArgs(load_kernel().ps_attention_layer, raw=2)
 
 
 def _check(rc: int, q: torch.Tensor, k_cache: torch.Tensor) -> None:
@@ -224,7 +225,7 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     shape = (num_tokens, num_heads, head_dim)
     out = torch.empty(*shape, dtype=cache_dtype) if scratch is None else scratch.get(shape, cache_dtype)
     rc = _attention_layer_call().call_raw(
-        (meta.plan_ref,), meta.slot_mapping_ptr, num_tokens, k.data_ptr(), k_stride, v.data_ptr(), v_stride,
+        (meta.plan_ref, meta.slot_mapping_arg), num_tokens, k.data_ptr(), k_stride, v.data_ptr(), v_stride,
         q.data_ptr(), q_stride, out.data_ptr(), num_heads * head_dim, k_cache.data_ptr(), v_cache.data_ptr(),
         meta.block_size * token_stride, head_dim, token_stride, TORCH_DTYPE_CODES[cache_dtype], num_heads,
         k.shape[1], head_dim, scale, torch.get_num_threads())
