@@ -22,7 +22,13 @@ engine). Each part's time is its own, without the parts it calls:
               observers, the stop-string finishes
 
 Prints milliseconds per decode step and each part's share, and the share of everything outside
-forward + LM head (the engine's own work). The breakdown wraps about 10 functions per layer, so its
+forward + LM head (the engine's own work).
+
+    python benchmarks/step_breakdown.py --issue32 --clock thread --threads 1
+
+runs issue 32's breakdown: 1, 32 and 256 running on the 19M model, 32 on the 246M (ISSUE32_PLAN,
+each model in its own process; `--plan 'MODEL=SEQS;MODEL=SEQS'` for others), then checks the
+goal that the engine's work is at most 5% of the step at 32 on the 246M. The breakdown wraps about 10 functions per layer, so its
 own cost (~1 us a wrapped call) is in the parts it wraps.
 
 Instruction counts (repeatable on a shared machine, where milliseconds are not):
@@ -54,6 +60,8 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
+ISSUE32_PLAN = "/tmp/peers/tiny-llama=1,32,256;/tmp/peers/small-llama=32"
+ENGINE_GOAL = 0.05  # issue 32: the work outside forward + LM head, at 32 running on the 246M
 PARTS = ["schedule", "input prep", "forward", "LM head", "sampler", "update", "outputs", "other"]
 FORWARD_KINDS = ["embed", "rope table", "norms", "attn GEMM", "rope", "attention", "MLP GEMM", "silu*up", "glue"]
 # What the step's engine work is: everything but the model forward and the LM head.
@@ -174,9 +182,13 @@ def main() -> None:
     ap.add_argument("--callgrind-parts", action="store_true",
                     help="with --callgrind: also the breakdown by part, in instructions (a second run per N)")
     ap.add_argument("--before", default=None, help="with --callgrind: another checkout to count alike")
+    ap.add_argument("--plan", default=None, help="'MODEL=SEQS;MODEL=SEQS': each model in its own process")
+    ap.add_argument("--issue32", action="store_true", help=f"--plan '{ISSUE32_PLAN}' and the 5%% check")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--child-parts", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.issue32 or args.plan:
+        return run_plan(args.plan or ISSUE32_PLAN, args.issue32)
     if args.callgrind:
         return compare_instructions(args)
 
@@ -202,7 +214,7 @@ def main() -> None:
     rng = random.Random(0)
     vocab = engine.model_config.vocab_size
     if not args.child:
-        print(f"{args.model}: {sum(p.numel() for p in runner.model.parameters()) / 1e6:.1f}M parameters, "
+        print(f"{args.model}: {sum(t.numel() for t in (*runner.model.parameters(), *runner.model.buffers())) / 1e6:.1f}M parameters, "
               f"{args.dtype}, torch threads {torch.get_num_threads()}, {args.new_tokens} new tokens; "
               f"load average {os.getloadavg()[0]:.1f}")
     rows = []
@@ -242,6 +254,7 @@ def main() -> None:
 def print_breakdown(rows: list[tuple[int, dict[str, float], float]], unit: str) -> None:
     """rows: (running, cost per part or forward kind, whole step), per decode step in `unit`."""
     scale = "{:>7.2f}"
+    shares: list[str] = []
     print(f"\nper decode step, {unit} (share of the step); forward = the kinds below; "
           f"engine = all but forward + LM head")
     print(f"{'running':>8} {'step':>8} " + " ".join(f"{p:>12}" for p in PARTS) + f" {'engine':>12}")
@@ -252,11 +265,42 @@ def print_breakdown(rows: list[tuple[int, dict[str, float], float]], unit: str) 
         engine = sum(cost[p] for p in ENGINE_PARTS)
         print(f"{n:>8} {step:>8.2f} " + " ".join(f"{scale.format(cost.get(p, 0.0))} {cost.get(p, 0.0) / step:>4.0%}"
                                                 for p in PARTS) + f" {scale.format(engine)} {engine / step:>4.0%}")
+        shares.append(f"ENGINE_SHARE {n} {engine / step:.4f}")
     print(f"\nthe forward by layer kind, {unit} per decode step (share of the step)")
     print(f"{'running':>8} " + " ".join(f"{k:>12}" for k in FORWARD_KINDS))
     for n, cost, step in rows:
         print(f"{n:>8} " + " ".join(f"{scale.format(cost.get(k, 0.0))} {cost.get(k, 0.0) / step:>4.0%}"
                                     for k in FORWARD_KINDS))
+    print("\n".join(shares))
+
+
+def run_plan(plan: str, check: bool) -> None:
+    """Each MODEL=SEQS entry in its own process (this script, the other flags as given); with
+    `check`, issue 32's goal on the last entry's 32-running row."""
+    passed = [a for a in sys.argv[1:] if a not in ("--issue32",)]
+    if "--plan" in passed:
+        i = passed.index("--plan")
+        del passed[i:i + 2]
+    shares: dict[tuple[str, int], float] = {}
+    for entry in plan.split(";"):
+        model, _, seqs = entry.partition("=")
+        done = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--model", model, "--seqs", seqs]
+                              + passed, capture_output=True, text=True)
+        print(done.stdout, end="", flush=True)
+        if done.returncode:
+            print(done.stderr[-3000:], file=sys.stderr)
+            raise SystemExit(f"{model}: exit {done.returncode}")
+        for line in done.stdout.splitlines():
+            if line.startswith("ENGINE_SHARE "):
+                _, n, share = line.split()
+                shares[(model, int(n))] = float(share)
+    if check:
+        model = plan.split(";")[-1].partition("=")[0]
+        share = shares.get((model, 32))
+        if share is not None:
+            verdict = "holds" if share <= ENGINE_GOAL else "does not hold"
+            print(f"\nissue 32: engine work at 32 running on {model}: {share:.1%} of the step "
+                  f"(goal <= {ENGINE_GOAL:.0%}: {verdict})")
 
 
 SHIM = r"""

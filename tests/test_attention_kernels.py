@@ -317,9 +317,9 @@ def test_engine_with_kernel_matches_hf(fresh_choice, tmp_path):
     kernel_rows = []
     real = cpu_backend.paged_attention
 
-    def spy(q, k, v, k_cache, v_cache, meta, scale):
+    def spy(q, k, v, k_cache, v_cache, meta, scale, scratch=None):
         kernel_rows.append(meta.plan.num_seqs)
-        return real(q, k, v, k_cache, v_cache, meta, scale)
+        return real(q, k, v, k_cache, v_cache, meta, scale, scratch)
 
     fresh_choice.setattr(cpu_backend, "paged_attention", spy)
     path = make_checkpoint(tmp_path / "mistral", "mistral", kv_heads=2, sliding_window=24)

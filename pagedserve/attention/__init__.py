@@ -32,6 +32,7 @@ from pagedserve import native
 from pagedserve.attention.cpu import load_kernel
 from pagedserve.attention.cpu_backend import KernelMetadata
 from pagedserve.attention.torch_backend import AttentionMetadata as TorchMetadata
+from pagedserve.scratch import ScratchOutput
 
 logger = logging.getLogger("pagedserve.attention")
 
@@ -102,13 +103,15 @@ def build_metadata(decodes: list[tuple[np.ndarray, int]], prefills: list[tuple[n
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                    v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+                    v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+                    scratch: ScratchOutput | None = None) -> torch.Tensor:
     """q: [T, H, D]; k, v: [T, KV, D]; k_cache/v_cache: [num_slots, KV, D] (one layer).
 
-    Writes k/v into the cache at meta.slot_mapping, returns attention output [T, H, D].
+    Writes k/v into the cache at meta.slot_mapping, returns attention output [T, H, D] (the CPU
+    kernel writes it into `scratch`'s tensor where one is given: pagedserve/scratch.py).
     """
     if type(meta) is KernelMetadata:
-        return cpu_backend.paged_attention(q, k, v, k_cache, v_cache, meta, scale)
+        return cpu_backend.paged_attention(q, k, v, k_cache, v_cache, meta, scale, scratch)
     if type(meta) is TorchMetadata:
         return torch_backend.paged_attention(q, k, v, k_cache, v_cache, meta, scale)
     from pagedserve.attention import triton_backend  # only Triton metadata is left; imported by now

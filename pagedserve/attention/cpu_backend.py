@@ -21,6 +21,7 @@ from __future__ import annotations
 import ctypes
 import itertools
 from dataclasses import dataclass, field
+from functools import cache
 from typing import Sequence
 
 import numpy as np
@@ -29,6 +30,8 @@ import torch
 from pagedserve.attention.cpu import DTYPE_CODES, AttentionPlan, load_kernel
 from pagedserve.attention.kv_quant import KVCacheLayer, QuantizedKV, store
 from pagedserve.attention.torch_backend import PrefillChunk, attend_prefill_chunk, prefill_chunk, slots_for
+from pagedserve.native import ConvertedArgs
+from pagedserve.scratch import ScratchOutput
 
 # Chunks the kernel attends; longer ones go to SDPA (crossovers measured on a 2-core AVX-512
 # Xeon, 16 heads / 4 kv heads x 64: fresh ~48 tokens, after 512 cached ones ~8).
@@ -47,9 +50,26 @@ class KernelMetadata:
     plan_arrays: tuple[np.ndarray, ...] = field(default=(), repr=False)
     plan_ref: object = field(default=None, repr=False)  # ctypes.byref(plan), made once per step
     checked_slots: int = field(default=-1, repr=False)  # pool size the slots and tables were checked against
+    slot_mapping_arg: object = field(default=None, repr=False)  # c_void_p(slot_mapping.data_ptr()), once per step
+    checked_pools: dict = field(default_factory=dict, repr=False)  # id(k_cache) -> (k_cache, v_cache, token stride)
 
     def __post_init__(self) -> None:
         self.plan_ref = ctypes.byref(self.plan)
+        self.slot_mapping_arg = ctypes.c_void_p(self.slot_mapping.data_ptr())
+
+    def contiguous_pool_stride(self, k_cache: torch.Tensor, v_cache: torch.Tensor) -> int:
+        """k_cache's token stride, after refusing a pool that is not contiguous [num_slots, KV, D]
+        and checking the step's slots and tables against it (`check_bounds`); a layer's pool
+        pair is checked once per step (its views are made once per pool: LlamaForCausalLM)."""
+        checked = self.checked_pools.get(id(k_cache))
+        if checked is not None and checked[0] is k_cache and checked[1] is v_cache:
+            return checked[2]
+        if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+            raise ValueError("cpu attention backend: k_cache and v_cache must be contiguous [num_slots, KV, D]")
+        self.check_bounds(k_cache.shape[0])
+        token_stride = k_cache.stride(0)
+        self.checked_pools[id(k_cache)] = (k_cache, v_cache, token_stride)
+        return token_stride
 
     def check_bounds(self, num_slots: int) -> None:
         """The kernel writes and reads raw memory: a slot or block id outside the pool must be
@@ -148,6 +168,24 @@ def _token_rows(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
+def _row_stride(x: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """(x, or a copy of it, with each token's heads contiguous; its row stride): `_token_rows`
+    reading the strides once (`stride()` is an argument-parsed torch call)."""
+    stride = x.stride()
+    if stride[2] != 1 or stride[1] != x.shape[2]:
+        x = x.contiguous()
+        return x, x.shape[1] * x.shape[2]
+    return x, stride[0]
+
+
+@cache
+def _attention_layer_call() -> ConvertedArgs:
+    """ps_attention_layer, the step's plan and slot mapping passed as made (ctypes objects made
+    once per step) and the rest converted once per distinct tuple of values (native.ConvertedArgs:
+    each layer's shapes and addresses are the same every step)."""
+    return ConvertedArgs(load_kernel().ps_attention_layer, raw=2)
+
+
 def _check(rc: int, q: torch.Tensor, k_cache: torch.Tensor) -> None:
     if rc != 0:
         why = {-1: "bad shape", -2: f"{k_cache.dtype} not supported by this build of the kernel"}.get(rc, f"error {rc}")
@@ -169,7 +207,7 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                     k_cache: KVCacheLayer, v_cache: KVCacheLayer, meta: KernelMetadata,
-                    scale: float) -> torch.Tensor:
+                    scale: float, scratch: ScratchOutput | None = None) -> torch.Tensor:
     """q: [T, H, D]; k, v: [T, KV, D]; k_cache/v_cache: [num_slots, KV, D] (one layer, contiguous).
 
     Writes k/v into the cache at meta.slot_mapping, returns attention output [T, H, D]. The
@@ -177,22 +215,20 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     """
     if isinstance(k_cache, QuantizedKV):
         return _paged_attention_quantized(q, k, v, k_cache, v_cache, meta, scale)
-    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
-        raise ValueError("cpu attention backend: k_cache and v_cache must be contiguous [num_slots, KV, D]")
-    meta.check_bounds(k_cache.shape[0])
+    token_stride = meta.contiguous_pool_stride(k_cache, v_cache)
     compute_dtype = q.dtype
     cache_dtype = k_cache.dtype
     if q.dtype != cache_dtype or k.dtype != cache_dtype:  # the kernel reads all in the cache's dtype
         q, k, v = q.to(cache_dtype), k.to(cache_dtype), v.to(cache_dtype)
-    q, k, v = _token_rows(q), _token_rows(k), _token_rows(v)
+    (q, q_stride), (k, k_stride), (v, v_stride) = _row_stride(q), _row_stride(k), _row_stride(v)
     num_tokens, num_heads, head_dim = q.shape
-    out = torch.empty((num_tokens, num_heads, head_dim), dtype=cache_dtype)
-    token_stride = k_cache.stride(0)
-    rc = load_kernel().ps_attention_layer(
-        meta.plan_ref, meta.slot_mapping.data_ptr(), num_tokens, k.data_ptr(), k.stride(0), v.data_ptr(),
-        v.stride(0), q.data_ptr(), q.stride(0), out.data_ptr(), num_heads * head_dim, k_cache.data_ptr(),
-        v_cache.data_ptr(), meta.block_size * token_stride, head_dim, token_stride, TORCH_DTYPE_CODES[cache_dtype],
-        num_heads, k.shape[1], head_dim, scale, torch.get_num_threads())
+    shape = (num_tokens, num_heads, head_dim)
+    out = torch.empty(*shape, dtype=cache_dtype) if scratch is None else scratch.get(shape, cache_dtype)
+    rc = _attention_layer_call().call_raw(
+        (meta.plan_ref, meta.slot_mapping_arg), num_tokens, k.data_ptr(), k_stride, v.data_ptr(), v_stride,
+        q.data_ptr(), q_stride, out.data_ptr(), num_heads * head_dim, k_cache.data_ptr(), v_cache.data_ptr(),
+        meta.block_size * token_stride, head_dim, token_stride, TORCH_DTYPE_CODES[cache_dtype], num_heads,
+        k.shape[1], head_dim, scale, torch.get_num_threads())
     _check(rc, q, k_cache)
     for c in meta.sdpa_chunks:
         out[c.q_start:c.q_start + c.q_len] = attend_prefill_chunk(q, k, v, k_cache, v_cache, c, meta.block_size, scale)

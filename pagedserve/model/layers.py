@@ -31,6 +31,7 @@ from torch import nn
 from pagedserve.cpu_isa import CpuFeatures, cpu_features
 from pagedserve.model.cpu import gemm
 from pagedserve.native import NativeUnavailable
+from pagedserve.scratch import ScratchOutput
 
 logger = logging.getLogger("pagedserve.model")
 
@@ -52,6 +53,11 @@ class LinearMethod:
 
     def apply(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         raise NotImplementedError
+
+    def apply_into(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                   scratch: ScratchOutput) -> torch.Tensor:
+        """`apply`, the output in `scratch`'s tensor where the method can write one (else a new one)."""
+        return self.apply(x, weight, bias)
 
 
 class TorchLinear(LinearMethod):
@@ -131,6 +137,9 @@ class CppPackedLinear(LinearMethod):
     def apply(self, x, weight, bias):
         return gemm.linear(x, weight, bias)
 
+    def apply_into(self, x, weight, bias, scratch):
+        return gemm.linear(x, weight, bias, scratch)
+
 
 @functools.cache
 def _cpp_gemm_panel_width(dtype: torch.dtype = torch.float32) -> int:
@@ -157,6 +166,9 @@ class Linear(nn.Module):
         self.weight = nn.Parameter(torch.empty(out_features, in_features))
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
         self.method: LinearMethod = LINEAR_METHODS["torch"]
+        # Set by a model whose every reader of this layer's output is done before the layer
+        # runs again (pagedserve/scratch.py); None: a new output tensor per call.
+        self.scratch: ScratchOutput | None = None
 
     def use(self, method: LinearMethod) -> None:
         """Switch to `method`, packing the weight in place of the plain one."""
@@ -176,7 +188,9 @@ class Linear(nn.Module):
         weight = self._buffers.get("weight")
         if weight is None:
             weight = self._parameters["weight"]
-        return self.method.apply(x, weight, self._parameters.get("bias"))
+        if self.scratch is None:
+            return self.method.apply(x, weight, self._parameters.get("bias"))
+        return self.method.apply_into(x, weight, self._parameters.get("bias"), self.scratch)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, " \

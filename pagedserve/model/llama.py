@@ -25,6 +25,7 @@ from pagedserve.model.layers import Linear
 from pagedserve.model.parallel import (RowParallelLinear, VocabParallelEmbedding, gather_vocab_logits,
                                        shard_checkpoint_tensor)
 from pagedserve.model.rope import RotaryEmbedding
+from pagedserve.scratch import ScratchOutput
 
 
 class RMSNorm(nn.Module):
@@ -32,13 +33,14 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
+        self.scratch: ScratchOutput | None = None  # a decoder layer's norms: their output is read within it
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return fused.rms_norm(x, self.weight, self.eps)
+        return fused.rms_norm(x, self._parameters["weight"], self.eps, self.scratch)
 
     def add_and_norm(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(norm(residual + x), residual + x); `residual` may be updated in place."""
-        return fused.add_rms_norm(x, residual, self.weight, self.eps)
+        return fused.add_rms_norm(x, residual, self._parameters["weight"], self.eps, self.scratch)
 
 
 class Attention(nn.Module):
@@ -50,15 +52,20 @@ class Attention(nn.Module):
         self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias)
         self.o_proj = RowParallelLinear(self.q_size, cfg.hidden_size, cfg.o_proj_bias, shard.tp)
         self.scale = self.head_dim ** -0.5
+        self.head_split = [self.num_heads, self.num_kv_heads, self.num_kv_heads]  # qkv's heads: q, k, v
+        # q/k/v, the attention output and o_proj's are read within the layer only (pagedserve/scratch.py)
+        self.qkv_proj.scratch, self.o_proj.scratch = ScratchOutput(), ScratchOutput()
+        self.attn_scratch = ScratchOutput()
 
     def forward(self, x, cos, sin, k_cache, v_cache, meta: AttentionMetadata):
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(-1, self.num_heads, self.head_dim)
-        k = k.view(-1, self.num_kv_heads, self.head_dim)
-        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        modules = self._modules
+        qkv = modules["qkv_proj"].forward(x)
+        rows = qkv.shape[0]
+        # q, k, v as views of the qkv rows: [T, heads, D] each with the qkv row stride
+        q, k, v = qkv.view(rows, -1, self.head_dim).split_with_sizes(self.head_split, 1)
         q, k = fused.apply_rotary(q, k, cos, sin)
-        o = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale)
-        return self.o_proj(o.reshape(-1, self.q_size))
+        o = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale, scratch=self.attn_scratch)
+        return modules["o_proj"].forward(o.reshape(rows, self.q_size))
 
 
 class MLP(nn.Module):
@@ -67,9 +74,12 @@ class MLP(nn.Module):
         self.inter = shard.intermediate_size
         self.gate_up_proj = Linear(cfg.hidden_size, 2 * self.inter, bias=cfg.mlp_bias)
         self.down_proj = RowParallelLinear(self.inter, cfg.hidden_size, cfg.mlp_bias, shard.tp)
+        # gate/up and SiLU * up are read within the MLP; its output (the layer's) is a new tensor
+        self.gate_up_proj.scratch, self.silu_scratch = ScratchOutput(), ScratchOutput()
 
     def forward(self, x):
-        return self.down_proj(fused.silu_and_mul(self.gate_up_proj(x)))
+        modules = self._modules
+        return modules["down_proj"].forward(fused.silu_and_mul(modules["gate_up_proj"].forward(x), self.silu_scratch))
 
 
 class DecoderLayer(nn.Module):
@@ -79,19 +89,25 @@ class DecoderLayer(nn.Module):
         self.self_attn = Attention(cfg, shard)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg, shard)
+        self.input_layernorm.scratch = ScratchOutput()
+        self.post_attention_layernorm.scratch = ScratchOutput()
 
     def forward(self, h, residual, cos, sin, k_cache, v_cache, meta):
         """h: the previous layer's MLP output, not yet added to `residual` (the first layer: the
         embeddings, residual None). Returns (this layer's MLP output, the residual before it):
         the unfused `h = h + attn(norm(h)); h = h + mlp(norm(h))` with each add moved into the
         next norm."""
+        # Submodules from _modules and their forward called directly: nn.Module.__getattr__ and
+        # __call__ (hooks, which this model never registers) cost ~0.6 and ~1.8 us a time, and
+        # a decode step on a small model is a few hundred such calls.
+        modules = self._modules
         if residual is None:
-            residual, x = h, self.input_layernorm(h)
+            residual, x = h, modules["input_layernorm"].forward(h)
         else:
-            x, residual = self.input_layernorm.add_and_norm(h, residual)
-        attn = self.self_attn(x, cos, sin, k_cache, v_cache, meta)
-        x, residual = self.post_attention_layernorm.add_and_norm(attn, residual)
-        return self.mlp(x), residual
+            x, residual = modules["input_layernorm"].add_and_norm(h, residual)
+        attn = modules["self_attn"].forward(x, cos, sin, k_cache, v_cache, meta)
+        x, residual = modules["post_attention_layernorm"].add_and_norm(attn, residual)
+        return modules["mlp"].forward(x), residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -158,18 +174,20 @@ class LlamaForCausalLM(nn.Module):
         Returns hidden [T, H]. A pipeline stage after the first starts from `intermediate`
         (the previous stage's (h, residual)); one before the last (no final norm) returns
         its (h, residual) instead of the normed hidden."""
+        modules = self._modules  # as DecoderLayer.forward: no Module.__getattr__ / __call__ per layer
         if intermediate is None:
-            h, residual = self.embed_tokens(input_ids), None
+            h, residual = modules["embed_tokens"].forward(input_ids), None
         else:
             h, residual = intermediate
         # computed per step rather than cached per position: cheap next to one layer, and
         # no table of max_position_embeddings rows (128 MB for a 128k-context model)
         cos, sin = self.rotary(positions, prompt_lens)
-        for layer, (k_cache, v_cache) in zip(self.layers, self._layer_caches(kv_cache)):
-            h, residual = layer(h, residual, cos, sin, k_cache, v_cache, meta)
-        if self.norm is None:  # not the last pipeline stage
+        for layer, (k_cache, v_cache) in zip(modules["layers"], self._layer_caches(kv_cache)):
+            h, residual = layer.forward(h, residual, cos, sin, k_cache, v_cache, meta)
+        norm = modules.get("norm")
+        if norm is None:  # not the last pipeline stage
             return h, residual
-        return self.norm(h) if residual is None else self.norm.add_and_norm(h, residual)[0]
+        return norm.forward(h) if residual is None else norm.add_and_norm(h, residual)[0]
 
     def _layer_caches(self, kv_cache: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Each layer's (K, V) views of the pool, made once per pool tensor: indexing them
@@ -184,7 +202,9 @@ class LlamaForCausalLM(nn.Module):
         """fp32 logits over the whole vocabulary; under TP every rank must call this (it
         gathers its vocabulary slice to rank 0), and only rank 0 gets the logits (None elsewhere)."""
         if self.lm_head is None:  # tied: the embedding table is the head, kept plain for the lookup
-            local = F.linear(hidden, self.embed_tokens.weight).float()
+            local = F.linear(hidden, self.embed_tokens.weight)
         else:
-            local = self.lm_head(hidden).float()
+            local = self.lm_head.forward(hidden)
+        if local.dtype != torch.float32:
+            local = local.float()
         return gather_vocab_logits(local, self.shard, self.cfg.vocab_size)

@@ -129,6 +129,8 @@ class Sampler:
     @staticmethod
     def greedy(logits: torch.Tensor) -> list[int]:
         """Each row's argmax: the token of every row that is plain greedy (no grammar)."""
+        if logits.dtype == torch.float32 and logits.is_cpu:  # argmax_rows' numpy path, minus the tensor round trip
+            return np.argmax(logits.numpy(), axis=1).tolist()
         return argmax_rows(logits.float()).tolist()
 
     def __call__(self, logits: torch.Tensor, reqs: list[SamplingRow]) -> tuple[list[int], list[TokenLogprobs | None]]:

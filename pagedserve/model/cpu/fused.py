@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from pagedserve import native
+from pagedserve.scratch import ScratchOutput
 
 logger = logging.getLogger("pagedserve.model.fused")
 
@@ -68,12 +69,19 @@ def apply_rotary_reference(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, 
 
 
 # -- the compiled kernels -------------------------------------------------------------------------
+_c_int, _i64, _ptr, _c_float = ctypes.c_int, ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
+KERNEL_ARGTYPES = {
+    "ps_rms_norm": [_c_int, _ptr, _i64, _ptr, _ptr, _i64, _i64, _i64, _c_float, _c_int, _c_int],
+    "ps_add_rms_norm": [_c_int, _ptr, _i64, _ptr, _i64, _ptr, _ptr, _i64, _i64, _i64, _c_float, _c_int, _c_int],
+    "ps_silu_and_mul": [_c_int, _ptr, _i64, _ptr, _i64, _i64, _i64, _c_int],
+    "ps_rotary": [_c_int, _ptr, _i64, _i64, _i64, _ptr, _i64, _i64, _i64, _ptr, _i64, _ptr, _i64, _i64, _i64, _c_int],
+}
+
+
 def bind(lib: ctypes.CDLL) -> ctypes.CDLL:
-    c_int, i64, ptr, c_float = ctypes.c_int, ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
-    lib.ps_rms_norm.argtypes = [c_int, ptr, i64, ptr, ptr, i64, i64, i64, c_float, c_int, c_int]
-    lib.ps_add_rms_norm.argtypes = [c_int, ptr, i64, ptr, i64, ptr, ptr, i64, i64, i64, c_float, c_int, c_int]
-    lib.ps_silu_and_mul.argtypes = [c_int, ptr, i64, ptr, i64, i64, i64, c_int]
-    lib.ps_rotary.argtypes = [c_int, ptr, i64, i64, i64, ptr, i64, i64, i64, ptr, i64, ptr, i64, i64, i64, c_int]
+    for name, argtypes in KERNEL_ARGTYPES.items():
+        getattr(lib, name).argtypes = argtypes
+    ptr, i64, c_int = _ptr, _i64, _c_int
     lib.ps_sum_of_squares.argtypes = [ptr, i64, c_int]
     lib.ps_sum_of_squares.restype = ctypes.c_float
     for fn in (lib.ps_rms_norm, lib.ps_add_rms_norm, lib.ps_silu_and_mul, lib.ps_rotary):
@@ -112,54 +120,83 @@ def fused_ops_for(device_type: str) -> str:
 
 
 def _code(*tensors: torch.Tensor) -> int | None:
-    """The kernels' dtype code when they serve these tensors (all CPU, one dtype, the last dim
-    contiguous), else None."""
+    """The kernels' dtype code when they serve these tensors (all CPU, one dtype), else None.
+    The callers check the strides they need (each `stride()` is an argument-parsed torch call,
+    so each tensor's is read once)."""
     first = tensors[0]
-    code = DTYPE_CODES.get(first.dtype)
-    if code is None or not first.is_cpu or fused_ops_for("cpu") != "cpu":
+    dtype = first.dtype
+    code = DTYPE_CODES.get(dtype)
+    if code is None or fused_ops_for("cpu") != "cpu":
         return None
     for t in tensors:
-        if t.dtype != first.dtype or not t.is_cpu or t.stride(-1) != 1:
+        if t.dtype != dtype or not t.is_cpu:
             return None
     return code
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """weight * (x * rsqrt(mean(x^2) + eps)) in fp32 rounded to x's dtype; x [T, H]."""
+_CALLS: dict[int, tuple[object, dict[str, native.ConvertedArgs]]] = {}
+
+
+def _calls() -> dict[str, native.ConvertedArgs]:
+    """The kernels of `load_library()`, each converting its arguments once per distinct tuple
+    (native.ConvertedArgs); per library object (tests count the calls through a stand-in)."""
+    lib = load_library()
+    entry = _CALLS.get(id(lib))
+    if entry is None or entry[0] is not lib:
+        entry = _CALLS[id(lib)] = (lib, {name: native.ConvertedArgs(getattr(lib, name), argtypes=argtypes)
+                                         for name, argtypes in KERNEL_ARGTYPES.items()})
+    return entry[1]
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, scratch: ScratchOutput | None = None) -> torch.Tensor:
+    """weight * (x * rsqrt(mean(x^2) + eps)) in fp32 rounded to x's dtype; x [T, H]. The kernels
+    write into `scratch`'s tensor where one is given (pagedserve/scratch.py), as do the others."""
     code = _code(x, weight)
-    if code is None or x.dim() != 2 or weight.dim() != 1 or weight.shape[0] != x.shape[1]:
+    shape = x.shape
+    if code is None or len(shape) != 2 or weight.dim() != 1 or weight.shape[0] != shape[1]:
         return rms_norm_reference(x, weight, eps)
-    rows, cols = x.shape
-    out = torch.empty((rows, cols), dtype=x.dtype)
-    load_library().ps_rms_norm(code, x.data_ptr(), x.stride(0), weight.data_ptr(), out.data_ptr(), cols, rows, cols,
-                               eps, torch_sum_lanes(), torch.get_num_threads())
+    x_stride = x.stride()
+    if x_stride[1] != 1 or weight.stride()[0] != 1:
+        return rms_norm_reference(x, weight, eps)
+    rows, cols = shape
+    out = torch.empty(rows, cols, dtype=x.dtype) if scratch is None else scratch.get((rows, cols), x.dtype)
+    _calls()["ps_rms_norm"](code, x.data_ptr(), x_stride[0], weight.data_ptr(), out.data_ptr(), cols, rows, cols,
+                            eps, torch_sum_lanes(), torch.get_num_threads())
     return out
 
 
-def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+                 scratch: ScratchOutput | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(rms_norm(residual + x), residual + x); the kernel adds into `residual` in place."""
     code = _code(x, residual, weight)
-    if (code is None or x.dim() != 2 or x.shape != residual.shape or weight.dim() != 1
-            or weight.shape[0] != x.shape[1]):
+    shape = x.shape
+    if (code is None or len(shape) != 2 or shape != residual.shape or weight.dim() != 1
+            or weight.shape[0] != shape[1]):
         return add_rms_norm_reference(x, residual, weight, eps)
-    rows, cols = x.shape
-    out = torch.empty((rows, cols), dtype=x.dtype)
-    load_library().ps_add_rms_norm(code, x.data_ptr(), x.stride(0), residual.data_ptr(), residual.stride(0),
-                                   weight.data_ptr(), out.data_ptr(), cols, rows, cols, eps, torch_sum_lanes(),
-                                   torch.get_num_threads())
+    x_stride, res_stride = x.stride(), residual.stride()
+    if x_stride[1] != 1 or res_stride[1] != 1 or weight.stride()[0] != 1:
+        return add_rms_norm_reference(x, residual, weight, eps)
+    rows, cols = shape
+    out = torch.empty(rows, cols, dtype=x.dtype) if scratch is None else scratch.get((rows, cols), x.dtype)
+    _calls()["ps_add_rms_norm"](code, x.data_ptr(), x_stride[0], residual.data_ptr(), res_stride[0],
+                                weight.data_ptr(), out.data_ptr(), cols, rows, cols, eps, torch_sum_lanes(),
+                                torch.get_num_threads())
     return out, residual
 
 
-def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+def silu_and_mul(x: torch.Tensor, scratch: ScratchOutput | None = None) -> torch.Tensor:
     """x [T, 2I] (gate columns, then up) -> silu(gate) * up [T, I]."""
     code = _code(x)
-    if code is None or x.dim() != 2 or x.shape[1] % 2:
+    shape = x.shape
+    if code is None or len(shape) != 2 or shape[1] % 2:
         return silu_and_mul_reference(x)
-    rows, inter = x.shape[0], x.shape[1] // 2
-    out = torch.empty((rows, inter), dtype=x.dtype)
-    load_library().ps_silu_and_mul(code, x.data_ptr(), x.stride(0), out.data_ptr(), inter, rows, inter,
-                                   torch.get_num_threads())
+    x_stride = x.stride()
+    if x_stride[1] != 1:
+        return silu_and_mul_reference(x)
+    rows, inter = shape[0], shape[1] // 2
+    out = torch.empty(rows, inter, dtype=x.dtype) if scratch is None else scratch.get((rows, inter), x.dtype)
+    _calls()["ps_silu_and_mul"](code, x.data_ptr(), x_stride[0], out.data_ptr(), inter, rows, inter,
+                                torch.get_num_threads())
     return out
 
 
@@ -168,17 +205,22 @@ def apply_rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch
     """q [T, H, D], k [T, KV, D], cos / sin [T, 1, D] or [T, D]: x * cos + rotate_half(x) * sin
     for each (neox layout: element i pairs with i + D/2); the kernel rotates q and k in place."""
     code = _code(q, k, cos, sin)
-    if code is None or not _rotary_shapes_fit(q, k, cos, sin):
+    if code is None:
+        return apply_rotary_reference(q, k, cos, sin)
+    q_stride, k_stride, cos_stride = q.stride(), k.stride(), cos.stride()
+    if (q_stride[-1] != 1 or k_stride[-1] != 1 or cos_stride[-1] != 1
+            or not _rotary_shapes_fit(q, k, cos, sin, cos_stride)):
         return apply_rotary_reference(q, k, cos, sin)
     rows, heads, head_dim = q.shape
-    load_library().ps_rotary(code, q.data_ptr(), q.stride(0), q.stride(1), heads, k.data_ptr(), k.stride(0),
-                             k.stride(1), k.shape[1], cos.data_ptr(), cos.stride(0), sin.data_ptr(), sin.stride(0),
-                             rows, head_dim, torch.get_num_threads())
+    _calls()["ps_rotary"](code, q.data_ptr(), q_stride[0], q_stride[1], heads, k.data_ptr(), k_stride[0],
+                          k_stride[1], k.shape[1], cos.data_ptr(), cos_stride[0], sin.data_ptr(), cos_stride[0],
+                          rows, head_dim, torch.get_num_threads())
     return q, k
 
 
-def _rotary_shapes_fit(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
-    if q.dim() != 3 or k.dim() != 3 or cos.shape != sin.shape or cos.stride() != sin.stride():
+def _rotary_shapes_fit(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                      cos_stride: tuple[int, ...]) -> bool:
+    if q.dim() != 3 or k.dim() != 3 or cos.shape != sin.shape or cos_stride != sin.stride():
         return False
     rows, _, head_dim = q.shape
     table_shape = (rows, 1, head_dim) if cos.dim() == 3 else (rows, head_dim)

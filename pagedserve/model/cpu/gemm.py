@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 from pagedserve import native
+from pagedserve.scratch import ScratchOutput
 
 SOURCE = Path(__file__).with_name("gemm.cpp")
 ABI_VERSION = 2
@@ -95,26 +96,43 @@ def advise_huge_pages(t: torch.Tensor) -> None:
         libc.madvise(first, last - first, MADV_HUGEPAGE)
 
 
-def linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+def linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None,
+           scratch: ScratchOutput | None = None) -> torch.Tensor:
     """x [..., K] @ W^T (+ bias) with W given packed; CPU tensors, x and bias of the packed
-    weight's dtype (fp32, or bf16: fp32 accumulation, the output rounded once to bf16). Lean on
-    purpose: a small decode layer's whole GEMM takes ~10 µs, so every Python step here shows."""
+    weight's dtype (fp32, or bf16: fp32 accumulation, the output rounded once to bf16); the
+    output written into `scratch`'s tensor where one is given (pagedserve/scratch.py). Lean on
+    purpose: a small decode layer's whole GEMM takes ~10 µs, so every Python step here shows
+    (a tensor's stride(i) is an argument-parsed torch call, ~5 k instructions: read once)."""
     panels, k, nr = packed.shape
     n = panels * nr
-    if x.dim() != 2:
-        return linear(x.reshape(-1, x.shape[-1]), packed, bias).reshape(*x.shape[:-1], n)
-    m, kx = x.shape
+    shape = x.shape
+    if len(shape) != 2:
+        return linear(x.reshape(-1, shape[-1]), packed, bias, scratch).reshape(*shape[:-1], n)
+    m, kx = shape
     dtype = packed.dtype
     if kx != k or x.dtype != dtype or (bias is not None and (bias.shape != (n,) or bias.dtype != dtype)):
         raise ValueError(f"gemm.linear: x {tuple(x.shape)} {x.dtype} does not fit a packed [{n}, {k}] {dtype} weight")
-    if x.stride(1) != 1:
+    row_stride, col_stride = x.stride()
+    if col_stride != 1:
         x = x.contiguous()
+        row_stride = k
     if bias is not None and not bias.is_contiguous():
         bias = bias.contiguous()
-    out = torch.empty(m, n, dtype=dtype)
+    out = torch.empty(m, n, dtype=dtype) if scratch is None else scratch.get((m, n), dtype)
     if m:
-        lib = load_gemm()
-        fn = lib.ps_gemm if dtype == torch.float32 else lib.ps_gemm_bf16
-        fn(x.data_ptr(), x.stride(0), m, k, packed.data_ptr(), n,
-           bias.data_ptr() if bias is not None else None, out.data_ptr(), n, torch.get_num_threads())
+        call = _calls(load_gemm())[dtype == torch.float32]
+        call(x.data_ptr(), row_stride, m, k, packed.data_ptr(), n, bias.data_ptr() if bias is not None else None,
+             out.data_ptr(), n, torch.get_num_threads())
     return out
+
+
+_CALLS: dict[int, tuple[native.ConvertedArgs, native.ConvertedArgs]] = {}
+
+
+def _calls(lib: ctypes.CDLL) -> tuple[native.ConvertedArgs, native.ConvertedArgs]:
+    """(bf16 GEMM, fp32 GEMM) of `lib`, each converting its arguments once per distinct tuple
+    (native.ConvertedArgs); per library object, as benchmarks/gemm_lib_ab.py swaps builds."""
+    calls = _CALLS.get(id(lib))
+    if calls is None or calls[1].fn is not lib.ps_gemm:
+        calls = _CALLS[id(lib)] = (native.ConvertedArgs(lib.ps_gemm_bf16), native.ConvertedArgs(lib.ps_gemm))
+    return calls
