@@ -96,3 +96,26 @@ def print_side_by_side(title: str, columns: dict[str, dict], keys: list[str], ra
             a, b = columns[ratio_of[0]][k], columns[ratio_of[1]][k]
             row += f"{(a / b if b else float('nan')):>21.2f}x"
         print(row)
+
+
+def gemm_build(source: str):
+    """Another build of gemm.cpp (same flags as the engine's), bound like the engine's and checked
+    to share its packed-weight layout: what the A/B benchmarks call beside the engine's own."""
+    import ctypes
+
+    from pagedserve import native
+    from pagedserve.model.cpu import gemm
+
+    src = Path(source).resolve()
+    compiler = native.find_compiler()
+    path = native.library_path(src, compiler)
+    if not path.exists():
+        native.compile_library(compiler, src, path)
+    lib = ctypes.CDLL(str(path))
+    lib.ps_abi_version.restype = ctypes.c_int
+    gemm.bind(lib)
+    now = gemm.load_gemm()
+    layout = lambda lib: (lib.ps_abi_version(), lib.ps_gemm_panel_width(), lib.ps_gemm_bf16_panel_width())  # noqa: E731
+    if layout(lib) != layout(now):
+        raise SystemExit("--before: the two builds differ in ABI or panel width: their packed weights would differ")
+    return lib

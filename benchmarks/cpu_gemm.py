@@ -47,31 +47,11 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from common import quantile  # noqa: E402 (benchmarks/ is the script's directory)
+from common import gemm_build, quantile  # noqa: E402 (benchmarks/ is the script's directory)
 
 SHAPES = {"19m": [(512, 256), (256, 256), (1376, 256), (256, 688), (32000, 256)],
           "246m": [(1536, 1024), (1024, 1024), (5632, 1024), (1024, 2816), (32000, 1024)]}
 LAYERS = ("qkv", "o", "gate_up", "down", "lm_head")  # the order of each model's SHAPES
-
-
-def before_library(source: str):
-    """Another build of gemm.cpp (same flags), bound like the engine's, sharing its packed layout."""
-    from pagedserve import native
-    from pagedserve.model.cpu import gemm
-
-    src = Path(source).resolve()
-    compiler = native.find_compiler()
-    path = native.library_path(src, compiler)
-    if not path.exists():
-        native.compile_library(compiler, src, path)
-    lib = ctypes.CDLL(str(path))
-    lib.ps_abi_version.restype = ctypes.c_int
-    gemm.bind(lib)
-    now = gemm.load_gemm()
-    if (lib.ps_abi_version(), lib.ps_gemm_panel_width(), lib.ps_gemm_bf16_panel_width()) != \
-            (now.ps_abi_version(), now.ps_gemm_panel_width(), now.ps_gemm_bf16_panel_width()):
-        raise SystemExit("--before: the two builds differ in ABI or panel width: their packed weights would differ")
-    return lib
 
 
 def call_lib(lib, x: torch.Tensor, packed: torch.Tensor, out: torch.Tensor) -> None:
@@ -192,7 +172,7 @@ def main() -> None:
     rows = [int(m) for m in args.rows.split(",")]
     if not gemm.panel_width(dtype):
         raise SystemExit(f"the CPU GEMM has no {args.dtype} kernel on this CPU")
-    args.before_lib = before_library(args.before) if args.before else None
+    args.before_lib = gemm_build(args.before) if args.before else None
     load = f"load average {os.getloadavg()[0]:.1f}"
     if args.cold_mb:
         print(f"{args.dtype}, torch threads {torch.get_num_threads()}, cold: >= {args.cold_mb} MB of weight "

@@ -24,14 +24,11 @@ machine the only steady figure (a step preempted for a time slice is not charged
 from __future__ import annotations
 
 import argparse
-import ctypes
 import os
 import random
 import time
-from pathlib import Path
 
-from common import quantile  # noqa: E402 (benchmarks/ is the script's directory)
-
+from common import gemm_build, quantile  # noqa: E402 (benchmarks/ is the script's directory)
 
 
 def main() -> None:
@@ -56,23 +53,11 @@ def main() -> None:
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    from pagedserve import LLM, SamplingParams, native
+    from pagedserve import LLM, SamplingParams
     from pagedserve.model.cpu import gemm
 
     after = gemm.load_gemm()
-    source = Path(args.before).resolve()
-    compiler = native.find_compiler()
-    path = native.library_path(source, compiler)
-    if not path.exists():
-        native.compile_library(compiler, source, path)
-    before = ctypes.CDLL(str(path))
-    before.ps_abi_version.restype = ctypes.c_int
-    gemm.bind(before)
-    def layout(lib):
-        return lib.ps_abi_version(), lib.ps_gemm_panel_width(), lib.ps_gemm_bf16_panel_width()
-
-    if layout(before) != layout(after):
-        raise SystemExit("the two builds differ in ABI or panel width: their packed weights would differ")
+    before = gemm_build(args.before)
     libs = {"before": before, "after": after}
 
     steps_per_request = args.rounds * 2 * (args.steps + 1) + 16

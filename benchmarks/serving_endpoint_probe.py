@@ -42,7 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from live import ROOT, Server, env, free_port, load_average  # noqa: E402
-from vllm_host_probe import cpu_name, descendants, proc_cpu, tree_cpu  # noqa: E402
+from vllm_host_probe import cpu_name, descendants, proc_cpu, timed_stream, tree_cpu  # noqa: E402
 
 PROMPTS = (16, 200, 800)
 OUTPUTS = (1, 16)
@@ -74,23 +74,7 @@ def stream(port: int, model: str, prompt: str, max_tokens: int, endpoint: str) -
     else:
         path = "/v1/completions"
         body = {**common, "prompt": prompt, "max_tokens": max_tokens}
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=300)
-    t0 = time.perf_counter()
-    conn.request("POST", path, json.dumps(body), {"Content-Type": "application/json"})
-    r = conn.getresponse()
-    if r.status != 200:
-        raise RuntimeError(f"HTTP {r.status} on {path}: {r.read()[:300]!r}")
-    times = []
-    while True:
-        line = r.readline()
-        if not line:
-            break
-        line = line.strip()
-        if line.startswith(b"data:") and line[5:].strip() != b"[DONE]":
-            j = json.loads(line[5:])
-            if j.get("choices"):
-                times.append(time.perf_counter())
-    conn.close()
+    t0, times = timed_stream(port, path, body, 300)
     return {"ttft": times[0] - t0 if times else None, "chunks": len(times)}
 
 

@@ -35,7 +35,6 @@ from __future__ import annotations
 import argparse
 import http.client
 import json
-import os
 import platform
 import re
 import statistics
@@ -103,15 +102,15 @@ def scrape(port: int) -> str:
     return text
 
 
-def stream(port: int, model: str, prompt: list[int], max_tokens: int) -> dict:
-    body = json.dumps({"model": model, "prompt": prompt, "max_tokens": max_tokens, "min_tokens": max_tokens,
-                       "ignore_eos": True, "temperature": 0.0, "stream": True})
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
+def timed_stream(port: int, path: str, body: dict, timeout: float) -> tuple[float, list[float]]:
+    """POST one streamed request on loopback: (the send's perf_counter time, the time each SSE
+    chunk that carries choices was read)."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
     t0 = time.perf_counter()
-    conn.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
+    conn.request("POST", path, json.dumps(body), {"Content-Type": "application/json"})
     r = conn.getresponse()
     if r.status != 200:
-        raise RuntimeError(f"HTTP {r.status}: {r.read()[:300]!r}")
+        raise RuntimeError(f"HTTP {r.status} on {path}: {r.read()[:300]!r}")
     times = []
     while True:
         line = r.readline()
@@ -123,6 +122,13 @@ def stream(port: int, model: str, prompt: list[int], max_tokens: int) -> dict:
             if j.get("choices"):
                 times.append(time.perf_counter())
     conn.close()
+    return t0, times
+
+
+def stream(port: int, model: str, prompt: list[int], max_tokens: int) -> dict:
+    t0, times = timed_stream(port, "/v1/completions", {
+        "model": model, "prompt": prompt, "max_tokens": max_tokens, "min_tokens": max_tokens, "ignore_eos": True,
+        "temperature": 0.0, "stream": True}, 120)
     return {"ttft": times[0] - t0, "gaps": [b - a for a, b in zip(times, times[1:])], "chunks": len(times)}
 
 
