@@ -216,14 +216,14 @@ def best(runs: list) -> dict | str:
     return {k: pick([r[k] for r in ok if k in r]) for k in sorted(keys)}
 
 
-def table(title: str, results: dict, cols: list[int], value) -> str:
+def table(title: str, results: dict, cols: list[int], value, fmt: str = ".1f") -> str:
     lines = [title, f"{'engine':<12}" + "".join(f"{c:>10}" for c in cols) + "   pagedserve / engine"]
     ours = results.get("pagedserve")
     for engine, res in results.items():
         if isinstance(res, str):
             lines.append(f"{engine:<12} skipped: {res}")
             continue
-        cells = "".join(f"{value(res[c]):>10.1f}" if c in res else f"{'-':>10}" for c in cols)
+        cells = "".join(f"{value(res[c]):>10{fmt}}" if c in res else f"{'-':>10}" for c in cols)
         ratios = ""
         if engine != "pagedserve" and isinstance(ours, dict):
             ratios = " ".join(f"{value(ours[c]) / value(res[c]):.2f}x" for c in cols if c in res and c in ours)
@@ -372,12 +372,12 @@ def main() -> None:
         if args.served:
             print(table(f"\n{model}: served output tok/s at concurrency (best of {args.rounds})", results, cols,
                         lambda v: v["out_tok_s"]))
-            print(table(f"{model}: P99 TTFT s at concurrency", results, cols, lambda v: v["ttft_p99_s"] or 0.0))
+            print(table(f"{model}: P99 TTFT s at concurrency", results, cols, lambda v: v["ttft_p99_s"] or 0.0, ".2f"))
         else:
             print(table(f"\n{model}: output tok/s at batch size (best of {args.rounds})", results, cols,
                         lambda v: v["out_tok_s"]))
             print(table(f"{model}: seconds to the whole batch's first token (the burst's prefill; ratio < 1: "
-                        f"pagedserve faster)", results, cols, lambda v: v["ttft_s"] or float("nan")))
+                        f"pagedserve faster)", results, cols, lambda v: v["ttft_s"] or float("nan"), ".3f"))
     print(f"load after: {os.getloadavg()}")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(report, indent=1, default=str))
