@@ -52,7 +52,8 @@ def freeze_startup_heap(who: str) -> int:
     Why: a process holding the model has ~350,000 tracked objects (torch, transformers, triton
     and the engine); a full (generation 2) collection walks all of them, and it runs whenever
     enough survivors pile up, in the middle of a step or an SSE write. Measured here with the
-    19M model loaded: one full collection 487-602 ms (2 cores, loaded), which every running
+    19M model loaded: one full collection 196-198 ms on an idle 2-core machine, 487-602 ms
+    under load (benchmarks/gc_pause.py), which every running
     stream sees as one ITL gap; after gc.freeze() the same collection takes under 0.1 ms. At
     that point a collection finds 15 unreachable objects, so nothing worth collecting is kept
     (refcounting still frees frozen objects; only cycles among them would outlive their use).
