@@ -231,8 +231,9 @@ SMALL_IN_FEATURES = 768
 def rule_method(shape: tuple[int, int], dtype: torch.dtype, names: list[str], amx: bool = False) -> str:
     """What the survey found fastest on CPU (benchmarks/README.md, "GEMM survey"), among `names`
     (the methods that can run this shape here):
-    bf16: pagedserve's packed-panel kernel where it has its AVX512-BF16 path (1.2-2.8x prepacked
-    oneDNN at M = 1-8, 0.95-3.2x at 32, 0.88-1.16x at 256: benchmarks/README.md, "bf16 GEMM"),
+    bf16: pagedserve's packed-panel kernel where it has its AVX512-BF16 path (one thread, warm:
+    1.3-2.3x prepacked oneDNN at M = 1-8, 1.1-1.3x at 32, 1.0-1.05x at 256, 0.94-0.99x at 2048:
+    benchmarks/README.md, "bf16 GEMM: small M and the prefill tile"),
     except on an AMX CPU (`amx`; not measured here: oneDNN's tiles do 16x the work per
     instruction), else prepacked oneDNN (AMX / AVX512-BF16 kernels on a pre-blocked weight);
     fp32: pagedserve's packed-panel kernel (1.1-2.4x oneDNN and MKL at M = 8-32, about equal at
