@@ -190,3 +190,17 @@ class ConvertedArgs:
         if converted is None:
             return self._miss(raw, args)
         return self.fn(*raw, *converted)
+
+
+_CONVERTED: dict[int, tuple[object, dict[str, ConvertedArgs]]] = {}
+
+
+def converted_calls(lib, argtypes: dict[str, list | None]) -> dict[str, ConvertedArgs]:
+    """{name: ConvertedArgs(lib.name)} for a loaded library, made once per library object (a
+    benchmark may swap builds, a test a stand-in): the GEMM's and the fused ops' call tables.
+    `argtypes[name]` None: the function's own argtypes."""
+    entry = _CONVERTED.get(id(lib))
+    if entry is None or entry[0] is not lib:
+        entry = _CONVERTED[id(lib)] = (lib, {name: ConvertedArgs(getattr(lib, name), argtypes=types)
+                                             for name, types in argtypes.items()})
+    return entry[1]

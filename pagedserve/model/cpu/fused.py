@@ -134,18 +134,10 @@ def _code(*tensors: torch.Tensor) -> int | None:
     return code
 
 
-_CALLS: dict[int, tuple[object, dict[str, native.ConvertedArgs]]] = {}
-
-
 def _calls() -> dict[str, native.ConvertedArgs]:
     """The kernels of `load_library()`, each converting its arguments once per distinct tuple
-    (native.ConvertedArgs); per library object (tests count the calls through a stand-in)."""
-    lib = load_library()
-    entry = _CALLS.get(id(lib))
-    if entry is None or entry[0] is not lib:
-        entry = _CALLS[id(lib)] = (lib, {name: native.ConvertedArgs(getattr(lib, name), argtypes=argtypes)
-                                         for name, argtypes in KERNEL_ARGTYPES.items()})
-    return entry[1]
+    (native.converted_calls; per library object: tests count the calls through a stand-in)."""
+    return native.converted_calls(load_library(), KERNEL_ARGTYPES)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, scratch: ScratchOutput | None = None) -> torch.Tensor:

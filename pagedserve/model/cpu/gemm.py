@@ -120,19 +120,10 @@ def linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None,
         bias = bias.contiguous()
     out = torch.empty(m, n, dtype=dtype) if scratch is None else scratch.get((m, n), dtype)
     if m:
-        call = _calls(load_gemm())[dtype == torch.float32]
+        call = native.converted_calls(load_gemm(), _GEMMS)["ps_gemm" if dtype == torch.float32 else "ps_gemm_bf16"]
         call(x.data_ptr(), row_stride, m, k, packed.data_ptr(), n, bias.data_ptr() if bias is not None else None,
              out.data_ptr(), n, torch.get_num_threads())
     return out
 
 
-_CALLS: dict[int, tuple[native.ConvertedArgs, native.ConvertedArgs]] = {}
-
-
-def _calls(lib: ctypes.CDLL) -> tuple[native.ConvertedArgs, native.ConvertedArgs]:
-    """(bf16 GEMM, fp32 GEMM) of `lib`, each converting its arguments once per distinct tuple
-    (native.ConvertedArgs); per library object, as benchmarks/gemm_lib_ab.py swaps builds."""
-    calls = _CALLS.get(id(lib))
-    if calls is None or calls[1].fn is not lib.ps_gemm:
-        calls = _CALLS[id(lib)] = (native.ConvertedArgs(lib.ps_gemm_bf16), native.ConvertedArgs(lib.ps_gemm))
-    return calls
+_GEMMS = {"ps_gemm_bf16": None, "ps_gemm": None}  # each with its own argtypes (bind)
