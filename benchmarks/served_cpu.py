@@ -16,7 +16,7 @@ the GIL: its Python work) and prints its hottest functions (own time, % of sampl
 
 Columns: tok/s (bench_http's), chunks/req, API ms/tok (main thread + others), core ms/tok
 (main thread + others: the OpenMP team and the socket threads), busy = the core's step time
-over the run's wall time, gap = the mean time between two steps when the first left work
+over the time from its first step's start to its last step's end, gap = the mean time between two steps when the first left work
 (the core's loop outside step(): messages in, outputs out, waiting on the GIL).
 """
 from __future__ import annotations
@@ -134,7 +134,8 @@ def step_stats(trace: Path, t0: float, t1: float) -> dict:
             if t0 <= s["t_end"] <= t1:
                 steps.append(s)
     gaps = [b["t_end"] - b["step_time"] - a["t_end"] for a, b in zip(steps, steps[1:]) if a["num_unfinished"] > 0]
-    return {"steps": len(steps), "busy": sum(s["step_time"] for s in steps) / max(t1 - t0, 1e-9),
+    span = steps[-1]["t_end"] - steps[0]["t_end"] + steps[0]["step_time"] if steps else 0.0  # first step to last
+    return {"steps": len(steps), "busy": sum(s["step_time"] for s in steps) / max(span, 1e-9),
             "step_ms": 1e3 * statistics.mean([s["step_time"] for s in steps]) if steps else 0.0,
             "gap_ms": 1e3 * statistics.mean(gaps) if gaps else 0.0}
 
