@@ -109,7 +109,7 @@ def bench_http(peers: Path, port: int, name: str, conc: int, new_tokens: int, pr
 
 def py_spy_top(pid: int, seconds: float, path: Path) -> subprocess.Popen:
     return subprocess.Popen(["py-spy", "record", "--pid", str(pid), "--duration", str(max(1, int(seconds))),
-                             "--rate", "200", "--gil", "--format", "raw", "--output", str(path), "--nonblocking"],
+                             "--rate", "1000", "--gil", "--format", "raw", "--output", str(path), "--nonblocking"],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
