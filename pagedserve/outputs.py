@@ -40,4 +40,25 @@ class RequestOutput:
         return max((m.num_cached_tokens for m in self.metrics), default=0)
 
 
-__all__ = ["CompletionOutput", "RequestMetrics", "RequestOutput"]
+def merge_deltas(earlier: RequestOutput, later: RequestOutput) -> RequestOutput:
+    """Two consecutive DELTA outputs of one request as one: each sample's text, token ids and
+    logprobs concatenated in order; its cumulative logprob and finish from the later one; the
+    prompt logprobs (sent with the first output only) kept. A stream whose consumer fell behind
+    sends what queued up as one chunk (vLLM's API process merges a stream's queued outputs too)."""
+    comps = {c.index: c for c in earlier.outputs}
+    for c in later.outputs:
+        prev = comps.get(c.index)
+        if prev is not None:
+            logprobs = None
+            if prev.logprobs is not None or c.logprobs is not None:
+                logprobs = (prev.logprobs or []) + (c.logprobs or [])
+            c = CompletionOutput(c.index, prev.text + c.text, prev.token_ids + c.token_ids, c.cumulative_logprob,
+                                 logprobs, c.finish_reason, c.stop_reason)
+        comps[c.index] = c
+    prompt_logprobs = earlier.prompt_logprobs if earlier.prompt_logprobs is not None else later.prompt_logprobs
+    return RequestOutput(later.request_id, later.prompt, later.prompt_token_ids,
+                         sorted(comps.values(), key=lambda c: c.index), later.finished, later.metrics,
+                         prompt_logprobs)
+
+
+__all__ = ["CompletionOutput", "RequestMetrics", "RequestOutput", "merge_deltas"]

@@ -11,6 +11,7 @@ import pytest
 from pagedserve.bench.workloads import WorkloadRequest
 from pagedserve.config import EngineConfig
 from pagedserve.sim import host_overhead as ho
+from pagedserve.sim.cost_model import CostParams
 from pagedserve.sim.executor import SimExecutor
 from pagedserve.sim.host_overhead import ServingOverhead
 from pagedserve.sim.serving_loop import HeapSends, ServingLoop
@@ -111,6 +112,15 @@ def test_outputs_that_queue_behind_the_frames_being_written_go_out_with_them():
     assert merged.deliver(sends, 1.005, 10) == pytest.approx(1.0102)
     assert plain.deliver(sends, 1.005, 10) == pytest.approx(1.0202)
     assert merged.deliver(sends, 1.05, 10) == pytest.approx(1.0601)  # the loop caught up: frames again
+
+
+def test_both_host_profiles_merge_a_streams_queued_outputs():
+    """pagedserve's server merges a stream's queued outputs into one chunk (issue 32), as vLLM's does:
+    both profiles hand the simulator's serving loop merge_outputs."""
+    for profile in ("pagedserve", "vllm"):
+        p = CostParams(peak_flops=1e12, mem_bandwidth=1e11)
+        ho.default_host_overhead(profile=profile).apply(p)
+        assert ServingOverhead.from_dict(p.serving).merge_outputs, profile
 
 
 def test_the_hand_over_after_the_tokenizer_await_is_loop_work_in_turn():

@@ -273,12 +273,14 @@ def test_server_writes_a_request_trace_matched_to_its_steps(tmp_path, tiny_llama
             with httpx.stream("POST", st.url + "/v1/completions", json={
                     "prompt": prompt, "max_tokens": n, "ignore_eos": True, "stream": True}) as r:
                 assert r.status_code == 200
-                assert sum(1 for line in r.iter_lines() if line.startswith("data: {")) >= n
+                # a chunk per step, or fewer: outputs that queued while the consumer was behind go as one
+                assert sum(1 for line in r.iter_lines() if line.startswith("data: {")) >= 1
         # not traced: a response without per-token timing
         assert httpx.post(st.url + "/v1/completions", json={"prompt": [5, 6], "max_tokens": 2}).status_code == 200
     steps = [StepTrace.from_dict(json.loads(line)) for line in steps_path.read_text().splitlines()]
     lines = [json.loads(line) for line in (tmp_path / "steps.requests.jsonl").read_text().splitlines()]
-    assert [(q["prompt_len"], q["num_tokens"], q["num_chunks"]) for q in lines] == [(4, 6, 6), (2, 3, 3)]
+    assert [(q["prompt_len"], q["num_tokens"]) for q in lines] == [(4, 6), (2, 3)]
+    assert all(1 <= q["num_chunks"] <= q["num_tokens"] for q in lines)
     by_end = {s.t_end: s for s in steps}
     for q in lines:
         assert q["t_http"] <= q["t_submit"] <= q["t_scheduled"] <= q["t_first_token"] <= q["t_first_out"]

@@ -14,7 +14,7 @@ from fastapi import Request
 
 from pagedserve.engine.async_llm import AsyncLLM, EngineDead, EngineOverloaded, ServerShuttingDown
 from pagedserve.engine.output_processor import OutputKind
-from pagedserve.outputs import RequestOutput
+from pagedserve.outputs import RequestOutput, merge_deltas
 from pagedserve.sampling import SamplingParams
 from pagedserve.server.errors import APIError, bad_request
 from pagedserve.server.protocol import RETRY_AFTER_SECONDS
@@ -230,27 +230,30 @@ class RequestHandling:
         return queue, ids
 
     async def results(self, queue: asyncio.Queue, ids: list[str]) -> AsyncIterator[tuple[int, RequestOutput]]:
-        """(prompt index, output) until every request is finished; aborts the rest if stopped early."""
+        """(prompt index, output) until every request is finished; aborts the rest if stopped early.
+        When the consumer fell behind (more outputs wait in the queue than the one it awaited),
+        each request's waiting outputs come as one (_merged): one SSE chunk instead of one per step."""
         index = {rid: i for i, rid in enumerate(ids)}
         unfinished = set(ids)
         try:
             while unfinished:
-                rid, item = await queue.get()
-                if isinstance(item, BaseException):
-                    unfinished.discard(rid)
-                    if isinstance(item, ValueError):
-                        raise bad_request(item)
-                    if isinstance(item, ServerShuttingDown):
-                        raise APIError(503, str(item), headers={"Retry-After": str(RETRY_AFTER_SECONDS)})
-                    if isinstance(item, EngineDead):
-                        raise APIError(503, str(item))
-                    raise APIError(500, f"request failed: {type(item).__name__}: {item}")
-                if item.finished:
-                    unfinished.discard(rid)
-                yield index[rid], item
+                for rid, item in _merged([await queue.get()], queue):
+                    if isinstance(item, BaseException):
+                        unfinished.discard(rid)
+                        if isinstance(item, ValueError):
+                            raise bad_request(item)
+                        if isinstance(item, ServerShuttingDown):
+                            raise APIError(503, str(item), headers={"Retry-After": str(RETRY_AFTER_SECONDS)})
+                        if isinstance(item, EngineDead):
+                            raise APIError(503, str(item))
+                        raise APIError(500, f"request failed: {type(item).__name__}: {item}")
+                    if item.finished:
+                        unfinished.discard(rid)
+                    yield index[rid], item
         finally:
             for rid in unfinished:
                 self.async_engine.abort(rid)
+
     def _usage(self, prompts: list[Prompt], num_generated: int, finals) -> dict:
         """`finals`: each prompt's finished RequestOutput (their metrics say what the prefix cache served)."""
         num_prompt = sum(len(p.token_ids) for p in prompts)
@@ -260,3 +263,26 @@ class RequestHandling:
             cached = sum(max((m.num_cached_tokens for m in out.metrics), default=0) for out in finals)
             usage["prompt_tokens_details"] = {"cached_tokens": cached}
         return usage
+
+
+def _merged(items: list, queue: asyncio.Queue) -> list:
+    """`items` plus everything already waiting in `queue` (taken without waiting), each
+    request's consecutive DELTA outputs merged into one (outputs.merge_deltas), in the order the
+    requests first appear; an error item keeps its place after the outputs that came before it."""
+    while not queue.empty():
+        items.append(queue.get_nowait())
+    if len(items) == 1:
+        return items
+    merged: list = []
+    pending: dict[str, RequestOutput] = {}
+    for rid, item in items:
+        if isinstance(item, BaseException):
+            merged.extend(pending.items())
+            pending.clear()
+            merged.append((rid, item))
+        elif rid in pending:
+            pending[rid] = merge_deltas(pending[rid], item)
+        else:
+            pending[rid] = item
+    merged.extend(pending.items())
+    return merged

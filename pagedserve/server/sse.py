@@ -21,10 +21,13 @@ class SSEStreams:
     async def _sse(self, rid: str, obj: str, stream_options, prompts: list[Prompt], n: int,
                    queue: asyncio.Queue, ids: list[str], make_choice, count_tokens: bool = True) -> AsyncIterator[str]:
         """The SSE loop both endpoints share: one chunk per step that produced tokens (even when
-        their text is empty, as vLLM), a usage chunk on request, then [DONE]; an error ends the
-        stream with an OpenAI error body. Outputs are deltas: `make_choice(index, comp, first,
-        out)` builds one choice from what a sample gained (`first`: its first chunk; `out`: the
-        RequestOutput, whose prompt_logprobs come with the first output)."""
+        their text is empty, as vLLM), or, when this stream fell behind the engine, one chunk for
+        all the steps that queued up meanwhile (RequestHandling.results merges them: the socket
+        write per chunk was most of the API process's time); a usage chunk on request, then
+        [DONE]; an error ends the stream with an OpenAI error body. Outputs are deltas:
+        `make_choice(index, comp, first, out)` builds one choice from what a sample gained
+        (`first`: its first chunk; `out`: the RequestOutput, whose prompt_logprobs come with the
+        first output)."""
         created = int(time.time())
         started: set[int] = set()
         num_generated = 0

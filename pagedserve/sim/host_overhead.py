@@ -122,8 +122,8 @@ class ServingOverhead:
     # step before go out with those frames, not in frames of their own (vLLM's API process:
     # output_processor.RequestOutputCollector merges a streamed request's outputs when its consumer
     # is behind; measured: fewer chunks than tokens in bursts, benchmarks/serving_endpoint_probe.py).
-    # Such a step costs the loop its per-step work only. pagedserve's server writes every token's
-    # frame (as many chunks as tokens in the same bursts): False.
+    # Such a step costs the loop its per-step work only. False: every token gets a frame of its own
+    # (HostOverhead's default, the profiles' flag, is True: both servers merge).
     merge_outputs: bool = False
     # One event loop does it all (pagedserve's server, vLLM's API process): with `serial` each
     # admission and each step's per-request delivery work waits for the work before it, so a burst
@@ -211,7 +211,9 @@ class HostOverhead:
     runner_per_token_s: float = 0.0
     # The serving layer's loop work per step that delivers anything (ServingOverhead.deliver_step_s).
     deliver_step_s: float = 0.0
-    merge_outputs: bool = False  # ServingOverhead.merge_outputs
+    # ServingOverhead.merge_outputs. pagedserve's server merges a stream's queued outputs into one
+    # chunk since issue 32 (server/request_handling.py results), as vLLM's does: True unless a file says.
+    merge_outputs: bool = True
     handover_s: float = 0.0  # ServingOverhead.handover_s (out of admit_s: the part after the await)
     handover_per_prompt_token_s: float = 0.0
     # The chat endpoint's serving terms (a probe file's "chat" block: ServingOverhead's keys, the
