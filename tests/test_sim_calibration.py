@@ -437,3 +437,38 @@ def test_admission_by_replay_recovers_a_known_admission_the_subtraction_overstat
     assert serving.admit_s == pytest.approx(0.006, rel=0.03)
     assert report["replay_ttft_mean_s"] == pytest.approx(report["client_ttft_mean_s"], rel=0.01)
     assert report["replay_prefill_mean_s"] == pytest.approx(measured["engine_prefill_mean_s"], rel=1e-6)
+
+
+def test_step_scatter_is_fitted_and_added_to_every_simulated_step(tmp_path):
+    from test_sim import cpu_params, write_config
+
+    # The fit reports how far steps land from the model: here one in ten stalls 3 ms.
+    m = ModelCost.from_shape(SHAPE, "float32", None, 1)
+    truth = CostModel(m, cpu_truth(attention_pad_share=0.0))
+    rng = random.Random(7)
+    steps = []
+    for k in range(300):
+        new = [1] * rng.randint(1, 6) + ([rng.randint(20, 200)] if k % 4 == 0 else [])
+        ctx = [n + rng.randint(0, 300) for n in new]
+        wall = truth.predict(new, ctx) + (0.003 if k % 10 == 3 else 0.0)
+        steps.append(StepTrace(new, ctx, duration=wall, step_time=wall, num_outputs=len(new)))
+    _, report = fit(steps, m, CostParams(peak_flops=1e6, mem_bandwidth=1e6, combine="sum"),
+                    host_bandwidth_fallback=(1e9, "stated"))
+    q = report["step_residual_quantiles_s"]
+    assert len(q) == 100 and q == sorted(q)
+    # (the fit takes a little of the stalls into its constants: the rest miss by a few tenths of a ms)
+    assert abs(q[50]) < 5e-4 and q[95] - q[50] == pytest.approx(0.003, abs=5e-4) and q[5] - q[50] > -1e-3
+
+    # The simulator adds a draw to every step: a lone request's every token comes 2 ms a step later.
+    model_dir = write_config(tmp_path / "m")
+    workload = [WorkloadRequest(None, None, 40, 5, arrival_time=0.0)]
+
+    def run(residuals):
+        params = cpu_params()
+        params.step_residuals_s = residuals
+        return simulate(build_deployment(EngineConfig(num_kv_blocks=64, max_model_len=256), str(model_dir),
+                                         cost_params=params), workload).records[0]
+
+    plain, scattered = run([]), run([0.002] * 100)
+    assert [b - a for a, b in zip(plain.token_times, scattered.token_times)] == pytest.approx(
+        [0.002 * (k + 1) for k in range(5)])

@@ -445,6 +445,8 @@ def fit(records: Iterable[StepTrace], model: ModelCost, base: CostParams, *, blo
                      + f"from {how} (run the calibration load on a small pool with --preemption-mode swap to fit it)")
 
     ratios = y[keep] / np.maximum(pred[keep], 1e-12)
+    # Every step's miss, trimmed ones too (a stall is part of what a client sees), as 100 quantiles.
+    residual_quantiles = [float(v) for v in np.percentile(y - pred, np.arange(100) + 0.5)]
     params = replace(
         base,
         step_overhead_s=float(k[_COL_STEP]), per_request_overhead_s=float(k[_COL_REQ]),
@@ -476,5 +478,6 @@ def fit(records: Iterable[StepTrace], model: ModelCost, base: CostParams, *, blo
                              "p90": float(np.percentile(ratios, 90) / ratios.mean()),
                              "p99": float(np.percentile(ratios, 99) / ratios.mean())},
         "warnings": calibration_warnings(coverage, host_note, max_model_len),
+        "step_residual_quantiles_s": residual_quantiles,
     }
     return params, report

@@ -131,6 +131,11 @@ def register(subparsers) -> None:
                         "simulator, the admission chosen so that its mean TTFT equals the client's (default); "
                         "subtract = the client's mean TTFT minus the engine's queue + prefill (the simulator "
                         "then charges the wait for a running step twice: vLLM's queue time leaves it out)")
+    c.add_argument("--step-spread", action=argparse.BooleanOptionalAction, default=None,
+                   help="store how far the trace's steps scatter around the fitted model (100 quantiles of "
+                        "measured - modelled); the simulator then adds a draw to every step, which widens "
+                        "the ITL and TTFT tails as the machine did (default: on with --from-bench, off "
+                        "with --trace)")
     c.add_argument("--max-num-seqs", type=int, default=None,
                    help="with --serving-fit replay: the server's max_num_seqs (default: pagedserve's)")
     c.add_argument("--max-num-batched-tokens", type=int, default=None,
@@ -421,6 +426,8 @@ def run_calibrate(args) -> int:
     params, report = fit(records, mcost, base, block_size=args.block_size,
                          fit_pad_share=args.attention_layout is None and not args.gpu,
                          max_model_len=args.max_model_len, swap_probe=None if args.gpu else swap_probe)
+    if args.step_spread:
+        params.step_residuals_s = report["step_residual_quantiles_s"]
 
     requests, missing, matched = [], [], 0
     for k, path in enumerate(args.trace):
@@ -466,6 +473,8 @@ def _calibrate_from_bench(args, info, mcost, base, dtype) -> int:
                                 "num_skipped": rebuilt.num_skipped, "num_clusters": rebuilt.num_clusters,
                                 "num_idle_starts": rebuilt.num_idle_starts, "num_split": rebuilt.num_split}
     report["warnings"] = rebuilt.notes + report["warnings"]
+    if args.step_spread is not False:  # before the replay below: it prices the run as the simulator will
+        params.step_residuals_s = report["step_residual_quantiles_s"]
     serving_report = None
     if args.metrics_before and args.metrics_after:
         after = Path(args.metrics_after).read_text()
@@ -490,6 +499,10 @@ def _calibrate_from_bench(args, info, mcost, base, dtype) -> int:
               f"({r['num_clusters']} clusters at a {r['threshold_s'] * 1e3:.1f} ms threshold; {r['num_idle_starts']} "
               f"after an idle spell left out; {r['num_skipped']} requests skipped)")
         print(format_calibration(params, report, None))
+        if params.step_residuals_s:
+            q = params.step_residuals_s
+            print(f"step scatter around the model (added to each simulated step): p10 {q[10] * 1e3:+.2f} ms, "
+                  f"p50 {q[50] * 1e3:+.2f}, p90 {q[90] * 1e3:+.2f}, p99 {q[99] * 1e3:+.2f}")
         if serving_report:
             print(f"  measured means: client TTFT {serving_report['client_ttft_mean_s'] * 1e3:.1f} ms, engine queue "
                   f"{serving_report['engine_queue_mean_s'] * 1e3:.1f} ms + prefill "
