@@ -356,6 +356,21 @@ def test_steps_rebuilt_from_token_arrivals_by_hand():
     assert report["client_ttft_mean_s"] == pytest.approx(client)
 
 
+def test_a_step_is_timed_only_while_a_running_request_kept_the_engine_busy():
+    from pagedserve.sim.reconstruct import steps_from_bench
+
+    # A's last token at 1.10; B was sent at 1.08, before it, but its prompt reached the engine only
+    # after the API server's work: its first token at 1.40 is no 300 ms step, the engine idled.
+    arrivals = {"A": [1.00, 1.05, 1.10], "B": [1.40, 1.45]}
+    sends = {"A": 0.9, "B": 1.08}
+    result = {"requests": [{"success": True, "prompt_len": 16, "start": sends[k], "num_chunks": len(t),
+                            "output_tokens": len(t), "ttft": t[0] - sends[k],
+                            "itl": [b - a for a, b in zip(t, t[1:])]} for k, t in arrivals.items()]}
+    rebuilt = steps_from_bench(result, threshold_s=0.01)
+    assert [(s.new_tokens, round(s.step_time, 6)) for s in rebuilt.steps] == [([1], 0.05), ([1], 0.05), ([1], 0.05)]
+    assert rebuilt.num_idle_starts == 2
+
+
 def test_one_stray_step_of_a_rare_kind_does_not_set_the_prompt_terms():
     # A trace rebuilt from a client's token arrivals (vLLM's CPU server) held 2,280 decode steps, 71
     # mixed and one lone prefill whose duration held an idle wait: weighed as a third of the fit,
