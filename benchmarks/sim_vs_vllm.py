@@ -179,6 +179,9 @@ def main() -> int:
                          "the calibration run replayed in the simulator until its mean TTFT is the client's; "
                          "subtract = the client's TTFT less vLLM's queue + prefill (counts the wait for a "
                          "running step twice)")
+    ap.add_argument("--step-spread", action=argparse.BooleanOptionalAction, default=True,
+                    help="add the calibration's step scatter to every simulated step (`simulate calibrate "
+                         "--step-spread`; --no-step-spread: every step its modelled time)")
     ap.add_argument("--resimulate", action="store_true",
                     help="run no vLLM: calibrate from the saved calibration run and simulate the saved held-out "
                          "workloads (results/sim_vs_vllm.json), writing results/sim_vs_vllm.resim.json")
@@ -213,7 +216,7 @@ def main() -> int:
         print(f"calibration run: load {load0} -> {load_average()}; "
               f"{json.dumps(real_metrics(calib, before, after))}", flush=True)
         cost = work / "cost_vllm.json"
-        proc = calibrate(model, work, cost, block_size, args.serving_fit)
+        proc = calibrate(model, work, cost, block_size, args.serving_fit, args.step_spread)
         if proc.returncode:
             return 1
         if args.serving_layer == "measured":
@@ -237,13 +240,13 @@ def main() -> int:
     Path(args.out).write_text(json.dumps({"vllm": version, "model": str(model), "knobs": VLLM_KNOBS,
                                           "cache_config": cfg, "calibration_rate": args.calibration_rate,
                                           "rate_for_busy": rate, "calibration": proc.stdout, "workloads": table,
-                                          "serving_fit": args.serving_fit,
+                                          "serving_fit": args.serving_fit, "step_spread": args.step_spread,
                                           "goals_met": met, "goals_total": len(goals)}, indent=2, default=str))
     print(f"wrote {args.out}")
     return 0
 
 
-def calibrate(model: Path, work: Path, cost: Path, block_size: int, serving_fit: str):
+def calibrate(model: Path, work: Path, cost: Path, block_size: int, serving_fit: str, spread: bool = True):
     """`simulate calibrate --from-bench` on the calibration run saved in `work` (its bench result and
     the /metrics scraped around it): nothing else sets a constant."""
     proc = subprocess.run([sys.executable, "-m", "pagedserve.cli", "simulate", "calibrate", "--model", str(model),
@@ -253,7 +256,8 @@ def calibrate(model: Path, work: Path, cost: Path, block_size: int, serving_fit:
                            "--max-model-len", str(VLLM_KNOBS["max_model_len"]),
                            "--max-num-seqs", str(VLLM_KNOBS["max_num_seqs"]),
                            "--max-num-batched-tokens", str(VLLM_KNOBS["max_num_batched_tokens"]),
-                           "--serving-fit", serving_fit, "--out", str(cost)],
+                           "--serving-fit", serving_fit, "--step-spread" if spread else "--no-step-spread",
+                           "--out", str(cost)],
                           env=env(), capture_output=True, text=True)
     print(proc.stdout, proc.stderr[-2000:], flush=True)
     return proc
@@ -269,7 +273,7 @@ def resimulate(args, model: Path, work: Path) -> int:
     cfg = saved["cache_config"]
     block_size, num_blocks = int(cfg.get("block_size", 16)), int(cfg.get("num_gpu_blocks", 0) or 0)
     cost = work / "cost_vllm.resim.json"
-    proc = calibrate(model, work, cost, block_size, args.serving_fit)
+    proc = calibrate(model, work, cost, block_size, args.serving_fit, args.step_spread)
     if proc.returncode:
         return 1
     if args.serving_layer == "measured":
@@ -279,7 +283,8 @@ def resimulate(args, model: Path, work: Path) -> int:
     table, met, goals = compare(model, cost, chosen, runs, block_size, num_blocks)
     out = saved_path.with_suffix(".resim.json")
     out.write_text(json.dumps({"resimulated_from": str(saved_path), "vllm": saved.get("vllm"),
-                               "serving_fit": args.serving_fit, "calibration": proc.stdout, "workloads": table,
+                               "serving_fit": args.serving_fit, "step_spread": args.step_spread,
+                               "calibration": proc.stdout, "workloads": table,
                                "goals_met": met, "goals_total": len(goals)}, indent=2, default=str))
     print(f"wrote {out}")
     return 0
