@@ -452,6 +452,19 @@ def test_admission_by_replay_recovers_a_known_admission_the_subtraction_overstat
     assert serving.admit_s == pytest.approx(0.006, rel=0.03)
     assert report["replay_ttft_mean_s"] == pytest.approx(report["client_ttft_mean_s"], rel=0.01)
     assert report["replay_prefill_mean_s"] == pytest.approx(measured["engine_prefill_mean_s"], rel=1e-6)
+    assert report["warnings"] == []
+
+
+def test_replay_warns_when_its_prefill_is_off_the_engines_or_no_admission_fits():
+    from pagedserve.sim.replay_fit import replay_warnings
+
+    ok = {"engine_prefill_mean_s": 0.054, "replay_prefill_mean_s": 0.0557, "admit_s": 0.006,
+          "replay_ttft_mean_s": 0.0697, "client_ttft_mean_s": 0.0697}
+    assert replay_warnings(ok) == []
+    high = {**ok, "replay_prefill_mean_s": 0.066}  # the 22:52 fit before the stray step was fixed
+    assert len(replay_warnings(high)) == 1 and "+22%" in replay_warnings(high)[0]
+    over = {**ok, "admit_s": 0.0, "replay_ttft_mean_s": 0.0971, "client_ttft_mean_s": 0.0942}
+    assert len(replay_warnings(over)) == 1 and "no admission" in replay_warnings(over)[0]
 
 
 def test_step_scatter_is_fitted_and_added_to_every_simulated_step(tmp_path):

@@ -485,6 +485,7 @@ def _calibrate_from_bench(args, info, mcost, base, dtype) -> int:
         else:
             serving, replayed = _serving_by_replay(args, info, mcost, params, result, after, serving_report)
             serving_report.update({"subtraction_admit_s": admit, "replay": replayed})
+            report["warnings"] += replayed["warnings"]
             params.serving = serving.to_dict()
     else:
         report["warnings"].append("no --metrics-before/--metrics-after: the serving overhead is not modelled")

@@ -109,7 +109,23 @@ def serving_by_replay(result: dict, params, build: Callable[[object], object],
               "replay_prefill_mean_s": at.mean_prefill_s, "replay_ttft_without_admission_s": zero.mean_ttft_s,
               "engine_queue_mean_s": engine_queue_s, "engine_prefill_mean_s": engine_prefill_s,
               "iterations": [[x, y] for x, y in path]}
+    report["warnings"] = replay_warnings(report)
     source = (f"replay of the calibration run: admission making its mean TTFT the client's "
               f"{target * 1e3:.1f} ms (simulated queue {at.mean_queue_s * 1e3:.1f} + prefill "
               f"{at.mean_prefill_s * 1e3:.1f} ms)")
     return ServingOverhead(admit_s=admit, source=source), report
+
+
+def replay_warnings(report: dict, tolerance: float = 0.10) -> list[str]:
+    """What the replay says about the step fit: its prefill far from the engine's own (no admission
+    fixes that), or no admission at all left the replay above the client's TTFT."""
+    out = []
+    engine, replayed = report.get("engine_prefill_mean_s"), report.get("replay_prefill_mean_s")
+    if engine and replayed is not None and abs(replayed / engine - 1) > tolerance:
+        out.append(f"the replay's prefill time is {replayed / engine - 1:+.0%} off the engine's own "
+                   f"({replayed * 1e3:.1f} against {engine * 1e3:.1f} ms from its /metrics): the step fit prices "
+                   f"prompts {'high' if replayed > engine else 'low'}, and TTFT will be off by about that")
+    if report.get("admit_s") == 0.0 and report.get("replay_ttft_mean_s", 0.0) > report.get("client_ttft_mean_s", 0.0):
+        out.append(f"even with no admission the replay's mean TTFT ({report['replay_ttft_mean_s'] * 1e3:.1f} ms) "
+                   f"exceeds the client's ({report['client_ttft_mean_s'] * 1e3:.1f} ms): admission set to 0")
+    return out
