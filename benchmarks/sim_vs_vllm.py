@@ -11,7 +11,14 @@ and pool size read from its cache_config_info) and that cost model, and is compa
 REPEATS runs each.
 
     OMP_NUM_THREADS=1 python benchmarks/sim_vs_vllm.py [--python /tmp/peers/vllm/bin/python] [--repeats 3]
-        [--serving-layer calibrated|measured]
+        [--serving-layer calibrated|measured] [--serving-fit replay|subtract]
+    OMP_NUM_THREADS=1 python benchmarks/sim_vs_vllm.py --resimulate [--serving-fit ...]
+
+--resimulate runs no vLLM: it calibrates again from the last run's saved calibration
+(results/sim_vs_vllm/calib.*) and simulates the held-out workloads that run measured (their flags
+and vLLM's figures from results/sim_vs_vllm.json), writing results/sim_vs_vllm.resim.json. The
+calibration run alone sets every constant (step costs, admission); the held-out results are only
+compared with, never fitted to.
 
 The vLLM CPU build lives in its own venv (see ../shared/peers/README.md); it is never a
 dependency of pagedserve. One OpenMP thread, bound to no core (the machine is shared).
@@ -167,13 +174,26 @@ def main() -> int:
                          "engine's (one constant admission); measured = vLLM's API server as "
                          "benchmarks/vllm_host_probe.py measured it on this machine (pagedserve/sim/"
                          "host_overhead_vllm.json: per request, per prompt token, per chunk; one event loop)")
+    ap.add_argument("--serving-fit", choices=("replay", "subtract"), default="replay",
+                    help="how the calibrated admission is fitted (`simulate calibrate --serving-fit`): replay = "
+                         "the calibration run replayed in the simulator until its mean TTFT is the client's; "
+                         "subtract = the client's TTFT less vLLM's queue + prefill (counts the wait for a "
+                         "running step twice)")
+    ap.add_argument("--step-spread", action=argparse.BooleanOptionalAction, default=True,
+                    help="add the calibration's step scatter to every simulated step (`simulate calibrate "
+                         "--step-spread`; --no-step-spread: every step its modelled time)")
+    ap.add_argument("--resimulate", action="store_true",
+                    help="run no vLLM: calibrate from the saved calibration run and simulate the saved held-out "
+                         "workloads (results/sim_vs_vllm.json), writing results/sim_vs_vllm.resim.json")
     ap.add_argument("--out", default=str(ROOT / "results" / "sim_vs_vllm.json"))
     args = ap.parse_args()
+    model = benchmark_checkpoint(args.model) if not Path(args.model).is_dir() else Path(args.model)
+    work = Path(args.out).parent / "sim_vs_vllm"
+    if args.resimulate:
+        return resimulate(args, model, work)
     if not Path(args.python).exists():
         print(f"no vLLM at {args.python}: see ../shared/peers/README.md (setup.sh)")
         return 2
-    model = benchmark_checkpoint(args.model) if not Path(args.model).is_dir() else Path(args.model)
-    work = Path(args.out).parent / "sim_vs_vllm"
     work.mkdir(parents=True, exist_ok=True)
     t0 = time.time()
     print(f"model {model}; load average {load_average()}", flush=True)
@@ -196,13 +216,7 @@ def main() -> int:
         print(f"calibration run: load {load0} -> {load_average()}; "
               f"{json.dumps(real_metrics(calib, before, after))}", flush=True)
         cost = work / "cost_vllm.json"
-        proc = subprocess.run([sys.executable, "-m", "pagedserve.cli", "simulate", "calibrate", "--model", str(model),
-                               "--from-bench", str(work / "calib.bench.json"), "--block-size", str(block_size),
-                               "--metrics-before", str(work / "calib.metrics.before.txt"),
-                               "--metrics-after", str(work / "calib.metrics.after.txt"),
-                               "--max-model-len", str(VLLM_KNOBS["max_model_len"]), "--out", str(cost)],
-                              env=env(), capture_output=True, text=True)
-        print(proc.stdout, proc.stderr[-2000:], flush=True)
+        proc = calibrate(model, work, cost, block_size, args.serving_fit, args.step_spread)
         if proc.returncode:
             return 1
         if args.serving_layer == "measured":
@@ -221,6 +235,63 @@ def main() -> int:
                 print(f"[{rep}] {name}: load {load0} -> {load_average()}; "
                       + ", ".join(f"{label} {fmt.format(m[key])}" for key, label, fmt in METRICS), flush=True)
 
+    table, met, goals = compare(model, cost, chosen, runs, block_size, num_blocks)
+    print(f"total {time.time() - t0:.0f} s; load average now {load_average()}")
+    Path(args.out).write_text(json.dumps({"vllm": version, "model": str(model), "knobs": VLLM_KNOBS,
+                                          "cache_config": cfg, "calibration_rate": args.calibration_rate,
+                                          "rate_for_busy": rate, "calibration": proc.stdout, "workloads": table,
+                                          "serving_fit": args.serving_fit, "step_spread": args.step_spread,
+                                          "goals_met": met, "goals_total": len(goals)}, indent=2, default=str))
+    print(f"wrote {args.out}")
+    return 0
+
+
+def calibrate(model: Path, work: Path, cost: Path, block_size: int, serving_fit: str, spread: bool = True):
+    """`simulate calibrate --from-bench` on the calibration run saved in `work` (its bench result and
+    the /metrics scraped around it): nothing else sets a constant."""
+    proc = subprocess.run([sys.executable, "-m", "pagedserve.cli", "simulate", "calibrate", "--model", str(model),
+                           "--from-bench", str(work / "calib.bench.json"), "--block-size", str(block_size),
+                           "--metrics-before", str(work / "calib.metrics.before.txt"),
+                           "--metrics-after", str(work / "calib.metrics.after.txt"),
+                           "--max-model-len", str(VLLM_KNOBS["max_model_len"]),
+                           "--max-num-seqs", str(VLLM_KNOBS["max_num_seqs"]),
+                           "--max-num-batched-tokens", str(VLLM_KNOBS["max_num_batched_tokens"]),
+                           "--serving-fit", serving_fit, "--step-spread" if spread else "--no-step-spread",
+                           "--out", str(cost)],
+                          env=env(), capture_output=True, text=True)
+    print(proc.stdout, proc.stderr[-2000:], flush=True)
+    return proc
+
+
+def resimulate(args, model: Path, work: Path) -> int:
+    """Calibrate again from the saved calibration run and simulate the saved held-out workloads."""
+    saved_path = Path(args.out)
+    if not saved_path.exists() or not (work / "calib.bench.json").exists():
+        print(f"--resimulate: needs {saved_path} and {work}/calib.* from an earlier full run")
+        return 2
+    saved = json.loads(saved_path.read_text())
+    cfg = saved["cache_config"]
+    block_size, num_blocks = int(cfg.get("block_size", 16)), int(cfg.get("num_gpu_blocks", 0) or 0)
+    cost = work / "cost_vllm.resim.json"
+    proc = calibrate(model, work, cost, block_size, args.serving_fit, args.step_spread)
+    if proc.returncode:
+        return 1
+    if args.serving_layer == "measured":
+        use_measured_serving(cost)
+    chosen = [(t["name"], t["flags"]) for t in saved["workloads"]]
+    runs = {t["name"]: t["real_runs"] for t in saved["workloads"]}
+    table, met, goals = compare(model, cost, chosen, runs, block_size, num_blocks)
+    out = saved_path.with_suffix(".resim.json")
+    out.write_text(json.dumps({"resimulated_from": str(saved_path), "vllm": saved.get("vllm"),
+                               "serving_fit": args.serving_fit, "step_spread": args.step_spread,
+                               "calibration": proc.stdout, "workloads": table,
+                               "goals_met": met, "goals_total": len(goals)}, indent=2, default=str))
+    print(f"wrote {out}")
+    return 0
+
+
+def compare(model: Path, cost: Path, chosen, runs, block_size: int, num_blocks: int):
+    """Simulate each held-out workload and print it beside vLLM's runs."""
     lines = ["| workload | metric | vLLM (median of runs) | vLLM runs (min–max) | simulated | error vs median | "
              "inside range |", "|---|---|---:|---:|---:|---:|---|"]
     table = []
@@ -237,14 +308,8 @@ def main() -> int:
     print("\n".join(lines))
     goals = [error(t["sim"][k], t["real_median"][k]) for t in table for k in GOAL_KEYS]
     met = sum(1 for e in goals if e is not None and abs(e) <= 0.10)
-    print(f"\n{met} of {len(goals)} goal metrics within 10% of vLLM's median run; "
-          f"total {time.time() - t0:.0f} s; load average now {load_average()}")
-    Path(args.out).write_text(json.dumps({"vllm": version, "model": str(model), "knobs": VLLM_KNOBS,
-                                          "cache_config": cfg, "calibration_rate": args.calibration_rate,
-                                          "rate_for_busy": rate, "calibration": proc.stdout, "workloads": table,
-                                          "goals_met": met, "goals_total": len(goals)}, indent=2, default=str))
-    print(f"wrote {args.out}")
-    return 0
+    print(f"\n{met} of {len(goals)} goal metrics within 10% of vLLM's median run", flush=True)
+    return table, met, goals
 
 
 if __name__ == "__main__":

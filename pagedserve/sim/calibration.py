@@ -245,7 +245,8 @@ def fit(records: Iterable[StepTrace], model: ModelCost, base: CostParams, *, blo
         fit_pad_share: bool = False, host_bandwidth_fallback: tuple[float, str] | None = None,
         swap_probe=None,
         max_model_len: int | None = None, iterations: int = 20, reweight: int = 4, trim: float = 3.0,
-        max_factor_tokens: int = 8, min_factor_steps: int = 20) -> tuple[CostParams, dict]:
+        max_factor_tokens: int = 8, min_factor_steps: int = 20,
+        min_kind_steps: int = 20) -> tuple[CostParams, dict]:
     """Fit the step cost's constants to a step trace; returns (params, report).
 
     What a step costs the server is its wall time plus the gap to the next step
@@ -263,8 +264,9 @@ def fit(records: Iterable[StepTrace], model: ModelCost, base: CostParams, *, blo
     least squares; "max" (the roofline) alternates between picking each step's active branch
     and solving, from every starting assignment, keeping the best. Errors are relative,
     weighed by the prediction (reweighted `reweight` times, so noise in the measurement does
-    not bias the fit low), and each step kind (decode / mixed / prefill) weighs the same in
-    total however rare it is. Steps whose residual exceeds `trim` x the median absolute
+    not bias the fit low), and each step kind (decode / mixed / prefill) with at least
+    `min_kind_steps` steps weighs the same in total however rare it is (a rarer kind weighs
+    what its steps would unbalanced). Steps whose residual exceeds `trim` x the median absolute
     deviation (a page fault, a collection) are dropped once. With `fit_pad_share` the share
     of a padded backend's extra attention work is chosen from a grid by the same error;
     otherwise it stays `base.pad_share`. Small token counts with at least `min_factor_steps`
@@ -289,10 +291,16 @@ def fit(records: Iterable[StepTrace], model: ModelCost, base: CostParams, *, blo
     kinds = np.asarray([step_kind(r) for r in records])
     counts_arr = np.asarray([r.num_tokens for r in records])
     balance = np.ones(len(y))
-    present = [k for k in STEP_KINDS if (kinds == k).any()]
-    for k in present:
-        sel = kinds == k
-        balance[sel] = math.sqrt(len(y) / (len(present) * sel.sum()))
+    # Each kind with at least `min_kind_steps` steps weighs the same in total; a rarer kind keeps the
+    # weight its steps have unbalanced: raised to a third of the fit, one stray step (in a trace rebuilt
+    # from a client's token arrivals, a prompt whose step began after an idle wait the client cannot
+    # see) set the prompt terms for every step (vLLM's CPU server, 2026-12-02: one such "prefill" step
+    # priced its 71 mixed steps 18-20% high).
+    counts = {k: int((kinds == k).sum()) for k in STEP_KINDS}
+    common = [k for k in STEP_KINDS if counts[k] >= min_kind_steps]
+    rare_share = sum(n for k, n in counts.items() if k not in common) / len(y)
+    for k in common:
+        balance[kinds == k] = math.sqrt((1.0 - rare_share) * len(y) / (len(common) * counts[k]))
 
     def combine_pred(X, coef):
         if form == "sum":
@@ -437,6 +445,8 @@ def fit(records: Iterable[StepTrace], model: ModelCost, base: CostParams, *, blo
                      + f"from {how} (run the calibration load on a small pool with --preemption-mode swap to fit it)")
 
     ratios = y[keep] / np.maximum(pred[keep], 1e-12)
+    # Every step's miss, trimmed ones too (a stall is part of what a client sees), as 100 quantiles.
+    residual_quantiles = [float(v) for v in np.percentile(y - pred, np.arange(100) + 0.5)]
     params = replace(
         base,
         step_overhead_s=float(k[_COL_STEP]), per_request_overhead_s=float(k[_COL_REQ]),
@@ -468,5 +478,6 @@ def fit(records: Iterable[StepTrace], model: ModelCost, base: CostParams, *, blo
                              "p90": float(np.percentile(ratios, 90) / ratios.mean()),
                              "p99": float(np.percentile(ratios, 99) / ratios.mean())},
         "warnings": calibration_warnings(coverage, host_note, max_model_len),
+        "step_residual_quantiles_s": residual_quantiles,
     }
     return params, report

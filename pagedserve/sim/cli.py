@@ -124,7 +124,23 @@ def register(subparsers) -> None:
     c.add_argument("--metrics-before", default=None, metavar="FILE",
                    help="with --from-bench: the server's /metrics scraped just before the run ...")
     c.add_argument("--metrics-after", default=None, metavar="FILE",
-                   help="... and just after: the serving overhead is the client's TTFT minus the engine's own")
+                   help="... and just after: the serving overhead is fitted from the client's TTFT and the "
+                        "engine's own queue and prefill times (see --serving-fit)")
+    c.add_argument("--serving-fit", choices=("replay", "subtract"), default="replay",
+                   help="with --from-bench and the metrics: replay = the calibration run replayed in the "
+                        "simulator, the admission chosen so that its mean TTFT equals the client's (default); "
+                        "subtract = the client's mean TTFT minus the engine's queue + prefill (the simulator "
+                        "then charges the wait for a running step twice: vLLM's queue time leaves it out)")
+    c.add_argument("--step-spread", action=argparse.BooleanOptionalAction, default=None,
+                   help="store how far the trace's steps scatter around the fitted model (100 quantiles of "
+                        "measured - modelled); the simulator then adds a draw to every step, which widens "
+                        "the ITL and TTFT tails as the machine did (default: on with --from-bench, off "
+                        "with --trace)")
+    c.add_argument("--max-num-seqs", type=int, default=None,
+                   help="with --serving-fit replay: the server's max_num_seqs (default: pagedserve's)")
+    c.add_argument("--max-num-batched-tokens", type=int, default=None,
+                   help="with --serving-fit replay: the server's max_num_batched_tokens (default: pagedserve's); "
+                        "block size, KV blocks and prefix caching come from vLLM's cache_config_info")
     c.add_argument("--request-trace", default=None, nargs="+", metavar="FILE",
                    help="the server's request trace, one per TRACE (default: each TRACE's companion "
                         "STEM.requests.jsonl, where it exists)")
@@ -410,6 +426,8 @@ def run_calibrate(args) -> int:
     params, report = fit(records, mcost, base, block_size=args.block_size,
                          fit_pad_share=args.attention_layout is None and not args.gpu,
                          max_model_len=args.max_model_len, swap_probe=None if args.gpu else swap_probe)
+    if args.step_spread:
+        params.step_residuals_s = report["step_residual_quantiles_s"]
 
     requests, missing, matched = [], [], 0
     for k, path in enumerate(args.trace):
@@ -455,12 +473,20 @@ def _calibrate_from_bench(args, info, mcost, base, dtype) -> int:
                                 "num_skipped": rebuilt.num_skipped, "num_clusters": rebuilt.num_clusters,
                                 "num_idle_starts": rebuilt.num_idle_starts, "num_split": rebuilt.num_split}
     report["warnings"] = rebuilt.notes + report["warnings"]
+    if args.step_spread is not False:  # before the replay below: it prices the run as the simulator will
+        params.step_residuals_s = report["step_residual_quantiles_s"]
     serving_report = None
     if args.metrics_before and args.metrics_after:
-        admit, serving_report = serving_from_metrics(result, Path(args.metrics_before).read_text(),
-                                                     Path(args.metrics_after).read_text())
-        params.serving = ServingOverhead(admit_s=admit, source="client TTFT minus the engine's queue + prefill "
-                                                               "time (its /metrics)").to_dict()
+        after = Path(args.metrics_after).read_text()
+        admit, serving_report = serving_from_metrics(result, Path(args.metrics_before).read_text(), after)
+        if args.serving_fit == "subtract":
+            params.serving = ServingOverhead(admit_s=admit, source="client TTFT minus the engine's queue + "
+                                                                   "prefill time (its /metrics)").to_dict()
+        else:
+            serving, replayed = _serving_by_replay(args, info, mcost, params, result, after, serving_report)
+            serving_report.update({"subtraction_admit_s": admit, "replay": replayed})
+            report["warnings"] += replayed["warnings"]
+            params.serving = serving.to_dict()
     else:
         report["warnings"].append("no --metrics-before/--metrics-after: the serving overhead is not modelled")
     CostModel(mcost, params, args.block_size).save(args.out, {"fit": report, "serving_fit": serving_report,
@@ -474,12 +500,56 @@ def _calibrate_from_bench(args, info, mcost, base, dtype) -> int:
               f"({r['num_clusters']} clusters at a {r['threshold_s'] * 1e3:.1f} ms threshold; {r['num_idle_starts']} "
               f"after an idle spell left out; {r['num_skipped']} requests skipped)")
         print(format_calibration(params, report, None))
+        if params.step_residuals_s:
+            q = params.step_residuals_s
+            print(f"step scatter around the model (added to each simulated step): p10 {q[10] * 1e3:+.2f} ms, "
+                  f"p50 {q[50] * 1e3:+.2f}, p90 {q[90] * 1e3:+.2f}, p99 {q[99] * 1e3:+.2f}")
         if serving_report:
             print(f"  measured means: client TTFT {serving_report['client_ttft_mean_s'] * 1e3:.1f} ms, engine queue "
                   f"{serving_report['engine_queue_mean_s'] * 1e3:.1f} ms + prefill "
                   f"{serving_report['engine_prefill_mean_s'] * 1e3:.1f} ms")
+            rep = serving_report.get("replay")
+            if rep:
+                print(f"  replay of the calibration run ({rep['knobs']}): simulated queue "
+                      f"{rep['replay_queue_mean_s'] * 1e3:.1f} ms + prefill {rep['replay_prefill_mean_s'] * 1e3:.1f} ms; "
+                      f"mean TTFT {rep['replay_ttft_without_admission_s'] * 1e3:.1f} ms with no admission, "
+                      f"{rep['replay_ttft_mean_s'] * 1e3:.1f} ms at {rep['admit_s'] * 1e3:.1f} ms (the subtraction "
+                      f"gave {serving_report['subtraction_admit_s'] * 1e3:.1f} ms)")
     print(f"wrote {args.out}")
     return 0
+
+
+def _serving_by_replay(args, info, mcost, params, result: dict, metrics_after: str, measured: dict):
+    """The admission from the calibration run replayed on the fitted step costs (sim/replay_fit.py),
+    on the server's knobs: max_num_seqs and max_num_batched_tokens as given, the KV pool and prefix
+    caching as vLLM's cache_config_info reports them."""
+    import re
+
+    from pagedserve.config import EngineConfig
+    from pagedserve.sim.replay_fit import serving_by_replay
+    from pagedserve.sim.simulator import build_deployment
+
+    cfg = {}
+    for line in metrics_after.splitlines():
+        if line.startswith("vllm:cache_config_info"):
+            cfg = dict(re.findall(r'(\w+)="([^"]*)"', line))
+    knobs = {k: v for k, v in (("max_num_seqs", args.max_num_seqs),
+                               ("max_num_batched_tokens", args.max_num_batched_tokens),
+                               ("max_model_len", args.max_model_len)) if v is not None}
+    blocks = cfg.get("num_gpu_blocks")
+    if blocks and blocks.isdigit():
+        knobs["num_kv_blocks"] = int(blocks)
+    knobs["enable_prefix_caching"] = cfg.get("enable_prefix_caching", "False") == "True"
+    knobs["block_size"] = args.block_size
+    config = EngineConfig(enable_chunked_prefill=True, preemption_mode="recompute", **knobs)
+
+    def build(p):
+        return build_deployment(config, args.model, cost_params=p)
+
+    serving, report = serving_by_replay(result, params, build, measured["engine_queue_mean_s"],
+                                        measured["engine_prefill_mean_s"])
+    report["knobs"] = ", ".join(f"{k}={v}" for k, v in knobs.items())
+    return serving, report
 
 
 def format_calibration(params, report: dict, serving_report: dict | None) -> str:

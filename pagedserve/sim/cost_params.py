@@ -215,6 +215,11 @@ class CostParams:
     # step n+1 while the device runs step n (vLLM's async scheduling, on by default since 0.14), so a
     # step takes max(device, host) rather than their sum (sim/executor.py).
     host_overlap: bool = False
+    # How far the calibration trace's steps landed from the model (measured - modelled seconds, as
+    # quantiles); the simulator adds one drawn at random to each step (floored at 0). Empty: every
+    # step takes its modelled time. `simulate calibrate --from-bench` fills it: a client's ITL and
+    # TTFT tails on a shared CPU come from that scatter as much as from the step shapes.
+    step_residuals_s: list = field(default_factory=list)
     # The shapes the calibration trace held (simulate warns when a run goes beyond them).
     coverage: dict = field(default_factory=dict)
     source: str = "defaults"

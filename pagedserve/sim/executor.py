@@ -36,6 +36,10 @@ class SimExecutor:
         self._high = max(vocab_size, self._low + 1)
         self._ids = [self._rng.randrange(self._low, self._high) for _ in range(4099)]
         self._next = 0
+        # The calibration's scatter of step times around the model (CostParams.step_residuals_s), drawn
+        # from a generator of its own so the token ids stay those of a run without it.
+        self._residuals = list(getattr(cost_model.params, "step_residuals_s", None) or ())
+        self._residual_rng = random.Random(seed + 0x5EED)
         # The largest shapes the run asked the cost model about (compared with what it was
         # calibrated on: cost_model.run_beyond_coverage).
         self.shapes = {"max_decode_batch": 0, "max_context": 0, "max_step_tokens": 0, "max_prefill_chunk": 0,
@@ -97,6 +101,8 @@ class SimExecutor:
             # async scheduling: the host's part of the step ran while the device ran the step before
             host = host_step_s(params, out)
             t = max(t - host, host)
+        if self._residuals:
+            t = max(t + self._residuals[self._residual_rng.randrange(len(self._residuals))], 0.0)
         return t
 
     def _note_shape(self, out) -> None:

@@ -9,8 +9,11 @@ request already in the cluster receives another token (one token per request per
 A cluster is one step: a request's first token means its prompt finished there (new tokens =
 its prompt, context = its prompt); its k-th later token is a decode at context prompt + k. A
 step's duration is the time from the previous cluster, counted only when the engine had work
-throughout (some request sent before the previous cluster was still unfinished after this
-one); a step after an idle spell is left out (its start is unknown).
+throughout: some request already running (its first token at or before the previous cluster)
+was still unfinished after this one. A request merely sent before the previous cluster does not
+count: its prompt may still have been in the API server while the engine idled (vLLM's CPU
+server: one such 'step' was 1.4x the model and, weighed as the trace's only prefill step, skewed
+the fit). A step after an idle spell is left out (its start is unknown).
 
 What this cannot see, and so assumes: a prompt computed in several chunks shows only as its
 last chunk (keep prompts under max_num_batched_tokens, as the calibration workload's
@@ -56,7 +59,7 @@ def steps_from_bench(result: dict, threshold_s: float | None = None) -> Reconstr
     """The engine steps a `pagedserve bench --result-file` run implies (see the module docstring)."""
     requests = result.get("requests") or []
     events: list[tuple[float, int, int]] = []  # (time, request index, output token index)
-    prompts, sends, lasts = {}, {}, {}
+    prompts, sends, firsts, lasts = {}, {}, {}, {}
     skipped = 0
     gaps: list[float] = []
     for i, r in enumerate(requests):
@@ -64,7 +67,7 @@ def steps_from_bench(result: dict, threshold_s: float | None = None) -> Reconstr
         if times is None:
             skipped += 1
             continue
-        prompts[i], sends[i], lasts[i] = int(r["prompt_len"]), float(r["start"]), times[-1]
+        prompts[i], sends[i], firsts[i], lasts[i] = int(r["prompt_len"]), float(r["start"]), times[0], times[-1]
         events += [(t, i, k) for k, t in enumerate(times)]
         gaps += list(r.get("itl") or [])
     if not events:
@@ -95,7 +98,7 @@ def steps_from_bench(result: dict, threshold_s: float | None = None) -> Reconstr
         t_c = cluster[0][0]
         new_tokens = [prompts[i] if k == 0 else 1 for _, i, k in cluster]
         context = [prompts[i] + k for _, i, k in cluster]
-        busy = prev_t is not None and any(sends[i] < prev_t and lasts[i] >= t_c for i in sends)
+        busy = prev_t is not None and any(firsts[i] <= prev_t and lasts[i] >= t_c for i in sends)
         if busy:
             steps.append(StepTrace(new_tokens, context, duration=t_c - prev_t, step_time=t_c - prev_t,
                                    num_outputs=len(cluster)))
