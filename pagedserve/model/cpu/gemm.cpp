@@ -40,6 +40,7 @@ constexpr int VW = 16;
 using vreg = __m512;
 inline vreg vload(const float* p) { return _mm512_loadu_ps(p); }
 inline void vstore(float* p, vreg v) { _mm512_storeu_ps(p, v); }
+inline void vstore_nt(float* p, vreg v) { _mm512_stream_ps(p, v); }  // p 64-byte aligned
 inline vreg vbroadcast(float a) { return _mm512_set1_ps(a); }
 inline vreg vfma(vreg a, vreg b, vreg c) { return _mm512_fmadd_ps(a, b, c); }
 inline vreg vzero() { return _mm512_setzero_ps(); }
@@ -49,6 +50,7 @@ constexpr int VW = 8;
 using vreg = __m256;
 inline vreg vload(const float* p) { return _mm256_loadu_ps(p); }
 inline void vstore(float* p, vreg v) { _mm256_storeu_ps(p, v); }
+inline void vstore_nt(float* p, vreg v) { _mm256_stream_ps(p, v); }  // p 32-byte aligned
 inline vreg vbroadcast(float a) { return _mm256_set1_ps(a); }
 inline vreg vfma(vreg a, vreg b, vreg c) { return _mm256_fmadd_ps(a, b, c); }
 inline vreg vzero() { return _mm256_setzero_ps(); }
@@ -77,6 +79,7 @@ inline vreg vfma(vreg a, vreg b, vreg c) {
     return c;
 }
 inline vreg vzero() { return vbroadcast(0.0f); }
+inline void vstore_nt(float* p, vreg a) { vstore(p, a); }
 constexpr int NV = 2, MR = 4;
 #endif
 
@@ -94,6 +97,8 @@ constexpr int kStreamRows = MR / 2;
 // a one-row GEMM is a weight stream, which two cores read faster than one (each thread its own
 // contiguous run of panels), and a 2-thread team costs ~1 us against ~10 us to read 64K floats.
 constexpr int64_t kParallelWeight = int64_t(1) << 16;
+// Outputs of at least this many bytes are written with non-temporal stores (ps_gemm).
+constexpr int64_t kStreamOutBytes = int64_t(1) << 20;
 
 // R rows of x (R <= MR) times one packed panel: out[r, 0:NR] = bias + x[r, :] . panel.
 // Prefetch plan of one pass: at k step k, `lines` cache lines from base + k * step bytes.
@@ -103,9 +108,10 @@ struct Prefetch {
     int lines;
 };
 
+// `nt`: the output goes out with non-temporal stores (ps_gemm decides; out then 64-byte aligned).
 template <int R>
 inline void micro_kernel(const float* x, int64_t ldx, const float* panel, int64_t K, const float* bias,
-                         float* out, int64_t ldo, Prefetch pf) {
+                         float* out, int64_t ldo, Prefetch pf, bool nt) {
     vreg acc[R][NV];
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r)
@@ -124,6 +130,13 @@ inline void micro_kernel(const float* x, int64_t ldx, const float* panel, int64_
             for (int j = 0; j < NV; ++j) acc[r][j] = vfma(a, w[j], acc[r][j]);
         }
     }
+    if (nt) {
+#pragma GCC unroll 8
+        for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+            for (int j = 0; j < NV; ++j) vstore_nt(out + r * ldo + j * VW, acc[r][j]);
+        return;
+    }
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r)
 #pragma GCC unroll 4
@@ -134,7 +147,7 @@ inline void micro_kernel(const float* x, int64_t ldx, const float* panel, int64_
 // accumulator; four interleaved partial sums (k mod 4) keep four chains in flight.
 template <>
 inline void micro_kernel<1>(const float* x, int64_t, const float* panel, int64_t K, const float* bias,
-                            float* out, int64_t, Prefetch pf) {
+                            float* out, int64_t, Prefetch pf, bool nt) {
     constexpr int S = 4;
     vreg acc[S][NV];
 #pragma GCC unroll 4
@@ -162,11 +175,14 @@ inline void micro_kernel<1>(const float* x, int64_t, const float* panel, int64_t
         vreg sum = vfma(vbroadcast(1.0f), acc[1][j], acc[0][j]);
         sum = vfma(vbroadcast(1.0f), acc[2][j], sum);
         sum = vfma(vbroadcast(1.0f), acc[3][j], sum);
-        vstore(out + j * VW, sum);
+        if (nt)
+            vstore_nt(out + j * VW, sum);
+        else
+            vstore(out + j * VW, sum);
     }
 }
 
-using MicroKernel = void (*)(const float*, int64_t, const float*, int64_t, const float*, float*, int64_t, Prefetch);
+using MicroKernel = void (*)(const float*, int64_t, const float*, int64_t, const float*, float*, int64_t, Prefetch, bool);
 
 template <int... Rs>
 constexpr auto make_table(std::integer_sequence<int, Rs...>) {
@@ -395,7 +411,14 @@ void ps_gemm(const float* x, int64_t ldx, int64_t M, int64_t K, const float* pac
     // is a weight stream (kParallelWeight), so the weight's size decides there, not the FLOPs.
     const bool parallel = num_threads > 1 && panels > 1 && (M * N * K >= (int64_t(1) << 18) || N * K >= kParallelWeight);
     const bool stream = M <= kStreamRows;
+    // An output too large to stay in L2 (the LM head's logits: 4 MB at 32 rows of a 32000-word
+    // vocabulary) is written with non-temporal stores: an ordinary store first reads each
+    // output line in and later writes it back, through the caches the panels are streaming
+    // through. Needs every tile's first column 64-byte aligned: out and its row stride.
+    const bool nt = M * N * int64_t(sizeof(float)) >= kStreamOutBytes && reinterpret_cast<uintptr_t>(out) % 64 == 0 &&
+                    (ldo * int64_t(sizeof(float))) % 64 == 0 && (NR * sizeof(float)) % 64 == 0;
 #pragma omp parallel num_threads(num_threads) if (parallel)
+    {
     for (int64_t m0 = 0; m0 < M; m0 += mc_rows) {
         const int64_t m1 = std::min(M, m0 + mc_rows);
         // Static split: each thread one contiguous run of panels, the same run for every row
@@ -417,9 +440,13 @@ void ps_gemm(const float* x, int64_t ldx, int64_t M, int64_t K, const float* pac
                     : pass == 0 ? Prefetch{reinterpret_cast<const char*>(panel + kPrefetchRows * NR), NR * 4, NR * 4 / 64}
                     : pass <= 2 ? Prefetch{next + (pass - 1) * K * 64, 64, 1}
                                 : Prefetch{nullptr, 0, 0};
-                kKernels[rows - 1](x + m * ldx, ldx, panel, K, panel_bias, out + m * ldo + p * NR, ldo, pf);
+                kKernels[rows - 1](x + m * ldx, ldx, panel, K, panel_bias, out + m * ldo + p * NR, ldo, pf, nt);
             }
         }
+    }
+#if defined(__AVX512F__) || defined(__AVX2__)
+    if (nt) _mm_sfence();  // this thread's streamed output visible before the region ends
+#endif
     }
 }
 
