@@ -84,7 +84,18 @@ constexpr int NV = 2, MR = 4;
 #endif
 
 constexpr int NR = NV * VW;
-constexpr int kPrefetchRows = 32;  // k steps ahead: 4 KB of an AVX-512 panel
+// Software prefetch of a panel's first pass, k steps ahead, and the locality hint of every
+// prefetch (__builtin_prefetch's third argument). AVX-512: 128 steps (16 KB) ahead into L2 —
+// at 8-32 rows a k step is 16 FMAs (~16 cycles), so 4 KB ahead into L1 (the old setting) was
+// ~140 ns of work, short of a DRAM miss here, and farther into L1 evicted the panel; one
+// thread, 19M engine (gemm_lib_ab.py --cpu-time): 8 running 0.89x, 16 0.93x, 32 0.98x step
+// time (benchmarks/README.md, "The 19M LM head"). AVX2 and the portable path, not measured
+// with it: 32 steps ahead into L1 as before.
+#if defined(__AVX512F__)
+constexpr int kPrefetchRows = 128, kPrefetchLocality = 2;
+#else
+constexpr int kPrefetchRows = 32, kPrefetchLocality = 3;
+#endif
 // Up to this many rows of x (a decode of a few sequences: 1-4 with AVX-512, 1-2 with AVX2) a
 // call is a pure weight stream: the hardware prefetchers keep a linear read of the panels ahead
 // on their own, and a software prefetch per k step only takes load slots and miss buffers from
@@ -119,7 +130,7 @@ inline void micro_kernel(const float* x, int64_t ldx, const float* panel, int64_
         for (int j = 0; j < NV; ++j) acc[r][j] = bias ? vload(bias + j * VW) : vzero();
     for (int64_t k = 0; k < K; ++k) {
         const float* b = panel + k * NR;
-        for (int line = 0; line < pf.lines; ++line) __builtin_prefetch(pf.base + k * pf.step + line * 64, 0, 3);
+        for (int line = 0; line < pf.lines; ++line) __builtin_prefetch(pf.base + k * pf.step + line * 64, 0, kPrefetchLocality);
         vreg w[NV];
 #pragma GCC unroll 4
         for (int j = 0; j < NV; ++j) w[j] = vload(b + j * VW);
