@@ -24,7 +24,12 @@ contiguous slice: stream_read.cpp) and "stream+pf" (that read with a software pr
 4 KB ahead): what a GEMV could reach; ours/stream is against the faster of the two. Every call
 is timed alone and the figure is the 10th percentile of the per-call times, the median in
 brackets: on a shared machine a two-thread call waits a whole time slice whenever another
-process holds one of its cores, and the fastest tenth are the calls that nothing slowed.
+process holds one of its cores, and the fastest tenth are the calls that nothing slowed. Each
+cell ends with the bound: the longer of the weight read at the faster stream's rate and the
+FLOPs at an FMA loop's rate on these threads (stream_read.cpp's ps_fma_peak, one thread's
+rate by its CPU time, times the threads), each method's fraction of it, and the 10th
+percentile of the calling thread's CPU time per call (at two threads: the caller's share,
+its wait for the other thread included). Prepacked oneDNN is timed too where it is available.
 
 `--before SRC` adds "before": another gemm.cpp (e.g. main's), built with the same flags and
 called on the same packed weights, interleaved with the others (an A/B of a kernel change in
