@@ -24,7 +24,12 @@ contiguous slice: stream_read.cpp) and "stream+pf" (that read with a software pr
 4 KB ahead): what a GEMV could reach; ours/stream is against the faster of the two. Every call
 is timed alone and the figure is the 10th percentile of the per-call times, the median in
 brackets: on a shared machine a two-thread call waits a whole time slice whenever another
-process holds one of its cores, and the fastest tenth are the calls that nothing slowed.
+process holds one of its cores, and the fastest tenth are the calls that nothing slowed. Each
+cell ends with the bound: the longer of the weight read at the faster stream's rate and the
+FLOPs at an FMA loop's rate on these threads (stream_read.cpp's ps_fma_peak, one thread's
+rate by its CPU time, times the threads), each method's fraction of it, and the 10th
+percentile of the calling thread's CPU time per call (at two threads: the caller's share,
+its wait for the other thread included). Prepacked oneDNN is timed too where it is available.
 
 `--before SRC` adds "before": another gemm.cpp (e.g. main's), built with the same flags and
 called on the same packed weights, interleaved with the others (an A/B of a kernel change in
@@ -81,7 +86,21 @@ def stream_reader():
     lib = ctypes.CDLL(str(path))
     lib.ps_stream_read.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_int64]
     lib.ps_stream_read.restype = ctypes.c_double
-    return lib.ps_stream_read
+    lib.ps_fma_peak.argtypes = [ctypes.c_int, ctypes.c_int64]
+    lib.ps_fma_peak.restype = ctypes.c_double
+    return lib
+
+
+def fma_peak(lib, threads: int) -> float:
+    """FLOP/s of `threads` cores issuing nothing but independent FMAs (stream_read.cpp): one
+    thread's rate by its CPU time (best of 5; a preempting process does not lower it), times
+    `threads`."""
+    best = 0.0
+    for _ in range(5):
+        t0 = time.thread_time()
+        flops = lib.ps_fma_peak(1, 2_000_000)
+        best = max(best, flops / (time.thread_time() - t0))
+    return best * threads
 
 
 
@@ -96,12 +115,13 @@ def cold(model: str, n: int, k: int, rows: list[int], args, dtype: torch.dtype) 
     """GB/s of weight read per method over copies of the weight larger than the caches, cycled."""
     from pagedserve.model.cpu import gemm
 
-    read = stream_reader()
+    read = stream_reader().ps_stream_read
     size = n * k * dtype.itemsize
     copies = max(2, math.ceil(args.cold_mb * 2**20 / size))
     plain = [(torch.randn(n, k) * 0.02).to(dtype) for _ in range(copies)]
     packed = [gemm.pack(w) for w in plain]
     fp32 = [gemm.pack(w.float()) for w in plain] if args.vs_fp32 else None
+    prepacked = [args.onednn.pack(w) for w in plain] if args.onednn is not None else None
     threads = torch.get_num_threads()
     tol = dict(rtol=1e-4, atol=1e-4) if dtype == torch.float32 else dict(rtol=1e-2, atol=1e-2)
     cells = []
@@ -114,6 +134,8 @@ def cold(model: str, n: int, k: int, rows: list[int], args, dtype: torch.dtype) 
                "stream+pf": lambda i: read(packed[i].data_ptr(), floats, threads, 4096),
                "mkl": lambda i: F.linear(x, plain[i]),
                "ours": lambda i: gemm.linear(x, packed[i], None)}
+        if prepacked is not None:
+            fns["onednn"] = lambda i: args.onednn.apply(x, prepacked[i], None)
         if args.before_lib is not None:  # both through call_lib: the same Python work per call
             fns["after"] = lambda i: call_lib(gemm.load_gemm(), x, packed[i], out)
             fns["before"] = lambda i: call_lib(args.before_lib, x, packed[i], out)
@@ -121,24 +143,32 @@ def cold(model: str, n: int, k: int, rows: list[int], args, dtype: torch.dtype) 
             x32, out32 = x.float(), torch.empty(m, n)
             fns["fp32"] = lambda i: call_lib(gemm.load_gemm(), x32, fp32[i], out32)
         times: dict[str, list[float]] = {name: [] for name in fns}
+        cpu: dict[str, list[float]] = {name: [] for name in fns}  # the calling thread's CPU time
         clock = args.clock
         for round_ in range(args.repeats + 1):  # round 0 warms up
             for name, fn in in_turn(fns, round_):
                 for i in range(copies):
-                    t0 = clock()
+                    c0, t0 = time.thread_time(), clock()
                     fn(i)
                     if round_:
                         times[name].append(clock() - t0)
+                        cpu[name].append(time.thread_time() - c0)
         p10 = {name: quantile(t, 0.1) for name, t in times.items()}
         med = {name: quantile(t, 0.5) for name, t in times.items()}
+        # The bound: the weight read at the faster stream's rate, or the FLOPs at the FMA loop's
+        # rate on these threads, whichever takes longer.
+        bound = max(min(p10["stream"], p10["stream+pf"]), 2 * m * n * k / args.peak)
         nbytes = {name: size * (2 if name == "fp32" and dtype == torch.bfloat16 else 1) for name in fns}
         extra = f" before/after {p10['before'] / p10['after']:.2f}" if "before" in fns else ""
         extra += f" fp32/ours {p10['fp32'] / p10['ours']:.2f}" if "fp32" in fns else ""
         cells.append(f"M={m}: " + " ".join(f"{name} {nbytes[name] / p10[name] / 1e9:5.1f} ({nbytes[name] / med[name] / 1e9:5.1f})"
                                            for name in fns)
-                     + f" ours/stream {min(p10['stream'], p10['stream+pf']) / p10['ours']:.2f}{extra}, {p10['ours'] * 1e6:.0f} us")
+                     + f" ours/stream {min(p10['stream'], p10['stream+pf']) / p10['ours']:.2f}{extra}, {p10['ours'] * 1e6:.0f} us"
+                     + f" [bound {bound * 1e6:.0f} us: ours {bound / p10['ours']:.2f}, mkl {bound / p10['mkl']:.2f}"
+                     + (f", onednn {bound / p10['onednn']:.2f}" if "onednn" in p10 else "")
+                     + f"; thread CPU p10 ours {quantile(cpu['ours'], 0.1) * 1e6:.0f} us, mkl {quantile(cpu['mkl'], 0.1) * 1e6:.0f} us]")
     print(f"{model} {n}x{k} ({size / 2**20:.1f} MiB x {copies}): " + " | ".join(cells), flush=True)
-    del plain, packed, fp32
+    del plain, packed, fp32, prepacked
 
 
 def main() -> None:
@@ -175,8 +205,11 @@ def main() -> None:
     args.before_lib = gemm_build(args.before) if args.before else None
     load = f"load average {os.getloadavg()[0]:.1f}"
     if args.cold_mb:
+        args.onednn = onednn if has_onednn else None
+        args.peak = fma_peak(stream_reader(), args.threads) * (2 if dtype == torch.bfloat16 else 1)
         print(f"{args.dtype}, torch threads {torch.get_num_threads()}, cold: >= {args.cold_mb} MB of weight "
-              f"copies cycled; GB/s of weight read; {load}")
+              f"copies cycled; GB/s of weight read; FMA loop {args.peak / 1e9:.1f} GFLOP/s "
+              f"(bf16: 2x the fp32 loop's, vdpbf16ps' rate); {load}")
         for model in args.models.split(","):
             for layer, (n, k) in zip(LAYERS, SHAPES[model]):
                 if layer in layers:

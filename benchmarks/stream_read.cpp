@@ -40,3 +40,37 @@ extern "C" double ps_stream_read(const float* p, int64_t n, int threads, int64_t
     }
     return total;
 }
+
+// The FLOP reference beside it: `threads` threads each run `iters` rounds of 16 independent
+// vector FMAs (no loads, no stores: the core's FMA issue rate alone); returns the FLOPs done.
+// cpu_gemm.py --cold divides by the wall time of the call for GFLOP/s at that thread count.
+extern "C" double ps_fma_peak(int threads, int64_t iters) {
+    double total = 0.0;
+#pragma omp parallel num_threads(threads) reduction(+ : total) if (threads > 1)
+    {
+#if defined(__AVX512F__)
+        __m512 acc[16];
+        for (int j = 0; j < 16; ++j) acc[j] = _mm512_set1_ps(0.001f * j);
+        const __m512 a = _mm512_set1_ps(0.999f), b = _mm512_set1_ps(1e-4f);
+        for (int64_t i = 0; i < iters; ++i)
+#pragma GCC unroll 16
+            for (int j = 0; j < 16; ++j) acc[j] = _mm512_fmadd_ps(acc[j], a, b);
+        float sum = 0.0f;
+        for (int j = 0; j < 16; ++j) sum += _mm512_reduce_add_ps(acc[j]);
+        __asm__ volatile("" : : "x"(sum));  // keeps the loop alive
+        total += double(iters) * 16 * 32;
+#else
+        float acc[16][8];
+        for (int j = 0; j < 16; ++j)
+            for (int l = 0; l < 8; ++l) acc[j][l] = 0.001f * j;
+        for (int64_t i = 0; i < iters; ++i)
+            for (int j = 0; j < 16; ++j)
+                for (int l = 0; l < 8; ++l) acc[j][l] = __builtin_fmaf(acc[j][l], 0.999f, 1e-4f);
+        float sum = 0.0f;
+        for (int j = 0; j < 16; ++j) sum += acc[j][0];
+        __asm__ volatile("" : : "x"(sum));
+        total += double(iters) * 16 * 8 * 2;
+#endif
+    }
+    return total;
+}

@@ -96,6 +96,30 @@ def test_decode_rows_split_across_threads(lib, m):
     torch.testing.assert_close(one, F.linear(x, weight, bias), rtol=1e-5, atol=1e-6 + 2e-7 * k)
 
 
+@pytest.mark.parametrize("m,n,k", [(33, 8192, 19), (9, 32000, 5), (1, 262144 + 64, 3)])
+def test_large_output_written_streaming(lib, m, n, k):
+    """An output of >= 1 MB (the LM head's logits) is written with non-temporal stores where
+    the output and its row stride are 64-byte aligned, and with ordinary stores where not (the
+    rows here start 1 and 17 floats past an aligned address): every element equal to F.linear
+    in each case, one and two threads, with the row remainders of 33 and 9 rows and one row."""
+    nr = lib.ps_gemm_panel_width()
+    n = n // nr * nr
+    gen = torch.Generator().manual_seed(m + n + k)
+    weight = torch.randn(n, k, generator=gen)
+    bias = torch.randn(n, generator=gen)
+    x = torch.randn(m, k, generator=gen)
+    packed = torch.empty(n // nr, k, nr)
+    lib.ps_gemm_pack(weight.data_ptr(), weight.stride(0), n, k, packed.data_ptr())
+    want = F.linear(x, weight, bias)
+    for pad, shift in ((0, 0), (0, 1), (17, 0)):
+        for threads in (1, 2):
+            buf = torch.full((m * (n + pad) + shift,), float("nan"))
+            lib.ps_gemm(x.data_ptr(), k, m, k, packed.data_ptr(), n, bias.data_ptr(), buf.data_ptr() + 4 * shift,
+                        n + pad, threads)
+            got = buf[shift:].view(m, n + pad)[:, :n]
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6 + 2e-7 * k)
+
+
 def test_pack_refuses_what_it_cannot_hold():
     nr = gemm.panel_width()
     with pytest.raises(ValueError, match="multiple of"):

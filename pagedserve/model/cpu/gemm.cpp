@@ -40,6 +40,7 @@ constexpr int VW = 16;
 using vreg = __m512;
 inline vreg vload(const float* p) { return _mm512_loadu_ps(p); }
 inline void vstore(float* p, vreg v) { _mm512_storeu_ps(p, v); }
+inline void vstore_nt(float* p, vreg v) { _mm512_stream_ps(p, v); }  // p 64-byte aligned
 inline vreg vbroadcast(float a) { return _mm512_set1_ps(a); }
 inline vreg vfma(vreg a, vreg b, vreg c) { return _mm512_fmadd_ps(a, b, c); }
 inline vreg vzero() { return _mm512_setzero_ps(); }
@@ -49,6 +50,7 @@ constexpr int VW = 8;
 using vreg = __m256;
 inline vreg vload(const float* p) { return _mm256_loadu_ps(p); }
 inline void vstore(float* p, vreg v) { _mm256_storeu_ps(p, v); }
+inline void vstore_nt(float* p, vreg v) { _mm256_stream_ps(p, v); }  // p 32-byte aligned
 inline vreg vbroadcast(float a) { return _mm256_set1_ps(a); }
 inline vreg vfma(vreg a, vreg b, vreg c) { return _mm256_fmadd_ps(a, b, c); }
 inline vreg vzero() { return _mm256_setzero_ps(); }
@@ -77,11 +79,23 @@ inline vreg vfma(vreg a, vreg b, vreg c) {
     return c;
 }
 inline vreg vzero() { return vbroadcast(0.0f); }
+inline void vstore_nt(float* p, vreg a) { vstore(p, a); }
 constexpr int NV = 2, MR = 4;
 #endif
 
 constexpr int NR = NV * VW;
-constexpr int kPrefetchRows = 32;  // k steps ahead: 4 KB of an AVX-512 panel
+// Software prefetch of a panel's first pass, k steps ahead, and the locality hint of every
+// prefetch (__builtin_prefetch's third argument). AVX-512: 128 steps (16 KB) ahead into L2 —
+// at 8-32 rows a k step is 16 FMAs (~16 cycles), so 4 KB ahead into L1 (the old setting) was
+// ~140 ns of work, short of a DRAM miss here, and farther into L1 evicted the panel; one
+// thread, 19M engine (gemm_lib_ab.py --cpu-time): 8 running 0.89x, 16 0.93x, 32 0.98x step
+// time (benchmarks/README.md, "The 19M LM head"). AVX2 and the portable path, not measured
+// with it: 32 steps ahead into L1 as before.
+#if defined(__AVX512F__)
+constexpr int kPrefetchRows = 128, kPrefetchLocality = 2;
+#else
+constexpr int kPrefetchRows = 32, kPrefetchLocality = 3;
+#endif
 // Up to this many rows of x (a decode of a few sequences: 1-4 with AVX-512, 1-2 with AVX2) a
 // call is a pure weight stream: the hardware prefetchers keep a linear read of the panels ahead
 // on their own, and a software prefetch per k step only takes load slots and miss buffers from
@@ -94,6 +108,8 @@ constexpr int kStreamRows = MR / 2;
 // a one-row GEMM is a weight stream, which two cores read faster than one (each thread its own
 // contiguous run of panels), and a 2-thread team costs ~1 us against ~10 us to read 64K floats.
 constexpr int64_t kParallelWeight = int64_t(1) << 16;
+// Outputs of at least this many bytes are written with non-temporal stores (ps_gemm).
+constexpr int64_t kStreamOutBytes = int64_t(1) << 20;
 
 // R rows of x (R <= MR) times one packed panel: out[r, 0:NR] = bias + x[r, :] . panel.
 // Prefetch plan of one pass: at k step k, `lines` cache lines from base + k * step bytes.
@@ -103,9 +119,10 @@ struct Prefetch {
     int lines;
 };
 
+// `nt`: the output goes out with non-temporal stores (ps_gemm decides; out then 64-byte aligned).
 template <int R>
 inline void micro_kernel(const float* x, int64_t ldx, const float* panel, int64_t K, const float* bias,
-                         float* out, int64_t ldo, Prefetch pf) {
+                         float* out, int64_t ldo, Prefetch pf, bool nt) {
     vreg acc[R][NV];
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r)
@@ -113,7 +130,7 @@ inline void micro_kernel(const float* x, int64_t ldx, const float* panel, int64_
         for (int j = 0; j < NV; ++j) acc[r][j] = bias ? vload(bias + j * VW) : vzero();
     for (int64_t k = 0; k < K; ++k) {
         const float* b = panel + k * NR;
-        for (int line = 0; line < pf.lines; ++line) __builtin_prefetch(pf.base + k * pf.step + line * 64, 0, 3);
+        for (int line = 0; line < pf.lines; ++line) __builtin_prefetch(pf.base + k * pf.step + line * 64, 0, kPrefetchLocality);
         vreg w[NV];
 #pragma GCC unroll 4
         for (int j = 0; j < NV; ++j) w[j] = vload(b + j * VW);
@@ -123,6 +140,13 @@ inline void micro_kernel(const float* x, int64_t ldx, const float* panel, int64_
 #pragma GCC unroll 4
             for (int j = 0; j < NV; ++j) acc[r][j] = vfma(a, w[j], acc[r][j]);
         }
+    }
+    if (nt) {
+#pragma GCC unroll 8
+        for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+            for (int j = 0; j < NV; ++j) vstore_nt(out + r * ldo + j * VW, acc[r][j]);
+        return;
     }
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r)
@@ -134,7 +158,7 @@ inline void micro_kernel(const float* x, int64_t ldx, const float* panel, int64_
 // accumulator; four interleaved partial sums (k mod 4) keep four chains in flight.
 template <>
 inline void micro_kernel<1>(const float* x, int64_t, const float* panel, int64_t K, const float* bias,
-                            float* out, int64_t, Prefetch pf) {
+                            float* out, int64_t, Prefetch pf, bool nt) {
     constexpr int S = 4;
     vreg acc[S][NV];
 #pragma GCC unroll 4
@@ -162,11 +186,14 @@ inline void micro_kernel<1>(const float* x, int64_t, const float* panel, int64_t
         vreg sum = vfma(vbroadcast(1.0f), acc[1][j], acc[0][j]);
         sum = vfma(vbroadcast(1.0f), acc[2][j], sum);
         sum = vfma(vbroadcast(1.0f), acc[3][j], sum);
-        vstore(out + j * VW, sum);
+        if (nt)
+            vstore_nt(out + j * VW, sum);
+        else
+            vstore(out + j * VW, sum);
     }
 }
 
-using MicroKernel = void (*)(const float*, int64_t, const float*, int64_t, const float*, float*, int64_t, Prefetch);
+using MicroKernel = void (*)(const float*, int64_t, const float*, int64_t, const float*, float*, int64_t, Prefetch, bool);
 
 template <int... Rs>
 constexpr auto make_table(std::integer_sequence<int, Rs...>) {
@@ -395,7 +422,14 @@ void ps_gemm(const float* x, int64_t ldx, int64_t M, int64_t K, const float* pac
     // is a weight stream (kParallelWeight), so the weight's size decides there, not the FLOPs.
     const bool parallel = num_threads > 1 && panels > 1 && (M * N * K >= (int64_t(1) << 18) || N * K >= kParallelWeight);
     const bool stream = M <= kStreamRows;
+    // An output too large to stay in L2 (the LM head's logits: 4 MB at 32 rows of a 32000-word
+    // vocabulary) is written with non-temporal stores: an ordinary store first reads each
+    // output line in and later writes it back, through the caches the panels are streaming
+    // through. Needs every tile's first column 64-byte aligned: out and its row stride.
+    const bool nt = M * N * int64_t(sizeof(float)) >= kStreamOutBytes && reinterpret_cast<uintptr_t>(out) % 64 == 0 &&
+                    (ldo * int64_t(sizeof(float))) % 64 == 0 && (NR * sizeof(float)) % 64 == 0;
 #pragma omp parallel num_threads(num_threads) if (parallel)
+    {
     for (int64_t m0 = 0; m0 < M; m0 += mc_rows) {
         const int64_t m1 = std::min(M, m0 + mc_rows);
         // Static split: each thread one contiguous run of panels, the same run for every row
@@ -417,9 +451,13 @@ void ps_gemm(const float* x, int64_t ldx, int64_t M, int64_t K, const float* pac
                     : pass == 0 ? Prefetch{reinterpret_cast<const char*>(panel + kPrefetchRows * NR), NR * 4, NR * 4 / 64}
                     : pass <= 2 ? Prefetch{next + (pass - 1) * K * 64, 64, 1}
                                 : Prefetch{nullptr, 0, 0};
-                kKernels[rows - 1](x + m * ldx, ldx, panel, K, panel_bias, out + m * ldo + p * NR, ldo, pf);
+                kKernels[rows - 1](x + m * ldx, ldx, panel, K, panel_bias, out + m * ldo + p * NR, ldo, pf, nt);
             }
         }
+    }
+#if defined(__AVX512F__) || defined(__AVX2__)
+    if (nt) _mm_sfence();  // this thread's streamed output visible before the region ends
+#endif
     }
 }
 
