@@ -33,7 +33,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disa
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from pagedserve import metric_names as mn
-from pagedserve.metrics_exposition import Exposition, supports
+from pagedserve.metrics_exposition import Exposition, created_series_on, supports
 
 # As vLLM: no `_created` series next to every counter and histogram.
 disable_created_metrics()
@@ -473,6 +473,6 @@ class EngineMetrics:
             collectors = registry.collectors
             self._exposition = Exposition(collectors) if all(map(supports, collectors)) else None
             self._exposition_generation = registry.generation
-        if self._exposition is None:
+        if self._exposition is None or created_series_on():
             return generate_latest(registry)
         return self._exposition.render()

@@ -28,6 +28,7 @@ from itertools import accumulate
 from operator import attrgetter
 
 from prometheus_client import Counter, Gauge, Histogram
+from prometheus_client import metrics as prom_metrics
 from prometheus_client import values as prom_values
 from prometheus_client.utils import floatToGoString
 
@@ -52,6 +53,13 @@ def _label_text(pairs) -> str:
     if not pairs:
         return ""
     return "{" + ",".join(f'{k}="{_escape_label_value(v)}"' for k, v in sorted(pairs)) + "}"
+
+
+def created_series_on() -> bool:
+    """Whether prometheus_client writes a `_created` series beside each counter and histogram
+    (metrics.py turns them off, as vLLM does; something calling enable_created_metrics() turns
+    them back on for the whole process): the fast path writes none, so then it must not be used."""
+    return bool(getattr(prom_metrics, "_use_created", True))
 
 
 def supports(collector) -> bool:

@@ -587,3 +587,19 @@ def test_render_falls_back_to_generate_latest_for_a_foreign_collector():
     text = m.render().decode()
     assert exposition_samples(text) == exposition_samples(generate_latest(m.registry).decode())
     assert "pagedserve:extra_seconds_sum 0.5" in text
+
+
+def test_render_writes_created_series_when_something_turns_them_on():
+    """enable_created_metrics() (process-wide, by any library) brings back a `_created` series per counter
+    and histogram; render() then writes them as generate_latest does."""
+    from prometheus_client import disable_created_metrics, enable_created_metrics, generate_latest
+
+    m = EngineMetrics("m", 64, log_interval=0)
+    m.render()
+    enable_created_metrics()
+    try:
+        text = m.render().decode()
+        assert exposition_samples(text) == exposition_samples(generate_latest(m.registry).decode())
+        assert "pagedserve:prompt_tokens_created" in text
+    finally:
+        disable_created_metrics()
