@@ -9,7 +9,8 @@ server idle, the two renders alternate `--repeats` times on that registry (threa
 each call: nothing else runs on this thread), and the script prints each one's median and
 minimum, whether their texts are byte-identical, and their share of the API event loop at the
 bench's scrape interval (render CPU / 0.5 s), beside the loop thread's own CPU per second of
-wall time while it served the traffic.
+wall time while it served the traffic. Last, the loop thread's CPU per whole `GET /metrics`
+(HTTP, route and render), in blocks of 20 scrapes alternating the two renders.
 
     OMP_NUM_THREADS=1 python benchmarks/metrics_render.py [--metric-names both] [--repeats 300]
 
