@@ -18,7 +18,9 @@ About 600 bucket series per server and model (vLLM: about 200). vLLM's bounds st
 
 Every metric lives in the `EngineMetrics`' own CollectorRegistry, so several engines (tests,
 benchmarks) can live in one process. prometheus_client is thread-safe: the engine thread
-records while the HTTP thread renders.
+records while the HTTP thread renders. `render()` writes the text from the collectors' values
+with each series' line prefix built once (metrics_exposition.py): `generate_latest` took ~5 ms of
+CPU per scrape on the API event loop, which held every stream's next token (issue 31).
 """
 from __future__ import annotations
 
@@ -31,6 +33,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disa
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from pagedserve import metric_names as mn
+from pagedserve.metrics_exposition import Exposition, created_series_on, supports
 
 # As vLLM: no `_created` series next to every counter and histogram.
 disable_created_metrics()
@@ -170,6 +173,26 @@ class _Fanout:
             c.set_function(f)
 
 
+class _Registry(CollectorRegistry):
+    """A CollectorRegistry that keeps its collectors in registration order (the order `collect()`
+    yields them), so render() can write the same families without asking for samples."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.collectors: list = []
+        self.generation = 0  # bumped by every register / unregister
+
+    def register(self, collector) -> None:
+        super().register(collector)
+        self.collectors.append(collector)
+        self.generation += 1
+
+    def unregister(self, collector) -> None:
+        super().unregister(collector)
+        self.collectors.remove(collector)
+        self.generation += 1
+
+
 class EngineMetrics:
     """All server metrics. The engine thread calls the record_* methods; /metrics calls render().
 
@@ -183,7 +206,7 @@ class EngineMetrics:
                  buckets: BucketLayout = PAGEDSERVE_BUCKETS, names: str = "pagedserve") -> None:
         if names not in METRIC_NAMINGS:
             raise ValueError(f"metric_names: must be one of {METRIC_NAMINGS}, got {names!r}")
-        self.registry = CollectorRegistry()
+        self.registry = _Registry()
         self.model_name = model_name
         self.buckets = buckets
         self.names = names
@@ -280,6 +303,8 @@ class EngineMetrics:
         self._log_queries = 0
         self._log_hits = 0
         self._state = dict(running=0, waiting=0, swapped=0, kv_usage=0.0)
+        self._exposition: Exposition | None = None
+        self._exposition_generation = -1
 
     def _collector(self, spec: mn.MetricSpec, bounds, name: str | None = None):
         name, labels = name or PREFIX + spec.name, ["model_name", *spec.labels]
@@ -440,4 +465,14 @@ class EngineMetrics:
         self.grammar_cache_bytes.set_function(lambda: compiler.cache_num_bytes)
 
     def render(self) -> bytes:
-        return generate_latest(self.registry)
+        """The /metrics text: the same samples as `generate_latest(self.registry)`, for a fraction
+        of its CPU (metrics_exposition.py), or generate_latest itself if the registry holds a
+        collector the fast path does not know."""
+        registry = self.registry
+        if self._exposition_generation != registry.generation:
+            collectors = registry.collectors
+            self._exposition = Exposition(collectors) if all(map(supports, collectors)) else None
+            self._exposition_generation = registry.generation
+        if self._exposition is None or created_series_on():
+            return generate_latest(registry)
+        return self._exposition.render()

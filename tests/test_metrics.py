@@ -492,3 +492,114 @@ def test_serve_metric_names_flag_reaches_the_scrape(tiny_llama):
     assert m["vllm:kv_cache_usage_perc{}"] == 0
     assert m["pagedserve:kv_cache_total_tokens{}"] == 8 * 16
     assert not any(k.startswith("pagedserve:num_requests_waiting") for k in m)
+
+
+def exposition_samples(text: str) -> list:
+    """Every family of a /metrics text as prometheus_client's parser reads it: name, type, help,
+    and each sample's name, labels and value (repr: exact, and NaN equals NaN)."""
+    return [(f.name, f.type, f.documentation,
+             [(s.name, tuple(sorted(s.labels.items())), repr(s.value)) for s in f.samples])
+            for f in text_string_to_metric_families(text)]
+
+
+def traffic_through_every_family(m: EngineMetrics, rng, round_: int) -> None:
+    """One round of what the engine and the API loop record, touching every family: steps with
+    preemptions, swaps, prefix and tier lookups; requests of each finish reason; the pool, the
+    -dp engines (a new rank from round 1 on), KV events, a stall, a grammar error; and values
+    generate_latest prints in other forms (counts and bytes >= 1e6, inf, NaN)."""
+    from pagedserve.core.outputs import RequestMetrics, SchedulerStats
+
+    m.set_cache_config("bfloat16" if round_ else "float32", 16, 64 + round_, 4096, "cpu")  # relabels the info
+    for i in range(30):
+        n = rng.randint(1, 256)
+        stats = SchedulerStats(num_batched_tokens=n, num_preempted={"recompute": i % 2, "swap": i % 3 == 0},
+                               num_recomputed_tokens=i, num_blocks_swapped_out=i % 4, num_blocks_swapped_in=i % 5,
+                               prefix_cache_queries=400, prefix_cache_hits=rng.randint(0, 400),
+                               prefix_cache_evicted_hits=i % 3, tier_queries=32, tier_hits=i % 7,
+                               num_blocks_offloaded=i % 6, num_blocks_loaded=i % 5, tier_used_blocks=i,
+                               tier_total_blocks=64)
+        m.record_step(stats, duration=rng.expovariate(100), forward_time=0.004, num_batched_tokens=n)
+        m.record_first_token(rng.randint(1, 1000), 100.0, 100.0 + rng.expovariate(5))
+        m.record_new_tokens(1, None)
+        m.record_new_tokens(rng.randint(1, 3), rng.expovariate(50))
+        reason = ("stop", "length", "abort", "error")[i % 4]
+        metrics = None if reason == "abort" else RequestMetrics(
+            arrival_time=100.0, first_scheduled_time=100.0 + rng.expovariate(20), first_token_time=100.3,
+            last_token_time=101.0, finished_time=100.5 + rng.expovariate(1), num_preemptions=rng.randint(0, 12),
+            num_cached_tokens=0)
+        m.record_finished(reason, rng.randint(1, 1000), rng.randint(1, 1000), metrics)
+    m.set_state(running=3 + round_, waiting=2, swapped=1, used_blocks=40, total_blocks=64, block_size=16)
+    for rank in range(1 + min(round_, 1)):
+        m.set_engine_state(rank, running=2, waiting=round_, kv_usage=0.25 * (rank + 1))
+    m.set_kv_events(published=100 * (round_ + 1), dropped=round_)
+    m.set_stalled(round_ % 2 == 0)
+    m.record_structured_output_error()
+    m.tick(now=time.monotonic() + 2.0)  # closes the busy-ratio window
+    m.prompt_tokens.inc(2.5e6)
+    m.kv_cache_bytes_per_token.set(float("nan") if round_ == 1 else float("inf") if round_ == 2 else 4096)
+    if round_ == 2:
+        m.engine_step.observe(float("inf"))  # +Inf in a _sum
+        itl = m.inter_token_latency
+        for child in getattr(itl, "children", [itl]):  # each prefix's series (--metric-names both: two)
+            child._buckets[3].inc(2e6)  # a count >= 1e6 (Go's exponent form) without 2e6 observe()s
+
+
+@pytest.mark.parametrize("names", ["pagedserve", "vllm", "both"])
+def test_render_has_the_samples_of_generate_latest(names):
+    """EngineMetrics.render (metrics_exposition.py, cheap on the API loop) against prometheus_client's
+    generate_latest on the same registry, before any traffic and after each of three rounds of
+    traffic through every family (the last with counts >= 1e6, inf and NaN values), under each
+    --metric-names and a model name that needs escaping: the parsed families, their types, help
+    texts, and every sample's name, labels and value are the same, in the same order; so are the bytes."""
+    import random
+
+    from prometheus_client import generate_latest
+
+    class Compiler:
+        cache_num_entries, cache_num_bytes = 3, 1.5e6
+
+    m = EngineMetrics('tiny "llama"\\v2\n', 1024, log_interval=0, max_num_batched_tokens=256, names=names)
+    compiler = Compiler()
+    m.watch_grammar_cache(compiler)
+    assert exposition_samples(m.render().decode()) == exposition_samples(generate_latest(m.registry).decode())
+    rng = random.Random(31)
+    for round_ in range(3):
+        traffic_through_every_family(m, rng, round_)
+        compiler.cache_num_entries += 1
+        text, expected = m.render(), generate_latest(m.registry)
+        reference = exposition_samples(expected.decode())
+        assert exposition_samples(text.decode()) == reference, round_
+        assert text == expected, round_  # and byte for byte (values >= 1e6 in Go's exponent form too)
+    # Every family held a nonzero value: the comparison covered each one's series.
+    empty = [name for name, _, _, samples in reference if not any(float(v) for *_, v in samples)]
+    assert not empty
+    assert len(reference) == sum(1 + (names == "both" and s.vllm is not None) for s in metric_names.METRICS)
+
+
+def test_render_falls_back_to_generate_latest_for_a_foreign_collector():
+    """A collector the fast path does not know (here a Summary) registered in the metrics' registry:
+    render() still gives every sample generate_latest gives, the Summary's among them."""
+    from prometheus_client import Summary, generate_latest
+
+    m = EngineMetrics("m", 64, log_interval=0)
+    m.render()
+    Summary("pagedserve:extra_seconds", "An extra summary.", registry=m.registry).observe(0.5)
+    text = m.render().decode()
+    assert exposition_samples(text) == exposition_samples(generate_latest(m.registry).decode())
+    assert "pagedserve:extra_seconds_sum 0.5" in text
+
+
+def test_render_writes_created_series_when_something_turns_them_on():
+    """enable_created_metrics() (process-wide, by any library) brings back a `_created` series per counter
+    and histogram; render() then writes them as generate_latest does."""
+    from prometheus_client import disable_created_metrics, enable_created_metrics, generate_latest
+
+    m = EngineMetrics("m", 64, log_interval=0)
+    m.render()
+    enable_created_metrics()
+    try:
+        text = m.render().decode()
+        assert exposition_samples(text) == exposition_samples(generate_latest(m.registry).decode())
+        assert "pagedserve:prompt_tokens_created" in text
+    finally:
+        disable_created_metrics()
