@@ -38,7 +38,7 @@ class SimExecutor:
         self._next = 0
         # The calibration's scatter of step times around the model (CostParams.step_residuals_s), drawn
         # from a generator of its own so the token ids stay those of a run without it.
-        self._residuals = list(getattr(cost_model.params, "step_residuals_s", None) or ())
+        self._residuals = list(getattr(getattr(cost_model, "params", None), "step_residuals_s", None) or ())
         self._residual_rng = random.Random(seed + 0x5EED)
         # The largest shapes the run asked the cost model about (compared with what it was
         # calibrated on: cost_model.run_beyond_coverage).
