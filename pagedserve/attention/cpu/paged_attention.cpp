@@ -226,6 +226,18 @@ inline v16 load16(const float* p) {
     return x;
 }
 inline void store16(float* p, v16 x) { std::memcpy(p, &x, sizeof x); }
+// 16 elements at p as fp32 lanes: bf16 widened exactly (its bits are a float's top half).
+typedef uint16_t v16h __attribute__((vector_size(32)));
+typedef uint32_t v16u __attribute__((vector_size(64)));
+inline v16 loadv(const float* p) { return load16(p); }
+inline v16 loadv(const bf16* p) {
+    v16h h;
+    std::memcpy(&h, p, sizeof h);
+    const v16u u = __builtin_convertvector(h, v16u) << 16;
+    v16 x;
+    std::memcpy(&x, &u, sizeof x);
+    return x;
+}
 #if defined(__clang__) || __GNUC__ >= 12
 #define PS_SHUFFLE(a, b, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
 #else  // GCC before 12 (Ubuntu 22.04's 11) has only the mask-vector form
@@ -306,9 +318,12 @@ struct Ahead {
 // The scores, softmax update and P.V of one tile of n <= 16 keys (starting at key position
 // `tile`) for the R = nrows * G query vectors of one kv head. kt / vt: the tile's K and V rows
 // as fp32, ks / vs floats apart. NCT = head_dim / 16 when fixed at compile time, 0 = any.
-template <int NCT>
+// ET: the element type kt / vt point at: float (fp32 rows in place, or any cache's rows
+// converted into scratch), or bf16 rows read in place (head_dim a multiple of 16), widened as
+// they are loaded (loadv) instead of through a pass over scratch.
+template <int NCT, typename KE, typename VE>
 void attend_tile(int64_t R, int64_t G, int64_t nc, int64_t dp, const int64_t* row_lo, const int64_t* row_hi,
-                 int64_t tile, int64_t n, const float* kt, int64_t ks, const float* vt, int64_t vs, const float* qf,
+                 int64_t tile, int64_t n, const KE* kt, int64_t ks, const VE* vt, int64_t vs, const float* qf,
                  float* acc, float* m, float* l, float* sc, float* part, Ahead& ahead) {
     for (int64_t t = n; t < kLanes; ++t) store16(part + kSlot[t] * kLanes, v16{});
 
@@ -324,9 +339,9 @@ void attend_tile(int64_t R, int64_t G, int64_t nc, int64_t dp, const int64_t* ro
 #pragma GCC unroll 16
                 for (int t = 0; t < kLanes; ++t) {
                     ahead.step();
-                    const float* kr = kt + t * ks;
-                    v16 p = qv[0] * load16(kr);
-                    for (int c = 1; c < NCT; ++c) p += qv[c] * load16(kr + c * kLanes);
+                    const KE* kr = kt + t * ks;
+                    v16 p = qv[0] * loadv(kr);
+                    for (int c = 1; c < NCT; ++c) p += qv[c] * loadv(kr + c * kLanes);
                     parts[kSlot[t]] = p;
                 }
                 store16(sc + r * kLanes, sum_lanes_16(parts));
@@ -336,17 +351,17 @@ void attend_tile(int64_t R, int64_t G, int64_t nc, int64_t dp, const int64_t* ro
             for (int c = 0; c < NCT; ++c) qv[c] = load16(qr + c * kLanes);
             for (int64_t t = 0; t < n; ++t) {
                 ahead.step();
-                const float* kr = kt + t * ks;
-                v16 p = qv[0] * load16(kr);
-                for (int c = 1; c < NCT; ++c) p += qv[c] * load16(kr + c * kLanes);
+                const KE* kr = kt + t * ks;
+                v16 p = qv[0] * loadv(kr);
+                for (int c = 1; c < NCT; ++c) p += qv[c] * loadv(kr + c * kLanes);
                 store16(part + kSlot[t] * kLanes, p);
             }
         } else {
             for (int64_t t = 0; t < n; ++t) {
                 ahead.step();
-                const float* kr = kt + t * ks;
-                v16 p = load16(qr) * load16(kr);
-                for (int64_t c = 1; c < nc; ++c) p += load16(qr + c * kLanes) * load16(kr + c * kLanes);
+                const KE* kr = kt + t * ks;
+                v16 p = load16(qr) * loadv(kr);
+                for (int64_t c = 1; c < nc; ++c) p += load16(qr + c * kLanes) * loadv(kr + c * kLanes);
                 store16(part + kSlot[t] * kLanes, p);
             }
         }
@@ -402,9 +417,9 @@ void attend_tile(int64_t R, int64_t G, int64_t nc, int64_t dp, const int64_t* ro
             for (int i = 0; i < kRows; ++i)
                 for (int c = 0; c < NCT; ++c) av[i][c] = load16(ar + i * dp + c * kLanes);
             for (int64_t t = 0; t < n; ++t) {
-                const float* vr = vt + t * vs;
+                const VE* vr = vt + t * vs;
                 v16 vv[NCT];
-                for (int c = 0; c < NCT; ++c) vv[c] = load16(vr + c * kLanes);
+                for (int c = 0; c < NCT; ++c) vv[c] = loadv(vr + c * kLanes);
                 for (int i = 0; i < kRows; ++i) {
                     const float w = pr[i * kLanes + t];
                     for (int c = 0; c < NCT; ++c) av[i][c] += w * vv[c];
@@ -421,15 +436,15 @@ void attend_tile(int64_t R, int64_t G, int64_t nc, int64_t dp, const int64_t* ro
             v16 av[NCT];
             for (int c = 0; c < NCT; ++c) av[c] = load16(ar + c * kLanes);
             for (int64_t t = 0; t < n; ++t) {
-                const float* vr = vt + t * vs;
-                for (int c = 0; c < NCT; ++c) av[c] += pr[t] * load16(vr + c * kLanes);
+                const VE* vr = vt + t * vs;
+                for (int c = 0; c < NCT; ++c) av[c] += pr[t] * loadv(vr + c * kLanes);
             }
             for (int c = 0; c < NCT; ++c) store16(ar + c * kLanes, av[c]);
         } else {
             for (int64_t t = 0; t < n; ++t) {
-                const float* vr = vt + t * vs;
+                const VE* vr = vt + t * vs;
                 for (int64_t c = 0; c < nc; ++c)
-                    store16(ar + c * kLanes, load16(ar + c * kLanes) + pr[t] * load16(vr + c * kLanes));
+                    store16(ar + c * kLanes, load16(ar + c * kLanes) + pr[t] * loadv(vr + c * kLanes));
             }
         }
     }
@@ -557,10 +572,25 @@ void attend_item(const PsAttentionPlan& plan, const Shape& sh, const Item& it, c
                                        sh.k_scale};
                 const RowScales vscale{sh.v_scales ? sh.v_scales + scale_at : nullptr, sh.scale_token_stride,
                                        sh.v_scale};
-                const float* kt = tile_rows(k_cache + first, sh.token_stride, n, dh, dp, kf, ks, kscale);
-                const float* vt = tile_rows(v_cache + first, sh.token_stride, n, dh, dp, vf, vs, vscale);
-                attend_tile<NCT>(R, G, nc, dp, row_lo, row_hi, tile, n, kt, ks, vt, vs, qf_of(g), acc_of(g), m_of(g),
-                                 l_of(g), sc, part, ahead);
+                bool done = false;
+                if constexpr (std::is_same_v<KT, bf16> && NCT > 0) {
+                    // Few query vectors (a decode): K converted once into scratch (the score loop
+                    // reads it once per vector), V read in place, widened as loaded (P.V reads it
+                    // once per four vectors). Measured 7% faster at 32 x 256 than both via scratch,
+                    // and V in place too (K then widened once per vector) 10-20% slower.
+                    if (R <= 8) {
+                        const float* kt = tile_rows(k_cache + first, sh.token_stride, n, dh, dp, kf, ks, kscale);
+                        attend_tile<NCT>(R, G, nc, dp, row_lo, row_hi, tile, n, kt, ks, v_cache + first,
+                                         sh.token_stride, qf_of(g), acc_of(g), m_of(g), l_of(g), sc, part, ahead);
+                        done = true;
+                    }
+                }
+                if (!done) {
+                    const float* kt = tile_rows(k_cache + first, sh.token_stride, n, dh, dp, kf, ks, kscale);
+                    const float* vt = tile_rows(v_cache + first, sh.token_stride, n, dh, dp, vf, vs, vscale);
+                    attend_tile<NCT>(R, G, nc, dp, row_lo, row_hi, tile, n, kt, ks, vt, vs, qf_of(g), acc_of(g),
+                                     m_of(g), l_of(g), sc, part, ahead);
+                }
             }
             ahead.drain();
         }
