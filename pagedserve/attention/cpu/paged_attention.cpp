@@ -370,17 +370,26 @@ void attend_tile(int64_t R, int64_t G, int64_t nc, int64_t dp, const int64_t* ro
         store16(sc + r * kLanes, sum_lanes_16(parts));
     }
 
-    // Mask, then the online softmax update of each row.
+    // Mask, then the online softmax update of each row. The accumulator's rescale by
+    // alpha = exp(m_old - m_new) is left to P.V, which loads the accumulator anyway (alpha is
+    // exactly 1 when the max did not move: fast_exp(0) == 1).
+    float* alpha = sc + R * kLanes;  // [R], after the scores in scratch
     for (int64_t r = 0; r < R; ++r) {
         const int64_t j = r / G;
         const int64_t lo = row_lo[j] - tile, hi = std::min<int64_t>(row_hi[j] - tile, n);
         float* sr = sc + r * kLanes;
         float tile_max = kNegInf;
+        if (lo <= 0 && hi >= kLanes) {  // every key of the tile visible (all but a decode's last tile)
 #pragma omp simd reduction(max : tile_max)
-        for (int64_t t = 0; t < kLanes; ++t) {
-            sr[t] = (t >= lo && t < hi) ? sr[t] : kNegInf;
-            tile_max = std::max(tile_max, sr[t]);
+            for (int64_t t = 0; t < kLanes; ++t) tile_max = std::max(tile_max, sr[t]);
+        } else {
+#pragma omp simd reduction(max : tile_max)
+            for (int64_t t = 0; t < kLanes; ++t) {
+                sr[t] = (t >= lo && t < hi) ? sr[t] : kNegInf;
+                tile_max = std::max(tile_max, sr[t]);
+            }
         }
+        alpha[r] = 1.0f;
         if (tile_max == kNegInf) {
             std::fill(sr, sr + kLanes, 0.0f);
             continue;
@@ -393,20 +402,17 @@ void attend_tile(int64_t R, int64_t G, int64_t nc, int64_t dp, const int64_t* ro
             sr[t] = p;
             sum += p;
         }
-        if (m_new != m[r]) {
-            const float alpha = fast_exp(m[r] - m_new);
+        alpha[r] = fast_exp(m[r] - m_new);
+        l[r] *= alpha[r];
+        l[r] += sum;
+        m[r] = m_new;
+        if constexpr (NCT == 0) {
             float* ar = acc + r * dp;
 #pragma omp simd
-            for (int64_t d = 0; d < dp; ++d) ar[d] *= alpha;
-            l[r] *= alpha;
-            m[r] = m_new;
+            for (int64_t d = 0; d < dp; ++d) ar[d] *= alpha[r];
         }
-        l[r] += sum;
     }
 
-    // acc += P V. Rows in fours (twos for head_dim 128): their accumulators (16 registers) stay
-    // in registers across the tile's keys and each V row is loaded once for all of them, not
-    // once per row; the rest row by row.
     int64_t r_first = 0;
     if constexpr (NCT > 0) {
         constexpr int kRows = NCT <= 4 ? 4 : 2;
@@ -415,7 +421,7 @@ void attend_tile(int64_t R, int64_t G, int64_t nc, int64_t dp, const int64_t* ro
             float* ar = acc + r_first * dp;
             v16 av[kRows][NCT];
             for (int i = 0; i < kRows; ++i)
-                for (int c = 0; c < NCT; ++c) av[i][c] = load16(ar + i * dp + c * kLanes);
+                for (int c = 0; c < NCT; ++c) av[i][c] = load16(ar + i * dp + c * kLanes) * alpha[r_first + i];
             for (int64_t t = 0; t < n; ++t) {
                 const VE* vr = vt + t * vs;
                 v16 vv[NCT];
@@ -434,7 +440,7 @@ void attend_tile(int64_t R, int64_t G, int64_t nc, int64_t dp, const int64_t* ro
         float* ar = acc + r * dp;
         if constexpr (NCT > 0) {
             v16 av[NCT];
-            for (int c = 0; c < NCT; ++c) av[c] = load16(ar + c * kLanes);
+            for (int c = 0; c < NCT; ++c) av[c] = load16(ar + c * kLanes) * alpha[r];
             for (int64_t t = 0; t < n; ++t) {
                 const VE* vr = vt + t * vs;
                 for (int c = 0; c < NCT; ++c) av[c] += pr[t] * loadv(vr + c * kLanes);
@@ -495,9 +501,10 @@ void attend_item(const PsAttentionPlan& plan, const Shape& sh, const Item& it, c
     const int64_t NG = it.num_kv;
     const int64_t R = static_cast<int64_t>(it.nrows) * G;  // query vectors per kv head
     const int64_t per_head = R * (2 * dp + 2);               // qf, acc, m, l of one kv head
-    float* state = tls_floats.get(static_cast<size_t>(NG * per_head + R * kLanes + kLanes * kLanes + 2 * kLanes * dp));
-    float* sc = state + NG * per_head;   // [R, 16] scores, then probabilities, of the current tile
-    float* part = sc + R * kLanes;       // [16, 16] per-key partial dot products of one row
+    float* state =
+        tls_floats.get(static_cast<size_t>(NG * per_head + R * (kLanes + 1) + kLanes * kLanes + 2 * kLanes * dp));
+    float* sc = state + NG * per_head;   // [R, 16] scores, then probabilities, of the current tile; [R] alpha
+    float* part = sc + R * (kLanes + 1); // [16, 16] per-key partial dot products of one row
     float* kf = part + kLanes * kLanes;  // [16, dp] converted K rows of the tile
     float* vf = kf + kLanes * dp;        // [16, dp] converted V rows
     int64_t* row_lo = tls_ints.get(static_cast<size_t>(it.nrows) * 2);  // first key each row sees
