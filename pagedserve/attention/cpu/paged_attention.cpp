@@ -226,6 +226,13 @@ inline v16 load16(const float* p) {
     return x;
 }
 inline void store16(float* p, v16 x) { std::memcpy(p, &x, sizeof x); }
+// x as computed, rounded: the compiler may not fuse the product that made it into a later add
+// (an FMA would round once where the unfolded code rounded twice, and move outputs' last bits).
+template <typename T>
+inline T keep_rounded(T x) {
+    asm("" : "+v"(x));
+    return x;
+}
 // 16 elements at p as fp32 lanes: bf16 widened exactly (its bits are a float's top half).
 typedef uint16_t v16h __attribute__((vector_size(32)));
 typedef uint32_t v16u __attribute__((vector_size(64)));
@@ -403,8 +410,7 @@ void attend_tile(int64_t R, int64_t G, int64_t nc, int64_t dp, const int64_t* ro
             sum += p;
         }
         alpha[r] = fast_exp(m[r] - m_new);
-        l[r] *= alpha[r];
-        l[r] += sum;
+        l[r] = keep_rounded(l[r] * alpha[r]) + sum;
         m[r] = m_new;
         if constexpr (NCT == 0) {
             float* ar = acc + r * dp;
@@ -421,7 +427,7 @@ void attend_tile(int64_t R, int64_t G, int64_t nc, int64_t dp, const int64_t* ro
             float* ar = acc + r_first * dp;
             v16 av[kRows][NCT];
             for (int i = 0; i < kRows; ++i)
-                for (int c = 0; c < NCT; ++c) av[i][c] = load16(ar + i * dp + c * kLanes) * alpha[r_first + i];
+                for (int c = 0; c < NCT; ++c) av[i][c] = keep_rounded(load16(ar + i * dp + c * kLanes) * alpha[r_first + i]);
             for (int64_t t = 0; t < n; ++t) {
                 const VE* vr = vt + t * vs;
                 v16 vv[NCT];
@@ -440,7 +446,7 @@ void attend_tile(int64_t R, int64_t G, int64_t nc, int64_t dp, const int64_t* ro
         float* ar = acc + r * dp;
         if constexpr (NCT > 0) {
             v16 av[NCT];
-            for (int c = 0; c < NCT; ++c) av[c] = load16(ar + c * kLanes) * alpha[r];
+            for (int c = 0; c < NCT; ++c) av[c] = keep_rounded(load16(ar + c * kLanes) * alpha[r]);
             for (int64_t t = 0; t < n; ++t) {
                 const VE* vr = vt + t * vs;
                 for (int c = 0; c < NCT; ++c) av[c] += pr[t] * loadv(vr + c * kLanes);
