@@ -228,9 +228,14 @@ inline v16 load16(const float* p) {
 inline void store16(float* p, v16 x) { std::memcpy(p, &x, sizeof x); }
 // x as computed, rounded: the compiler may not fuse the product that made it into a later add
 // (an FMA would round once where the unfolded code rounded twice, and move outputs' last bits).
+// In a register where one holds a v16 (AVX-512), else through memory (portable to any target).
 template <typename T>
 inline T keep_rounded(T x) {
+#if defined(__x86_64__) && defined(__AVX512F__)
     asm("" : "+v"(x));
+#else
+    asm("" : "+m"(x));
+#endif
     return x;
 }
 // 16 elements at p as fp32 lanes: bf16 widened exactly (its bits are a float's top half).
@@ -325,7 +330,7 @@ struct Ahead {
 // The scores, softmax update and P.V of one tile of n <= 16 keys (starting at key position
 // `tile`) for the R = nrows * G query vectors of one kv head. kt / vt: the tile's K and V rows
 // as fp32, ks / vs floats apart. NCT = head_dim / 16 when fixed at compile time, 0 = any.
-// ET: the element type kt / vt point at: float (fp32 rows in place, or any cache's rows
+// KE / VE: the element types kt / vt point at: float (fp32 rows in place, or any cache's rows
 // converted into scratch), or bf16 rows read in place (head_dim a multiple of 16), widened as
 // they are loaded (loadv) instead of through a pass over scratch.
 template <int NCT, typename KE, typename VE>
