@@ -222,6 +222,23 @@ def test_long_contexts_split_across_threads(threads):
         torch.set_num_threads(before)
 
 
+@pytest.mark.parametrize("threads, kv_heads, window, dtype", [(2, 4, None, torch.float32), (3, 2, 70, torch.bfloat16)])
+def test_many_sequences_on_threads_take_all_kv_heads_per_item(threads, kv_heads, window, dtype):
+    """Enough sequences for the threads: each item covers all kv heads of its rows and each thread
+    claims its next item before finishing the current one (to prefetch its first blocks); uneven
+    contexts, prefill chunks and a window, so items differ in length and kv-head blocks in reach."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        rng = np.random.default_rng(8)
+        step = make_step(rng, 400, 16, decode_ctx=[int(c) for c in rng.integers(1, 300, size=13)],
+                         prefill_spans=[(0, 20), (100, 5)])
+        check_step(step, heads=8, kv_heads=kv_heads, head_dim=64, block_size=16, num_blocks=400, window=window,
+                   dtype=dtype)
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_large_scores_stay_finite():
     """Scores far apart (peaked softmax, large magnitudes): the online max must keep exp in range."""
     rng = np.random.default_rng(7)
