@@ -54,25 +54,6 @@ def split_server(tiny_llama):
         yield server
 
 
-def test_the_core_process_waits_passively_unless_the_operator_chose(split_server):
-    """The engine-core process gets OMP_WAIT_POLICY=PASSIVE (its OpenMP team must not spin on the
-    cores the API process and the clients need, issue 32); an operator's OMP_WAIT_POLICY or
-    GOMP_SPINCOUNT is kept instead; the API process's own environment is left as it was."""
-    import os
-    from pathlib import Path
-
-    from pagedserve.engine.core_client import engine_core_environment
-
-    pid = split_server.async_engine.client.process.pid
-    core_env = dict(kv.split(b"=", 1) for kv in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0") if b"=" in kv)
-    want = os.environ.get("OMP_WAIT_POLICY", "PASSIVE" if "GOMP_SPINCOUNT" not in os.environ else None)
-    assert core_env.get(b"OMP_WAIT_POLICY") == (want.encode() if want else None)
-    assert os.environ.get("OMP_WAIT_POLICY") == (None if want == "PASSIVE" else want)
-    assert engine_core_environment({}) == {"OMP_WAIT_POLICY": "PASSIVE"}
-    assert engine_core_environment({"OMP_WAIT_POLICY": "ACTIVE"}) == {}
-    assert engine_core_environment({"GOMP_SPINCOUNT": "10000"}) == {}
-
-
 def completion(server, **body) -> httpx.Response:
     return httpx.post(server.url + "/v1/completions", json={"temperature": 0, **body}, timeout=60)
 

@@ -40,40 +40,6 @@ logger = logging.getLogger("pagedserve.server")
 
 RECV_POLL_SECONDS = 0.2
 
-# The engine-core process's OpenMP team waits passively (sleeps) between parallel regions unless
-# the operator chose how it waits (OMP_WAIT_POLICY or GOMP_SPINCOUNT in the environment: theirs is
-# kept). A served core shares the cores with the API process and the clients: a team that spins
-# after every region holds a core those need for every token, and when the cores are
-# oversubscribed a spinning team waits on a descheduled peer (measured, issue 32: served 19M at 1
-# stream on the shared 2-core machine, benchmarks/README.md). The API process keeps its own.
-CORE_OMP_WAIT_POLICY = "PASSIVE"
-_OMP_WAIT_VARIABLES = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
-_spawn_env_lock = threading.Lock()
-
-
-def engine_core_environment(environ=None) -> dict[str, str]:
-    """What the engine-core process gets on top of this process's environment."""
-    environ = os.environ if environ is None else environ
-    if CORE_OMP_WAIT_POLICY is None or any(k in environ for k in _OMP_WAIT_VARIABLES):
-        return {}
-    return {"OMP_WAIT_POLICY": CORE_OMP_WAIT_POLICY}
-
-
-def start_with_environment(process, extra: dict[str, str]) -> None:
-    """Start a spawned process with `extra` in its environment (spawn passes this process's
-    environment as it is at the start), this process's own left as it was."""
-    with _spawn_env_lock:
-        saved = {k: os.environ.get(k) for k in extra}
-        os.environ.update(extra)
-        try:
-            process.start()
-        finally:
-            for k, v in saved.items():
-                if v is None:
-                    os.environ.pop(k, None)
-                else:
-                    os.environ[k] = v
-
 
 class EngineCoreDied(RuntimeError):
     """The engine core (its thread, its process, or one of its ranks) is gone."""
@@ -247,7 +213,7 @@ class ProcessCoreClient:
         self.process = spawn.Process(target=run_engine_core, name="pagedserve-engine-core",
                                      args=(settings, f"ipc://{self._paths[0]}",
                                            f"ipc://{self._paths[1]}"), daemon=False)
-        start_with_environment(self.process, engine_core_environment())
+        self.process.start()
         self._start_timeout = start_timeout
         if wait:
             self.wait_ready()
