@@ -290,15 +290,25 @@ def test_harmless_values_and_user_are_accepted(client):
 
 
 def test_continuous_usage_stats_put_usage_on_every_chunk(client):
-    body = {"messages": MESSAGES, "max_tokens": 5, "ignore_eos": True, "stream": True,
+    """Every chunk's usage counts the tokens streamed so far, its own included: a chunk can carry
+    several tokens (a stream that fell behind gets what queued up as one chunk), so each chunk's
+    tokens are counted from its logprobs."""
+    body = {"messages": MESSAGES, "max_tokens": 5, "ignore_eos": True, "stream": True, "logprobs": True,
             "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
-    usages = []
+    chunks = []
     with client.stream("POST", "/v1/chat/completions", json=body) as r:
         for line in r.iter_lines():
             if line.startswith("data: {"):
-                usages.append(json.loads(line[6:])["usage"])
-    assert all(u is not None for u in usages)
-    assert [u["completion_tokens"] for u in usages[:-1]] == [1, 2, 3, 4, 5] and usages[-1]["completion_tokens"] == 5
+                chunks.append(json.loads(line[6:]))
+    assert chunks and all(c["usage"] is not None for c in chunks)
+    streamed, counts = 0, []
+    for c in chunks[:-1]:
+        streamed += sum(len((ch.get("logprobs") or {}).get("content") or []) for ch in c["choices"])
+        counts.append(c["usage"]["completion_tokens"])
+        assert c["usage"]["completion_tokens"] == streamed, (counts, c)
+        assert c["usage"]["total_tokens"] == c["usage"]["prompt_tokens"] + streamed
+    assert streamed == 5 and chunks[-1]["usage"]["completion_tokens"] == 5 and not chunks[-1]["choices"]
+    assert counts == sorted(counts) and counts[0] >= 1
 
 
 def test_chat_echo_prefixes_the_last_assistant_message(client):
