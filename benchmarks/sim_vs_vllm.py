@@ -88,6 +88,17 @@ def cache_config(text: str) -> dict:
     return {}
 
 
+def calibrated(model, work: Path, cost: Path, block_size: int, args) -> str | None:
+    """`simulate calibrate` on the saved calibration run into `cost` (with vLLM's measured serving
+    layer swapped in under --serving-layer measured): its output, or None when it failed."""
+    proc = calibrate(model, work, cost, block_size, args.serving_fit, args.step_spread)
+    if proc.returncode:
+        return None
+    if args.serving_layer == "measured":
+        use_measured_serving(cost)
+    return proc.stdout
+
+
 def use_measured_serving(cost: Path) -> None:
     """Replace the calibrated cost model's serving layer with vLLM's measured one (the probe machine's
     speed: right for vLLM on this machine)."""
@@ -216,11 +227,9 @@ def main() -> int:
         print(f"calibration run: load {load0} -> {load_average()}; "
               f"{json.dumps(real_metrics(calib, before, after))}", flush=True)
         cost = work / "cost_vllm.json"
-        proc = calibrate(model, work, cost, block_size, args.serving_fit, args.step_spread)
-        if proc.returncode:
+        calibration = calibrated(model, work, cost, block_size, args)
+        if calibration is None:
             return 1
-        if args.serving_layer == "measured":
-            use_measured_serving(cost)
         rate = rate_for_busy(model, cost, block_size, num_blocks)
         print(f"request rate for 80% busy (simulated): {rate:.3f} req/s", flush=True)
         chosen = workloads(rate)
@@ -239,7 +248,7 @@ def main() -> int:
     print(f"total {time.time() - t0:.0f} s; load average now {load_average()}")
     Path(args.out).write_text(json.dumps({"vllm": version, "model": str(model), "knobs": VLLM_KNOBS,
                                           "cache_config": cfg, "calibration_rate": args.calibration_rate,
-                                          "rate_for_busy": rate, "calibration": proc.stdout, "workloads": table,
+                                          "rate_for_busy": rate, "calibration": calibration, "workloads": table,
                                           "serving_fit": args.serving_fit, "step_spread": args.step_spread,
                                           "goals_met": met, "goals_total": len(goals)}, indent=2, default=str))
     print(f"wrote {args.out}")
@@ -273,18 +282,16 @@ def resimulate(args, model: Path, work: Path) -> int:
     cfg = saved["cache_config"]
     block_size, num_blocks = int(cfg.get("block_size", 16)), int(cfg.get("num_gpu_blocks", 0) or 0)
     cost = work / "cost_vllm.resim.json"
-    proc = calibrate(model, work, cost, block_size, args.serving_fit, args.step_spread)
-    if proc.returncode:
+    calibration = calibrated(model, work, cost, block_size, args)
+    if calibration is None:
         return 1
-    if args.serving_layer == "measured":
-        use_measured_serving(cost)
     chosen = [(t["name"], t["flags"]) for t in saved["workloads"]]
     runs = {t["name"]: t["real_runs"] for t in saved["workloads"]}
     table, met, goals = compare(model, cost, chosen, runs, block_size, num_blocks)
     out = saved_path.with_suffix(".resim.json")
     out.write_text(json.dumps({"resimulated_from": str(saved_path), "vllm": saved.get("vllm"),
                                "serving_fit": args.serving_fit, "step_spread": args.step_spread,
-                               "calibration": proc.stdout, "workloads": table,
+                               "calibration": calibration, "workloads": table,
                                "goals_met": met, "goals_total": len(goals)}, indent=2, default=str))
     print(f"wrote {out}")
     return 0
