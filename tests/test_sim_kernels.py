@@ -4,6 +4,7 @@ The measured figures below are Vidur's medians (github.com/microsoft/vidur, data
 commit 7d47513): per-layer sums of the four GEMM kernels, microseconds."""
 from __future__ import annotations
 
+import importlib.util
 import math
 import statistics
 from dataclasses import replace
@@ -174,3 +175,21 @@ def test_kernel_profiles_round_trip_and_a_calibration_drops_them():
         records.append(StepTrace(new_tokens=new, context_lens=ctx, duration=truth.predict(new, ctx)))
     params, _ = fit(records, m, base)
     assert params.gemm_curve == {} and params.elementwise == {}
+
+
+_VIDUR = Path("/work/.mirror/microsoft+vidur/repo")
+
+
+@pytest.mark.skipif(not _VIDUR.exists(), reason="no Vidur mirror here: benchmarks/sim_kernel_check.py --vidur")
+def test_the_constants_are_what_the_derivation_gives_from_vidurs_csvs():
+    spec = importlib.util.spec_from_file_location("sim_kernel_check", ROOT / "benchmarks" / "sim_kernel_check.py")
+    check = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(check)
+    got = check.derive(check.load(_VIDUR))
+    for preset, prof in got.items():
+        code = KERNEL_PROFILES[preset]
+        for k, v in prof["gemm"].items():
+            assert code["gemm"][k] == pytest.approx(v, rel=0.01), (preset, k)
+        for kind, figs in prof["elementwise"].items():
+            for a, b in zip(code["elementwise"][kind], figs):
+                assert a == pytest.approx(b, rel=0.01, abs=1e-9), (preset, kind)
