@@ -440,16 +440,17 @@ def compare(args) -> None:
         if not rows:
             return []
         print(f"\n{title}")
-        print(f"  {'case':<22}{'measured ms':>12}{'simulated':>11}{'ratio':>7}   sim parts: linear / attention / launch ms"
+        print(f"  {'case':<22}{'measured ms':>12}{'simulated':>11}{'ratio':>7}   sim parts: linear / attention / launch / elementwise ms"
               f"{'   kernels':>10}")
         ratios = []
         for r in rows:
             st = predict(*r["case"])
-            device_s = st.linear + st.attention + st.launch + st.allreduce
+            device_s = st.linear + st.attention + st.launch + st.allreduce + st.elementwise
             ratio = device_s / r["seconds"]
             ratios.append(ratio)
             print(f"  {str(tuple(r['case'])):<22}{r['seconds'] * 1e3:>12.3f}{device_s * 1e3:>11.3f}{ratio:>7.2f}   "
-                  f"{st.linear * 1e3:.3f} / {st.attention * 1e3:.3f} / {st.launch * 1e3:.3f}{str(r.get('kernels')):>10}")
+                  f"{st.linear * 1e3:.3f} / {st.attention * 1e3:.3f} / {st.launch * 1e3:.3f} / "
+                  f"{st.elementwise * 1e3:.3f}{str(r.get('kernels')):>10}")
         return ratios
 
     def features(new, ctx, outputs):

@@ -5,8 +5,9 @@
     python benchmarks/sim_validation.py --live             # + the live server on this machine
                                                            #   (runs benchmarks/sim_vs_real.py, ~25 min)
     python benchmarks/sim_validation.py --no-serving-overhead   # the GPU presets without the serving layer
-    python benchmarks/sim_validation.py --without launch       # a term left out (mem_share, launch, split,
-                                                               #   nccl_curve, fa2, mi300x_fp8, endpoint,
+    python benchmarks/sim_validation.py --without launch       # a term left out (mem_share, launch,
+                                                               #   kernel_profile, gemm_curve, elementwise,
+                                                               #   split, nccl_curve, fa2, mi300x_fp8, endpoint,
                                                                #   async, delivery, engine_loop, handover)
 
 Published runs: benchmarks/data/published_gpu_runs.json, gathered for this script: each case
@@ -223,6 +224,10 @@ def without_terms(terms: list[str]) -> None:
         cost_params.memory_share = lambda gpu: 1.0
     if "launch" in terms:
         cost_params.KERNEL_LAUNCH_S = dict.fromkeys(cost_params.KERNEL_LAUNCH_S, 0.0)
+    for term, key in (("gemm_curve", "gemm"), ("elementwise", "elementwise")):
+        if term in terms or "kernel_profile" in terms:  # the stated roofline / no elementwise kernels priced
+            cost_params.KERNEL_PROFILES = {gpu: {k: v for k, v in prof.items() if k != key}
+                                           for gpu, prof in cost_params.KERNEL_PROFILES.items()}
     if "split" in terms:
         from pagedserve.sim import host_overhead
         host_overhead.TOKENIZE_OFF_LOOP = False
@@ -276,10 +281,14 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=3, help="--live: real runs per workload")
     ap.add_argument("--no-serving-overhead", dest="serving_overhead", action="store_false")
     ap.add_argument("--without", nargs="+", default=[],
-                    choices=("mem_share", "launch", "split", "nccl_curve", "fa2", "mi300x_fp8", "endpoint", "async",
-                             "delivery", "engine_loop", "handover"),
+                    choices=("mem_share", "launch", "kernel_profile", "gemm_curve", "elementwise", "split",
+                             "nccl_curve", "fa2", "mi300x_fp8", "endpoint", "async", "delivery", "engine_loop",
+                             "handover"),
                     help="leave a GPU-preset term out: the chips' measured STREAM share (every chip at the "
-                         "H100 reference), the per-kernel launch cost, the admission's split at its "
+                         "H100 reference), the per-kernel launch cost, the kernel profiles of H100 and A100-80GB "
+                         "(cost_params.KERNEL_PROFILES: kernel_profile = both of its parts, gemm_curve = the "
+                         "measured GEMM curve, elementwise = the norms, rotary, activation, embedding), the "
+                         "admission's split at its "
                          "tokenizer await (one block of loop work instead); the measured device figures of "
                          "plan/gpus.py: NCCL/RCCL all-reduce curves, A100's FA2 rate, MI300X's fp8 GEMM; "
                          "the cases' endpoints (every case "

@@ -127,8 +127,16 @@ def test_gpu_defaults_are_datasheet_times_efficiency():
     # Llama-3.1-8B decode at batch 1 is weight-read bound: ~16 GB / (3.35 TB/s x MBU).
     from pagedserve.plan.models import load_model
     m = ModelCost.from_shape(load_model("llama-3.1-8b").shape, "bfloat16", None, 1)
-    t = CostModel(m, p).breakdown(step_features(m, [1], [1000]))
-    assert t.linear == pytest.approx(m.weight_bytes_per_rank / (3350e9 * p.gemm_mbu))
+    f = step_features(m, [1], [1000])
+    from dataclasses import replace
+    stated = CostModel(m, replace(p, gemm_curve={})).breakdown(f)  # the stated roofline, without H100's profile
+    assert stated.linear == pytest.approx(m.weight_bytes_per_rank / (3350e9 * p.gemm_mbu))
+    # H100's kernel profile (Vidur's, cost_params.KERNEL_PROFILES): the weights at the measured GEMV bandwidth,
+    # plus a fixed time per GEMM kernel
+    t = CostModel(m, p).breakdown(f)
+    curve = p.gemm_curve
+    assert t.linear == pytest.approx(m.weight_bytes_per_rank / curve["tbps"]
+                                     + m.gemm_kernels_per_step * curve["kernel_s"], rel=1e-3)
     assert 4e-3 < t.total < 12e-3
 
 

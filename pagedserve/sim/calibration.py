@@ -453,6 +453,7 @@ def fit(records: Iterable[StepTrace], model: ModelCost, base: CostParams, *, blo
         per_prefill_overhead_s=float(k[_COL_CHUNK]), per_output_overhead_s=per_output,
         per_token_overhead_s=0.0, swap_step_overhead_s=swap_step_s,  # the rest is in the fitted terms
         kernel_launch_s=0.0,  # the fitted per-step constant holds the launches the trace's steps paid
+        gemm_curve={}, elementwise={},  # the fitted GEMM rates and constants hold what a kernel profile priced
         gemm_mfu=eff(k[_COL_LF], gemm_peak), gemm_mbu=eff(k[_COL_LB], base.mem_bandwidth * base.mem_share),
         attn_mfu=eff(k[_COL_AF], base.peak_flops), attn_mbu=eff(k[_COL_AB], base.mem_bandwidth * base.mem_share),
         attention_pad_share=float(pad_share), host_bandwidth=host_bw, host_link_efficiency=host_eff,

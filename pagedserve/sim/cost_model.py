@@ -28,6 +28,16 @@ plus terms with no roofline:
 * **kernel launches** (GPU presets): every kernel of the forward pass leaves the GPU idle for its
   launch, ``kernel_launch_s x ModelCost.kernels_per_step`` (step_work.kernel_count: ~10 per dense
   layer), so a small step cannot cost less than its launches; 0 for a calibrated model.
+* **elementwise kernels** (GPU presets with a kernel profile, cost_params.KERNEL_PROFILES: H100-SXM,
+  A100-80GB): the fused residual add + RMSNorms, rotary, SiLU-and-mul, embedding and final norm of
+  the step's tokens (step_work.elementwise_kernels), each at its kind's measured floor (one thread
+  block streaming its row) or bandwidth. Their durations are the kernels' own (CUPTI), so the launch
+  term above still prices the gaps between them.
+
+On those chips the **linear** part is not the roofline above but the measured GEMM curve: each GEMM
+kernel takes a fixed `kernel_s` plus ``(t_c^p + t_m^p)^(1/p)`` (p = 1.6: compute and weight read
+overlap imperfectly near the ridge), with the layers' GEMMs over the step's tokens and the LM head's
+over its requests priced apart (`CostModel.gemm_time`).
 
 On a GPU preset the memory terms run at the chip's achievable bandwidth: datasheet x `mem_share`
 (its measured STREAM share relative to H100's, cost_params.memory_share) x MBU.
@@ -71,7 +81,8 @@ from pagedserve.sim.calibration import (  # noqa: F401  (re-exported)
 from pagedserve.sim.cost_params import (  # noqa: F401  (re-exported)
     ALLREDUCE_LATENCY_S, CPU_NOMINAL_BANDWIDTH, CPU_NOMINAL_FLOPS, GPU_EFFICIENCY, KERNEL_LAUNCH_S,
     KV_DEQUANT_OPS_PER_VALUE, PER_REQUEST_OVERHEAD_S, REFERENCE_STREAM_SHARE, STEP_OVERHEAD_S,
-    VECTOR_SHARE_OF_PEAK_FLOPS, CostParams, allreduce_seconds, default_kv_dequant_s_per_value, memory_share)
+    VECTOR_SHARE_OF_PEAK_FLOPS, CostParams, allreduce_seconds, default_kv_dequant_s_per_value, elementwise_seconds,
+    memory_share, soft_roofline)
 from pagedserve.sim.host_overhead import HostOverhead, ServingOverhead, default_host_overhead  # noqa: F401
 from pagedserve.sim.serving_fit import fit_serving, match_client_records, read_request_trace  # noqa: F401
 from pagedserve.sim.step_work import ModelCost, StepFeatures, kernel_count, step_features  # noqa: F401  (re-exported)
@@ -88,11 +99,12 @@ class StepTime:
     swap: float
     dequant: float = 0.0   # a quantized KV cache's decode of what attention reads
     launch: float = 0.0    # the GPU idle between the step's kernels (CostParams.kernel_launch_s x kernels)
+    elementwise: float = 0.0  # the norms, rotary, activation, embedding (CostParams.elementwise; 0: not priced)
 
     @property
     def total(self) -> float:
         return (self.linear + self.attention + self.allreduce + self.overhead + self.swap + self.dequant
-                + self.launch)
+                + self.launch + self.elementwise)
 
 
 class CostModel:
@@ -107,6 +119,14 @@ class CostModel:
             gemm_peak = p.fp8_peak_flops * p.fp8_matmul_share  # fp8 weights and activations on fp8 tensor cores
         self._inv_gemm_f = 1.0 / (gemm_peak * p.gemm_mfu) if p.gemm_mfu > 0 else 0.0
         self._inv_gemm_b = 1.0 / (p.mem_bandwidth * p.mem_share * p.gemm_mbu) if p.gemm_mbu > 0 else 0.0
+        # A measured GEMM curve (cost_params.KERNEL_PROFILES) replaces the stated roofline for the 16-bit GEMMs
+        # it was measured on; fp8 / int8 weights keep the roofline (no such kernel in the profiles).
+        curve = p.gemm_curve if p.gemm_curve and model.weight_bytes_per_param == 2 else None
+        self._exponent, self._gemm_kernel_s = 0.0, 0.0
+        if curve:
+            self._inv_gemm_f, self._inv_gemm_b = 1.0 / curve["tflops"], 1.0 / curve["tbps"]
+            self._exponent, self._gemm_kernel_s = curve["exponent"], curve["kernel_s"]
+        self._elementwise = p.elementwise or None
         self._inv_attn_f = 1.0 / (p.peak_flops * p.attn_mfu) if p.attn_mfu > 0 else 0.0
         self._inv_attn_b = 1.0 / (p.mem_bandwidth * p.mem_share * p.attn_mbu) if p.attn_mbu > 0 else 0.0
         link = p.link_bandwidth * p.link_efficiency
@@ -119,13 +139,14 @@ class CostModel:
             raise ValueError(f"combine: must be 'max' or 'sum', got {p.combine!r}")
         self._sum = p.combine == "sum"
         self._pad = p.pad_share
-        # every kernel of a forward pass leaves the GPU idle for its launch (cost_params.KERNEL_LAUNCH_S)
-        self._launch = p.kernel_launch_s * model.kernels_per_step
 
-    def breakdown(self, f: StepFeatures) -> StepTime:
+    def breakdown(self, f: StepFeatures, model: ModelCost | None = None) -> StepTime:
+        """The step `f` priced by part. `model`: whose kernels the step launches (a pipeline stage's; default
+        the whole model's)."""
         if f.num_reqs == 0 and f.swap_bytes == 0:
             return StepTime(0.0, 0.0, 0.0, 0.0, 0.0)
         p, tp = self.params, self.model.tp
+        model = model or self.model
         lin_f, lin_b = f.linear_flops * self._inv_gemm_f, f.linear_bytes * self._inv_gemm_b
         att_f = (f.attn_flops + self._pad * f.attn_pad_flops) * self._inv_attn_f
         att_b = (f.attn_bytes + self._pad * f.attn_pad_bytes) * self._inv_attn_b
@@ -140,7 +161,7 @@ class CostModel:
             # decodes behind the chunk's FLOPs), as one max() over the step's totals would do.
             dec_f = (f.attn_decode_flops + self._pad * f.attn_decode_pad_flops) * self._inv_attn_f
             dec_b = (f.attn_decode_bytes + self._pad * f.attn_decode_pad_bytes) * self._inv_attn_b
-            linear = max(lin_f, lin_b)
+            linear = self.gemm_time(f, model)
             attention = max(dec_f, dec_b) + max(att_f - dec_f, att_b - dec_b)
         allreduce = 0.0
         if f.num_allreduces:
@@ -153,8 +174,31 @@ class CostModel:
         if factor is not None:
             linear, attention, overhead = linear * factor, attention * factor, overhead * factor
         overhead += p.per_output_overhead_s * f.num_outputs
-        launch = self._launch if f.num_reqs else 0.0
-        return StepTime(linear, attention, allreduce, overhead, swap, self.dequant_time(f), launch)
+        launch = p.kernel_launch_s * model.kernels_per_step if f.num_reqs else 0.0
+        return StepTime(linear, attention, allreduce, overhead, swap, self.dequant_time(f), launch,
+                        self.elementwise_time(f.num_tokens, model))
+
+    def gemm_time(self, f: StepFeatures, model: ModelCost | None = None) -> float:
+        """The step's GEMMs on a GPU (combine "max"). The stated roofline: one max() over the step's FLOPs and
+        weight bytes. A measured curve: the layers' GEMMs (rows = the step's tokens) and the LM head's (rows =
+        its requests) each as the p-norm of compute and weight-read time, + kernel_s per GEMM kernel."""
+        lin_f, lin_b = f.linear_flops * self._inv_gemm_f, f.linear_bytes * self._inv_gemm_b
+        if not self._exponent:
+            return max(lin_f, lin_b)
+        head_f, head_b = f.lm_head_flops * self._inv_gemm_f, f.lm_head_bytes * self._inv_gemm_b
+        t = (soft_roofline(lin_f - head_f, lin_b - head_b, self._exponent)
+             + soft_roofline(head_f, head_b, self._exponent))
+        if f.num_tokens:
+            t += self._gemm_kernel_s * (model or self.model).gemm_kernels_per_step
+        return t
+
+    def elementwise_time(self, num_tokens: int, model: ModelCost | None = None) -> float:
+        """The step's norms, rotary, activation and embedding kernels over its tokens at the chip's measured
+        figures (CostParams.elementwise); 0 where none were measured."""
+        if not self._elementwise or not num_tokens:
+            return 0.0
+        return sum(kernels * elementwise_seconds(self._elementwise, kind, num_tokens * rows, width)
+                   for kind, kernels, rows, width in (model or self.model).elementwise_kernels)
 
     def dequant_time(self, f: StepFeatures) -> float:
         """The KV dequantization term: every K/V value attention reads (as counted in its bytes),

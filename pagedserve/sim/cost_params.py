@@ -82,7 +82,77 @@ def memory_share(gpu) -> float:
 # runtime (CLR) and AQL dispatch, but was not measured. The cost is added per kernel, times the kernels
 # a step launches (`kernel_launch_s` x ModelCost.kernels_per_step), for every step: prefills launch the
 # same kernels (eagerly, where a CPU launch of ~3 us hides behind long kernels: a lower bound).
+# Where a kernel profile prices the kernels' own durations (KERNEL_PROFILES below: CUPTI durations, which hold
+# neither the launch nor the gap before the kernel), this stays the gap between them. Whether Hazy's 1.3 us
+# also holds part of what CUPTI counts as the kernel's ramp (its "setup and teardown") was not measured
+# apart: if so, up to 1.3 us a kernel is counted twice there.
 KERNEL_LAUNCH_S = {"cuda": 1.3e-6, "hip": 3.865e-6}
+
+# Kernel profiles: the chip's GEMMs and the layer's other kernels as measured, where a public per-kernel profile
+# exists. Source: Vidur (Agrawal et al., MLSys 2024), https://github.com/microsoft/vidur, files
+# data/profiling/compute/{h100,a100}/<org>/<model>/mlp.csv (commit 7d47513, 2024-11-19): CUDA kernel durations
+# (torch profiler, CUPTI: the kernel's own run, not the gap before it) of one decoder layer of sarathi-serve's
+# fp16 layers, at 1..4,096 tokens and TP 1/2/4/8, for Llama-2-7B/70B, CodeLlama-34B, InternLM-20B, Qwen-72B
+# (and Llama-3-8B/70B on A100); Vidur's device configs say A100 80GB and H100 80GB (DGX: SXM). Derived
+# figures only (benchmarks/sim_kernel_check.py --derive re-derives every one from the CSVs; phi-2 is left out:
+# a GELU MLP):
+#  * GEMMs (QKV, O, gate/up, down; per-layer sums at 21 token counts 1..4,096, every model and TP degree):
+#    each GEMM kernel takes kernel_s + (t_c^p + t_m^p)^(1/p), t_c = FLOPs / tflops, t_m = weight bytes / tbps.
+#    tbps and kernel_s: least squares of the 4-GEMM layer time on its weight bytes at 1 token (a GEMV streams
+#    its weights at tbps after a fixed ramp; small TP shards reach less of the bandwidth for that reason:
+#    H100 Llama-2-7B at TP 8 1.74 TB/s, Llama-2-70B at TP 1 2.89); tflops: the median FLOP rate at >= 2,048
+#    tokens; p: the one exponent that best fits log(model / measured) over both chips' points (1.6; max() is
+#    p = infinity and prices the ridge, 128-512 tokens, up to 1.6x fast). Residual: median |error| 3-4% a chip.
+#    fp8 weights keep the stated roofline (no fp8 kernel in the profiles); vLLM's fused-MoE (Triton) expert
+#    GEMMs were not profiled either: the cuBLAS curve stands in for them.
+#  * Elementwise kernels, per kind: [floor_s, row_bps, bps]: a kernel over `rows` rows of `row` bytes takes
+#    max(floor_s + row / row_bps, rows x row / bps). These kernels (sarathi's rms_norm, rotary_embedding,
+#    silu_and_mul are vLLM's csrc kernels) run one thread block per row, so below a wave of blocks the time
+#    is one block streaming its row (floor_s + row / row_bps: least squares at <= 8 tokens, every model and
+#    TP); above it the whole tensor streams at bps (median at >= 2,048 tokens). Bytes a row, from the shapes:
+#    norm 2 x hidden (read, write), rope 2 x (q + k heads per rank) x head_dim (in place), act 3 x
+#    intermediate per rank (gate and up read, product written), add 3 x hidden, emb 2 x hidden; x 2 bytes.
+KERNEL_PROFILES = {
+    "H100-SXM": {
+        "gemm": {"tflops": 716.0e12, "tbps": 2.982e12, "kernel_s": 3.98e-6, "exponent": 1.6},
+        "elementwise": {"norm": [1.79e-6, 7.81e9, 1.11e12], "rope": [1.32e-6, 10.5e9, 1.56e12],
+                        "act": [0.461e-6, 11.6e9, 1.88e12], "add": [0.385e-6, 40.7e9, 3.25e12],
+                        "emb": [3.5e-6, 0.0, 0.547e12]},
+    },
+    "A100-80GB": {
+        "gemm": {"tflops": 229.7e12, "tbps": 1.627e12, "kernel_s": 4.32e-6, "exponent": 1.6},
+        "elementwise": {"norm": [1.26e-6, 5.46e9, 0.689e12], "rope": [1.91e-6, 7.92e9, 0.866e12],
+                        "act": [0.666e-6, 8.03e9, 1.01e12], "add": [1.85e-6, 320e9, 1.80e12],
+                        "emb": [4.5e-6, 0.0, 0.300e12]},
+    },
+}
+# What vLLM runs, priced with those kinds (step_work.elementwise_kernels lists a step's): per layer two fused
+# residual-add + RMSNorm kernels ("add_norm": vLLM's fused_add_rms_norm does the work of sarathi's rms_norm
+# and its residual add in one launch, so its time is the norm's plus the add's bytes at the add's rate, with
+# the norm's floor only), rotary on q and k, SiLU-and-mul; once a step the embedding and the final norm.
+# Not profiled, so not priced here beyond their launch: the KV-cache write, the sampler, Qwen3's q/k norms.
+ELEMENTWISE_BYTES_PER_WIDTH = {"norm": 2, "rope": 2, "act": 3, "add": 3, "emb": 2}
+
+
+def elementwise_seconds(figures: dict, kind: str, rows: float, width_bytes: float) -> float:
+    """One elementwise kernel of `kind` over `rows` rows of `width_bytes` (the row's tensor width in bytes:
+    hidden x act bytes for a norm, ...) priced from the chip's measured figures (KERNEL_PROFILES)."""
+    if kind == "add_norm":
+        return (elementwise_seconds(figures, "norm", rows, width_bytes)
+                + rows * ELEMENTWISE_BYTES_PER_WIDTH["add"] * width_bytes / figures["add"][2])
+    floor_s, row_bps, bps = figures[kind]
+    row = ELEMENTWISE_BYTES_PER_WIDTH[kind] * width_bytes
+    return max(floor_s + (row / row_bps if row_bps else 0.0), rows * row / bps)
+
+
+def soft_roofline(compute_s: float, memory_s: float, exponent: float) -> float:
+    """Compute and memory time combined as a p-norm: max() when exponent is 0 (the plain roofline)."""
+    if not exponent:
+        return max(compute_s, memory_s)
+    if compute_s <= 0.0 or memory_s <= 0.0:
+        return compute_s + memory_s
+    return (compute_s ** exponent + memory_s ** exponent) ** (1.0 / exponent)
+
 
 # All-reduces at or above vLLM's custom all-reduce limit go to NCCL / RCCL: the custom kernel (one-shot /
 # two-shot over peer buffers) takes a message only while it is smaller than `max_size`, 8 MiB by default
@@ -168,6 +238,13 @@ class CostParams:
     # Idle GPU time per kernel the step launches (KERNEL_LAUNCH_S, x ModelCost.kernels_per_step); 0 = not
     # modelled (a calibrated model: its fitted per-step constant holds it).
     kernel_launch_s: float = 0.0
+    # The chip's measured GEMM curve (KERNEL_PROFILES[...]["gemm"]: tflops, tbps, kernel_s, exponent): bf16/fp16
+    # GEMMs then take kernel_s each + the p-norm of their compute and weight-read times; empty = the stated
+    # roofline above (peak x share x gemm_mfu, bandwidth x mem_share x gemm_mbu, max()).
+    gemm_curve: dict = field(default_factory=dict)
+    # The chip's measured elementwise kernels (KERNEL_PROFILES[...]["elementwise"]: kind -> [floor_s, row_bps,
+    # bps]): the norms, rotary, activation and embedding of every step priced from them; empty = not priced.
+    elementwise: dict = field(default_factory=dict)
     # The chip's measured NCCL/RCCL all-reduce bus bandwidth by message size ([[bytes, GB/s], ...]) on
     # `allreduce_busbw_gpus` GPUs; messages at or above `custom_allreduce_max_bytes` run there (allreduce_seconds).
     # Empty: every all-reduce at link_bandwidth x link_efficiency + allreduce_latency_s.
@@ -256,6 +333,11 @@ class CostParams:
                      allreduce_busbw=[list(p) for p in getattr(gpu, "allreduce_busbw", ())],
                      allreduce_busbw_gpus=getattr(gpu, "allreduce_gpus", 0),
                      source=f"defaults for {gpu.name}")
+        # the chip's GEMMs and elementwise kernels as a public kernel profile measured them (KERNEL_PROFILES);
+        # a chip nobody profiled keeps the stated roofline and prices no elementwise kernel
+        profile = KERNEL_PROFILES.get(gpu.name, {})
+        params.gemm_curve = dict(profile.get("gemm", {}))
+        params.elementwise = {k: list(v) for k, v in profile.get("elementwise", {}).items()}
         # prefill attention at the measured rate of the kernel vLLM runs on the chip, where one was measured
         # (plan/gpus.py: FA2 on A100); elsewhere the stated attn_mfu of the datasheet peak
         attention = getattr(gpu, "attention_tflops", 0.0)

@@ -56,7 +56,8 @@ from pagedserve.plan.kv_budget import ModelShape, dtype_bytes
 from pagedserve.plan.parallel import ParallelLayout, stage_layer_counts
 from pagedserve.sim.cost_model import CostModel, CostParams, ModelCost, StepFeatures, step_features
 from pagedserve.sim.cost_params import allreduce_seconds
-from pagedserve.sim.step_work import KERNELS_FIRST_STAGE, KERNELS_LAST_STAGE, KERNELS_PER_STEP_FIXED
+from pagedserve.sim.step_work import (KERNELS_FIRST_STAGE, KERNELS_LAST_STAGE, KERNELS_PER_STEP_FIXED,
+                                      elementwise_kernels, gemm_kernel_count)
 
 DEFAULT_GPUS_PER_NODE = 8
 DEFAULT_INTER_NODE_GBPS = 50.0  # GB/s per GPU, one direction: one 400 Gb/s NIC per GPU
@@ -94,11 +95,12 @@ class ParallelStepTime:
     swap: float = 0.0
     launch: float = 0.0    # the stages' kernel launches on the critical path (CostModel: kernel_launch_s)
     dequant: float = 0.0   # a quantized KV cache's decode of what the stages' attention reads (CostModel's term)
+    elementwise: float = 0.0  # the stages' norms, rotary, activation, embedding (CostModel's term)
 
     @property
     def total(self) -> float:
         return self.linear + self.attention + self.allreduce + self.all_to_all + self.pipeline + self.overhead \
-            + self.swap + self.launch + self.dequant
+            + self.swap + self.launch + self.dequant + self.elementwise
 
 
 @dataclass(frozen=True)
@@ -142,8 +144,11 @@ class ParallelCostModel:
                                 weight_bytes_per_rank=model.weight_bytes_per_rank - model.lm_head_params_per_rank * w)
             # the once-per-step kernels: the embedding on the first stage, the final norm, LM head and sampler on
             # the last
-            once = (KERNELS_FIRST_STAGE if s == 0 else 0) + (KERNELS_LAST_STAGE if s == len(counts) - 1 else 0)
-            model = replace(model, kernels_per_step=model.kernels_per_step - KERNELS_PER_STEP_FIXED + once)
+            first, last = s == 0, s == len(counts) - 1
+            once = (KERNELS_FIRST_STAGE if first else 0) + (KERNELS_LAST_STAGE if last else 0)
+            model = replace(model, kernels_per_step=model.kernels_per_step - KERNELS_PER_STEP_FIXED + once,
+                            gemm_kernels_per_step=gemm_kernel_count(stage_shape, last_stage=last),
+                            elementwise_kernels=elementwise_kernels(stage_shape, tp, model.act_bytes, first, last))
             moe_layers = n - dense if shape.is_moe else 0
             expert = 3 * shape.hidden_size * shape.moe_intermediate_size * dtype_bytes(weight_dtype)
             per_gpu = (math.ceil(shape.num_experts / layout.ep) if layout.ep > 1 else shape.num_experts / tp)
@@ -189,11 +194,10 @@ class ParallelCostModel:
     def _stage_time(self, stage: _Stage, new: Sequence[int], ctx: Sequence[int]) -> ParallelStepTime:
         f = step_features(stage.model, new, ctx, 0, self.block_size)
         f.linear_bytes -= self._expert_bytes_not_read(stage, f.num_tokens)
-        t = self.inner.breakdown(f)
-        # the stage's own kernels (inner's launch term counts the whole model's)
-        launch = self.params.kernel_launch_s * stage.model.kernels_per_step if f.num_reqs else 0.0
+        t = self.inner.breakdown(f, stage.model)  # the stage's own kernels, not the whole model's
         return ParallelStepTime(linear=t.linear, attention=t.attention, allreduce=self._allreduce(stage, f.num_tokens),
-                                all_to_all=self._all_to_all(stage, f.num_tokens), launch=launch, dequant=t.dequant)
+                                all_to_all=self._all_to_all(stage, f.num_tokens), launch=t.launch, dequant=t.dequant,
+                                elementwise=t.elementwise)
 
     def _send(self, stage: _Stage, tokens: int) -> float:
         """Activations from `stage` to the next one (each TP rank sends the full hidden)."""
@@ -225,6 +229,7 @@ class ParallelCostModel:
             out.all_to_all += t.all_to_all
             out.launch += t.launch
             out.dequant += t.dequant
+            out.elementwise += t.elementwise
         work = sum(times[g][busiest].total for g in range(len(groups)))
         trip = max(sum(t.total for t in times[g]) + sum(self._send(st, sum(groups[g][0]))
                                                           for st in self.stages[:-1])

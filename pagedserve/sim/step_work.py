@@ -26,6 +26,9 @@ class ModelCost:
     kv_values_per_token: int = 0    # K/V values per token a read must dequantize (0: a plain cache)
     weight_bytes_per_param: float = 2.0  # 1: fp8/int8 weights (fp8 tensor cores where the device has them)
     kernels_per_step: int = 0       # kernels one forward launches on a rank (kernel_count; 0: not counted)
+    gemm_kernels_per_step: int = 0  # of those, GEMMs (gemm_kernel_count): each pays a measured curve's kernel_s
+    # the step's elementwise kernels (elementwise_kernels): (kind, kernels, rows per token, row width in bytes)
+    elementwise_kernels: tuple = ()
 
     @classmethod
     def from_shape(cls, shape: ModelShape, weight_dtype: str = "bfloat16", kv_dtype: str | None = None,
@@ -57,6 +60,8 @@ class ModelCost:
             kv_values_per_token=kv_bytes_per_token(shape, 1, tp) if quantized else 0,
             weight_bytes_per_param=w,
             kernels_per_step=kernel_count(shape),
+            gemm_kernels_per_step=gemm_kernel_count(shape),
+            elementwise_kernels=elementwise_kernels(shape, tp, act),
         )
 
 
@@ -97,6 +102,62 @@ def kernel_count(shape: ModelShape) -> int:
     return shape.num_layers * attention + mlp + KERNELS_PER_STEP_FIXED
 
 
+# Of those kernels, the GEMMs (a measured GEMM curve charges each its fixed kernel time, cost_params.KERNEL_PROFILES):
+# QKV and O (MLA: the fused q/kv down-projection, q up-projection, the two absorbed bmm, O); the dense MLP's gate/up
+# and down; an MoE MLP's router and its two grouped expert GEMMs (+2 for shared experts); the LM head, once.
+GEMMS_ATTENTION = 2
+GEMMS_ATTENTION_MLA = 5
+GEMMS_DENSE_MLP = 2
+GEMMS_MOE_MLP = 3
+GEMMS_SHARED_EXPERTS = 2
+
+
+def gemm_kernel_count(shape: ModelShape, last_stage: bool = True) -> int:
+    """GEMM kernels one forward pass of `shape` runs on one rank (the LM head only on the last stage)."""
+    attention = GEMMS_ATTENTION_MLA if shape.is_mla else GEMMS_ATTENTION
+    if shape.is_moe:
+        moe = GEMMS_MOE_MLP + (GEMMS_SHARED_EXPERTS if shape.shared_expert_intermediate_size else 0)
+        mlp = shape.first_dense_layers * GEMMS_DENSE_MLP + (shape.num_layers - shape.first_dense_layers) * moe
+    else:
+        mlp = shape.num_layers * GEMMS_DENSE_MLP
+    return shape.num_layers * attention + mlp + (1 if last_stage else 0)
+
+
+def elementwise_kernels(shape: ModelShape, tp: int, act_bytes: float, first_stage: bool = True,
+                        last_stage: bool = True) -> tuple:
+    """The elementwise kernels of one forward pass on one rank, as (kind, kernels, rows per token, row width in
+    bytes), priced by cost_params.elementwise_seconds over the step's tokens: per layer two fused residual-add +
+    RMSNorm (the attention's and the MLP's input), rotary on q and k, SiLU-and-mul (an MoE layer's over each
+    token's k expert rows, its shared experts' over one); MLA's two latent norms; the embedding on the first
+    stage and the final norm on the last. Kinds and bytes: cost_params.KERNEL_PROFILES."""
+    h, layers = shape.hidden_size * act_bytes, shape.num_layers
+    q_heads = max(1, shape.num_attention_heads // tp)
+    out = [("add_norm", 2 * layers, 1, h)]
+    if shape.is_mla:
+        rope = shape.qk_rope_head_dim or 0
+        out.append(("rope", layers, 1, (q_heads + 1) * rope * act_bytes))
+        if shape.q_lora_rank:
+            out.append(("norm", layers, 1, shape.q_lora_rank * act_bytes))
+        out.append(("norm", layers, 1, (shape.kv_lora_rank or 0) * act_bytes))
+    else:
+        kv_heads = max(1, shape.num_kv_heads // tp)
+        out.append(("rope", layers, 1, (q_heads + kv_heads) * shape.head_dim * act_bytes))
+    if shape.is_moe:
+        moe_layers = layers - shape.first_dense_layers
+        if shape.first_dense_layers:
+            out.append(("act", shape.first_dense_layers, 1, shape.intermediate_size / tp * act_bytes))
+        out.append(("act", moe_layers, shape.num_experts_per_tok, shape.moe_intermediate_size / tp * act_bytes))
+        if shape.shared_expert_intermediate_size:
+            out.append(("act", moe_layers, 1, shape.shared_expert_intermediate_size / tp * act_bytes))
+    else:
+        out.append(("act", layers, 1, shape.intermediate_size / tp * act_bytes))
+    if first_stage:
+        out.append(("emb", 1, 1, h))
+    if last_stage:
+        out.append(("add_norm", 1, 1, h))
+    return tuple(e for e in out if e[1] > 0 and e[3] > 0)
+
+
 @dataclass
 class StepFeatures:
     """The work of one step. Attention is counted as a paged kernel does it (`attn_*`); what a
@@ -121,6 +182,9 @@ class StepFeatures:
     attn_decode_bytes: float = 0.0
     attn_decode_pad_flops: float = 0.0
     attn_decode_pad_bytes: float = 0.0
+    # the LM head's share of the linear terms above: its rows are the step's requests, not its tokens
+    lm_head_flops: float = 0.0
+    lm_head_bytes: float = 0.0
 
 
 def step_features(model: ModelCost, new_tokens: Sequence[int], context_lens: Sequence[int],
@@ -160,8 +224,10 @@ def step_features(model: ModelCost, new_tokens: Sequence[int], context_lens: Seq
         pad_pairs += decode_pad
         pad_read += decode_pad
     num_reqs = len(new_tokens)
-    linear_flops = 2.0 * num_tokens * model.linear_params_per_rank + 2.0 * num_reqs * model.lm_head_params_per_rank
+    lm_head_flops = 2.0 * num_reqs * model.lm_head_params_per_rank
+    linear_flops = 2.0 * num_tokens * model.linear_params_per_rank + lm_head_flops
     linear_bytes = model.weight_bytes_per_rank if num_reqs else 0.0
+    lm_head_bytes = model.lm_head_params_per_rank * model.weight_bytes_per_param if num_reqs else 0.0
     per_pair = 4.0 * model.num_layers * model.q_heads_per_rank * model.head_dim
     if model.tp > 1 and num_tokens:
         allreduce_bytes = 2 * model.num_layers * num_tokens * model.hidden_size * model.act_bytes
@@ -174,4 +240,5 @@ def step_features(model: ModelCost, new_tokens: Sequence[int], context_lens: Seq
                         float(kv_read * kvb), allreduce_bytes, num_allreduces, swap_bytes,
                         per_pair * pad_pairs, float(pad_read * kvb),
                         num_reqs if num_outputs is None else num_outputs,
-                        per_pair * decode_ctx, float(decode_ctx * kvb), per_pair * decode_pad, float(decode_pad * kvb))
+                        per_pair * decode_ctx, float(decode_ctx * kvb), per_pair * decode_pad, float(decode_pad * kvb),
+                        lm_head_flops, lm_head_bytes)
