@@ -112,7 +112,7 @@ def test_elementwise_kernels_cost_at_least_their_floors_and_match_the_hand_sum()
 def test_chips_without_a_kernel_profile_keep_the_stated_roofline_and_no_elementwise_term():
     m = ModelCost.from_shape(LLAMA8, "bfloat16", None, 1)
     f = step_features(m, [512], [512])
-    for name in ("H200", "L4", "MI300X", "A100-40GB", "B200"):
+    for name in ("L4", "MI300X", "A100-40GB", "B200"):
         p = CostParams.for_gpu(get_gpu(name))
         assert p.gemm_curve == {} and p.elementwise == {}
         t = CostModel(m, p).breakdown(f)
@@ -120,6 +120,39 @@ def test_chips_without_a_kernel_profile_keep_the_stated_roofline_and_no_elementw
         assert t.elementwise == 0.0
         assert t.linear == pytest.approx(max(f.linear_flops / peak, f.linear_bytes / (p.mem_bandwidth * p.mem_share
                                                                                       * p.gemm_mbu)))
+
+
+def test_h200_is_h100s_profile_at_h200s_memory_bandwidth():
+    """H200 (H100's silicon with HBM3e) was not profiled: H100's curve and kernels, every bandwidth scaled by the
+    STREAM ratio of the two chips, every compute and per-row figure kept. A weight-bound decode step is then
+    faster on H200 by about that ratio, a compute-bound prefill barely."""
+    h100, h200 = (CostParams.for_gpu(get_gpu(n)) for n in ("H100-SXM", "H200"))
+    ratio = get_gpu("H200").stream_tbps / get_gpu("H100-SXM").stream_tbps
+    assert h200.gemm_curve["tbps"] == pytest.approx(h100.gemm_curve["tbps"] * ratio)
+    assert h200.gemm_curve["tflops"] == h100.gemm_curve["tflops"]
+    assert h200.gemm_curve["kernel_s"] == h100.gemm_curve["kernel_s"]
+    for kind, (floor_s, row_bps, bps) in h100.elementwise.items():
+        assert h200.elementwise[kind] == pytest.approx([floor_s, row_bps, bps * ratio])
+    m = ModelCost.from_shape(LLAMA8, "bfloat16", None, 1)
+    decode = step_features(m, [1] * 8, [1000] * 8)
+    prefill = step_features(m, [4096], [4096])
+    lin = [CostModel(m, p).breakdown(f).linear for p in (h100, h200) for f in (decode, prefill)]
+    assert 1.2 < lin[0] / lin[2] <= ratio + 1e-9   # decode: the weight read, less the fixed kernel ramps
+    assert lin[1] / lin[3] < 1.05                  # prefill: the same tensor cores
+
+
+def test_moe_models_keep_the_stated_roofline_on_a_profiled_chip():
+    """The profile's GEMMs are dense cuBLAS ones; vLLM runs routed experts through its fused-MoE Triton kernel,
+    which nobody profiled: a MoE model's GEMMs keep the stated roofline (its norms still pay the kernels)."""
+    m = ModelCost.from_shape(load_model("mixtral-8x7b").shape, "bfloat16", None, 2)
+    assert m.moe
+    p = CostParams.for_gpu(get_gpu("H100-SXM"))
+    f = step_features(m, [1] * 16, [500] * 16)
+    t = CostModel(m, p).breakdown(f)
+    peak = p.peak_flops * p.matmul_share * p.gemm_mfu
+    assert t.linear == pytest.approx(max(f.linear_flops / peak, f.linear_bytes / (p.mem_bandwidth * p.mem_share
+                                                                                  * p.gemm_mbu)))
+    assert t.elementwise > 0
 
 
 def test_fp8_weights_keep_the_roofline_on_a_profiled_chip_but_pay_the_elementwise_kernels():

@@ -119,9 +119,10 @@ class CostModel:
             gemm_peak = p.fp8_peak_flops * p.fp8_matmul_share  # fp8 weights and activations on fp8 tensor cores
         self._inv_gemm_f = 1.0 / (gemm_peak * p.gemm_mfu) if p.gemm_mfu > 0 else 0.0
         self._inv_gemm_b = 1.0 / (p.mem_bandwidth * p.mem_share * p.gemm_mbu) if p.gemm_mbu > 0 else 0.0
-        # A measured GEMM curve (cost_params.KERNEL_PROFILES) replaces the stated roofline for the 16-bit GEMMs
-        # it was measured on; fp8 / int8 weights keep the roofline (no such kernel in the profiles).
-        curve = p.gemm_curve if p.gemm_curve and model.weight_bytes_per_param == 2 else None
+        # A measured GEMM curve (cost_params.KERNEL_PROFILES) replaces the stated roofline for the 16-bit dense
+        # GEMMs it was measured on; fp8 / int8 weights and MoE models (vLLM's fused-MoE Triton kernels: no such
+        # kernel in the profiles) keep the roofline.
+        curve = p.gemm_curve if p.gemm_curve and model.weight_bytes_per_param == 2 and not model.moe else None
         self._exponent, self._gemm_kernel_s = 0.0, 0.0
         if curve:
             self._inv_gemm_f, self._inv_gemm_b = 1.0 / curve["tflops"], 1.0 / curve["tbps"]

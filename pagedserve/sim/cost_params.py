@@ -126,6 +126,22 @@ KERNEL_PROFILES = {
                         "emb": [4.5e-6, 0.0, 0.300e12]},
     },
 }
+# H200: the H100's silicon (the same GH100 die, clocks and tensor cores: "H200 is the same" in the MAMF table,
+# plan/gpus.py) with HBM3e. Nobody profiled its kernels; its profile is H100's with every bandwidth figure
+# (the GEMMs' weight read, the elementwise kernels' streaming rate) scaled by the two chips' measured STREAM
+# Triad ratio (4.15 / 2.97 TB/s, plan/gpus.py: Azure ND H200 v5 / ND H100 v5), and every compute, floor and
+# per-row figure kept: a one-block row kernel and a GEMM's ramp are the SM's, not the memory's.
+_H200_OVER_H100_STREAM = 4.15 / 2.97
+
+
+def _scaled_profile(profile: dict, memory_ratio: float) -> dict:
+    gemm = dict(profile["gemm"], tbps=profile["gemm"]["tbps"] * memory_ratio)
+    elementwise = {kind: [floor_s, row_bps, bps * memory_ratio]
+                   for kind, (floor_s, row_bps, bps) in profile["elementwise"].items()}
+    return {"gemm": gemm, "elementwise": elementwise, "derived_from": "H100-SXM"}
+
+
+KERNEL_PROFILES["H200"] = _scaled_profile(KERNEL_PROFILES["H100-SXM"], _H200_OVER_H100_STREAM)
 # What vLLM runs, priced with those kinds (step_work.elementwise_kernels lists a step's): per layer two fused
 # residual-add + RMSNorm kernels ("add_norm": vLLM's fused_add_rms_norm does the work of sarathi's rms_norm
 # and its residual add in one launch, so its time is the norm's plus the add's bytes at the add's rate, with

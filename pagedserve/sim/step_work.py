@@ -29,6 +29,7 @@ class ModelCost:
     gemm_kernels_per_step: int = 0  # of those, GEMMs (gemm_kernel_count): each pays a measured curve's kernel_s
     # the step's elementwise kernels (elementwise_kernels): (kind, kernels, rows per token, row width in bytes)
     elementwise_kernels: tuple = ()
+    moe: bool = False  # routed experts: their grouped GEMMs are not the dense cuBLAS GEMMs a kernel profile measured
 
     @classmethod
     def from_shape(cls, shape: ModelShape, weight_dtype: str = "bfloat16", kv_dtype: str | None = None,
@@ -62,6 +63,7 @@ class ModelCost:
             kernels_per_step=kernel_count(shape),
             gemm_kernels_per_step=gemm_kernel_count(shape),
             elementwise_kernels=elementwise_kernels(shape, tp, act),
+            moe=shape.is_moe,
         )
 
 
