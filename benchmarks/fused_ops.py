@@ -41,6 +41,7 @@ def table(args, r: int) -> None:
     import torch.nn.functional as F
 
     from pagedserve.model.cpu import fused
+    from pagedserve.scratch import ScratchOutput
 
     rows: dict[str, dict[str, float]] = {}
     for dt in (torch.float32, torch.bfloat16):
@@ -50,8 +51,9 @@ def table(args, r: int) -> None:
         gate, up = gate_up[:, :args.inter].contiguous(), gate_up[:, args.inter:].contiguous()
         q, k = torch.randn(r, args.heads, args.head_dim).to(dt), torch.randn(r, args.kv_heads, args.head_dim).to(dt)
         cos, sin = torch.randn(r, args.head_dim).to(dt), torch.randn(r, args.head_dim).to(dt)
+        silu_scratch = ScratchOutput()  # as the model's MLP calls it (kept at decode sizes only)
         ops = {"rms_norm": lambda: fused.rms_norm(x, w, 1e-5), "add_rms_norm": lambda: fused.add_rms_norm(x, res, w, 1e-5),
-               "silu_and_mul": lambda: fused.silu_and_mul(gate_up), "rotary": lambda: fused.apply_rotary(q, k, cos, sin)}
+               "silu_and_mul": lambda: fused.silu_and_mul(gate_up, silu_scratch), "rotary": lambda: fused.apply_rotary(q, k, cos, sin)}
         torch_ops = {"rms_norm": lambda: fused.rms_norm_reference(x, w, 1e-5),
                      "add_rms_norm": lambda: fused.add_rms_norm_reference(x, res, w, 1e-5),
                      "silu_and_mul": lambda: F.silu(gate) * up,
