@@ -8,7 +8,8 @@ Defaults are the 246M peer model's shapes (19M's: --hidden 256 --inter 688 --hea
 Best of `--repeats` runs of up to `--calls` calls each (fewer for a slow call: each run lasts
 about `--run-seconds`). `--rows` takes several values, one table each. `--torch` adds a column
 for the torch expressions the op replaces, as HF writes them (SiLU: F.silu(gate) * up on
-contiguous gate and up, the tensors HF's MLP has).
+contiguous gate and up, the tensors HF's MLP has) and, for SiLU, a memory reference: torch.mul
+of the gate and up views into a kept output, the same bytes read and written with no exp.
 """
 from __future__ import annotations
 
@@ -58,19 +59,27 @@ def table(args, r: int) -> None:
                      "add_rms_norm": lambda: fused.add_rms_norm_reference(x, res, w, 1e-5),
                      "silu_and_mul": lambda: F.silu(gate) * up,
                      "rotary": lambda: fused.apply_rotary_reference(q, k, cos, sin)}
+        mul_out = torch.empty(r, args.inter, dtype=dt)
+        same_bytes = lambda: torch.mul(gate_up[:, :args.inter], gate_up[:, args.inter:], out=mul_out)  # noqa: E731
         name_dt = str(dt).split(".")[-1]
         for name in args.ops:
             rows.setdefault(name, {})[name_dt] = best_us(ops[name], args.calls, args.repeats, args.run_seconds)
             if args.torch:
                 rows[name][f"torch {name_dt}"] = best_us(torch_ops[name], args.calls, args.repeats, args.run_seconds)
+                if name == "silu_and_mul":
+                    rows[name][f"mul {name_dt}"] = best_us(same_bytes, args.calls, args.repeats, args.run_seconds)
     print(f"{r} rows, hidden {args.hidden}, inter {args.inter}, {args.heads}/{args.kv_heads} heads x {args.head_dim}; "
           f"us per call, thread CPU, one thread; load average {os.getloadavg()[0]:.2f}")
     extra = f"{'torch fp32':>12}{'torch bf16':>12}" if args.torch else ""
+    if args.torch and "silu_and_mul" in rows:
+        extra += f"{'mul fp32':>10}{'mul bf16':>10}   (mul: same bytes, no exp)"
     print(f"{'op':<14}{'float32':>10}{'bfloat16':>10}   bf16/fp32{extra}")
     for name, v in rows.items():
         line = f"{name:<14}{v['float32']:>10.1f}{v['bfloat16']:>10.1f}   {v['bfloat16'] / v['float32']:>8.2f}x"
         if args.torch:
             line += f"{v['torch float32']:>12.1f}{v['torch bfloat16']:>12.1f}"
+            if "mul float32" in v:
+                line += f"{v['mul float32']:>10.1f}{v['mul bfloat16']:>10.1f}"
         print(line)
 
 
