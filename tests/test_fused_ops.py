@@ -160,7 +160,8 @@ def test_silu_and_mul(dtype, rows, inter, threads):
     finally:
         torch.set_num_threads(before)
     assert got.shape == (rows, inter) and got.dtype == dtype
-    assert torch.equal(got, want), f"{int((got != want).sum())} of {got.numel()} differ, {ulps(got.float(), want.float())} ulps"
+    differ = f"{int((got != want).sum())} of {got.numel()} differ, {ulps(got.float(), want.float())} ulps"
+    assert torch.equal(got, want), differ
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

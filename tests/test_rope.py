@@ -211,7 +211,8 @@ def step_positions() -> list[torch.Tensor]:
 
 def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     bits = torch.int32 if a.dtype == torch.float32 else torch.int16
-    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.contiguous().view(bits), b.contiguous().view(bits))
+    same_kind = a.dtype == b.dtype and a.shape == b.shape
+    return same_kind and torch.equal(a.contiguous().view(bits), b.contiguous().view(bits))
 
 
 @pytest.mark.parametrize("head_dim", [18, 64, 128])
@@ -238,7 +239,8 @@ def test_table_rows_equal_the_per_step_computation(name, dtype, head_dim):
 
 
 def test_dynamic_has_no_table():
-    rope = read_rope_config({"rope_parameters": {"rope_type": "dynamic", "rope_theta": 20000.0, "factor": 4.0}}, ORIGINAL)
+    params = {"rope_type": "dynamic", "rope_theta": 20000.0, "factor": 4.0}
+    rope = read_rope_config({"rope_parameters": params}, ORIGINAL)
     assert RotaryEmbedding(rope, 64, torch.float32, "cpu", max_positions=TABLE_ROWS).cos_sin_table is None
 
 

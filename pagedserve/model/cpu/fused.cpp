@@ -6,14 +6,15 @@
 // use through pagedserve/native.py and calls it through ctypes with raw data pointers.
 //
 // Invariant: every result equals, bit for bit, what the torch expressions in
-// pagedserve/model/llama.py produce in the same dtype, except where a reduction or exp is
-// computed in another order or by another implementation than torch's here: the RMSNorm mean of
-// squares where no vector width reproduces torch's sum order, the SiLU exp where torch's SLEEF
-// expf is not found (see vector_silu). There a float32 intermediate may differ by an ulp. So each torch op's rounding is
-// reproduced: bf16 values widen to fp32 exactly (a shift), each torch op computes in fp32 and
-// rounds to bf16 (round to nearest even) before the next one reads it; fp32 ops round to fp32
-// after every operation. The file is compiled without contraction into FMAs or reassociation
-// (the pragmas below), which would skip an intermediate rounding torch performs.
+// pagedserve/model/llama.py produce in the same dtype (SiLU: as HF runs it, on a contiguous
+// gate; see silu_and_mul), except where a reduction or exp is computed in another order or by
+// another implementation than torch's here: the RMSNorm mean of squares where no vector width
+// reproduces torch's sum order (an ulp), the SiLU exp where torch's SLEEF expf is not found
+// (SiLU then up to 4 ulps). So each torch op's rounding is reproduced: bf16 values widen to
+// fp32 exactly (a shift), each torch op computes in fp32 and rounds to bf16 (round to nearest
+// even) before the next one reads it; fp32 ops round to fp32 after every operation. The file
+// is compiled without contraction into FMAs or reassociation (the pragmas below), which would
+// skip an intermediate rounding torch performs.
 //
 // Layout: 2-D inputs are `rows` rows of contiguous elements, each row starting `stride`
 // elements after the previous (a split or sliced view needs no copy). Rotary q / k are
@@ -221,7 +222,8 @@ struct Avx512 {
     static __m512i bf16_bits(V v) {
         const __m512i u = _mm512_castps_si512(v);
         const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-        const __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), lsb), 16);
+        const __m512i biased = _mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), lsb);
+        const __m512i rounded = _mm512_srli_epi32(biased, 16);
         const __m512i quiet_nan = _mm512_or_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40));
         return _mm512_mask_blend_epi32(_mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), rounded, quiet_nan);
     }
@@ -253,7 +255,8 @@ struct Avx2 {
     static __m256i bf16_bits(V v) {
         const __m256i u = _mm256_castps_si256(v);
         const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
-        const __m256i rounded = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7fff)), lsb), 16);
+        const __m256i biased = _mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7fff)), lsb);
+        const __m256i rounded = _mm256_srli_epi32(biased, 16);
         const __m256i quiet_nan = _mm256_or_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(0x40));
         const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
         return _mm256_blendv_epi8(rounded, quiet_nan, nan);
@@ -466,7 +469,7 @@ int ps_add_rms_norm(int dtype, const void* x, int64_t x_stride, void* residual, 
     return 0;
 }
 
-// Hands over torch's vectorised expf (see vector_silu): `lanes` 16 for SLEEF's expf16_u10, 8
+// Hands over torch's vectorised expf (see silu_and_mul): `lanes` 16 for SLEEF's expf16_u10, 8
 // for expf8_u10, 0 (or a null `fn`) for std::exp everywhere. Returns 0, or -1 when this build
 // cannot call a function of that width (then std::exp stays). Call before any kernel runs.
 int ps_set_vector_exp(int lanes, void* fn) {
