@@ -11,10 +11,12 @@ import random
 import shutil
 
 import pytest
+import torch
 
 from checkpoints import hf_greedy, make_checkpoint
 from pagedserve import LLM, SamplingParams
-from pagedserve.model.config import read_model_config
+from pagedserve.model.config import read_model_config, read_rope_config
+from pagedserve.model.rope import RotaryEmbedding
 
 ORIGINAL = 64  # pretraining length the scaled types extend from
 
@@ -184,3 +186,71 @@ def test_dynamic_prefix_cache_keys_include_the_long_prompt_length(dynamic_case):
     run_alone(1)
     run_alone(1)
     assert kv.prefix_hits > 0
+
+
+# -- the cos/sin table (static types) ------------------------------------------------------
+
+TABLE_ROWS = 300  # the engine's max_model_len in these tests
+
+
+def rope_of(name: str):
+    case = CASES[name]
+    return read_rope_config({"rope_parameters": dict(case["rope_parameters"])}, case["max_pos"])
+
+
+def step_positions() -> list[torch.Tensor]:
+    """Positions as steps bring them: one decode token (first row, last row), a prompt chunk,
+    a batch of decodes in no order with a repeat, the whole table, none, and positions past
+    the table (alone and among others), which the per-step computation must serve."""
+    gen = torch.Generator().manual_seed(1)
+    return [torch.tensor([0]), torch.tensor([TABLE_ROWS - 1]), torch.arange(37, 90),
+            torch.cat([torch.randint(0, TABLE_ROWS, (31,), generator=gen), torch.tensor([7, 7])]),
+            torch.arange(TABLE_ROWS), torch.zeros(0, dtype=torch.int64),
+            torch.tensor([TABLE_ROWS]), torch.tensor([120, TABLE_ROWS + 5, 3]), torch.arange(250, 1000)]
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    bits = torch.int32 if a.dtype == torch.float32 else torch.int16
+    same_kind = a.dtype == b.dtype and a.shape == b.shape
+    return same_kind and torch.equal(a.contiguous().view(bits), b.contiguous().view(bits))
+
+
+@pytest.mark.parametrize("head_dim", [18, 64, 128])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("name", list(CASES))
+def test_table_rows_equal_the_per_step_computation(name, dtype, head_dim):
+    """Every static type: cos/sin read from the table equal, bit for bit, what the per-step
+    computation gives for the same positions, at one and two threads, including positions
+    past the table (served by that computation)."""
+    rope = rope_of(name)
+    tabled = RotaryEmbedding(rope, head_dim, dtype, "cpu", max_positions=TABLE_ROWS)
+    per_step = RotaryEmbedding(rope, head_dim, dtype, "cpu")
+    assert tabled.cos_sin_table is not None and tabled.cos_sin_table.shape == (TABLE_ROWS, 2, 1, head_dim)
+    assert per_step.cos_sin_table is None
+    before = torch.get_num_threads()
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            for positions in step_positions():
+                (cos, sin), (want_cos, want_sin) = tabled(positions), per_step(positions)
+                assert same_bits(cos, want_cos) and same_bits(sin, want_sin), (threads, positions[:5])
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_dynamic_has_no_table():
+    params = {"rope_type": "dynamic", "rope_theta": 20000.0, "factor": 4.0}
+    rope = read_rope_config({"rope_parameters": params}, ORIGINAL)
+    assert RotaryEmbedding(rope, 64, torch.float32, "cpu", max_positions=TABLE_ROWS).cos_sin_table is None
+
+
+def test_engine_tables_max_model_len_not_max_position_embeddings(tmp_path):
+    """The model gets the engine's max_model_len: a 512-position checkpoint served at 100
+    keeps a 100-row table, and its greedy output is still HF's."""
+    path = checkpoint(tmp_path / "llama3", "llama3")
+    prompts, max_tokens = workload(shapes=[(5, 40), (50, 20)])
+    llm = make_llm(path, max_model_len=100, num_kv_blocks=64)
+    assert llm.engine.executor.model.rotary.cos_sin_table.shape[0] == 100
+    params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in max_tokens]
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert_same(got, hf_greedy(path, prompts, max_tokens))

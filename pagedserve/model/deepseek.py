@@ -179,9 +179,9 @@ class DeepseekV3ForCausalLM(nn.Module):
                     if param.dtype != torch.float32:
                         setattr(module.gate, name, nn.Parameter(param.data.float(), requires_grad=False))
 
-    def init_buffers(self, device) -> None:
+    def init_buffers(self, device, max_model_len: int | None = None) -> None:
         self.rotary = RotaryEmbedding(self.cfg.rope, self.cfg.mla.qk_rope_head_dim,
-                                      next(self.parameters()).dtype, device)
+                                      next(self.parameters()).dtype, device, max_model_len)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
                 meta: AttentionMetadata, prompt_lens: torch.Tensor | None = None,

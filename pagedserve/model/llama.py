@@ -161,9 +161,11 @@ class LlamaForCausalLM(nn.Module):
         if missing:
             raise ValueError(f"model: checkpoint is missing tensors: {missing[:5]}{'...' if len(missing) > 5 else ''}")
 
-    def init_buffers(self, device) -> None:
+    def init_buffers(self, device, max_model_len: int | None = None) -> None:
+        """`max_model_len`: the engine's; RoPE tables cos/sin for positions below it (None:
+        computed per step)."""
         dtype = next(self.parameters()).dtype  # a middle pipeline stage has no embedding
-        self.rotary = RotaryEmbedding(self.cfg.rope, self.cfg.head_dim, dtype, device)
+        self.rotary = RotaryEmbedding(self.cfg.rope, self.cfg.head_dim, dtype, device, max_model_len)
 
     # -- forward ----------------------------------------------------------------------
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
@@ -179,8 +181,7 @@ class LlamaForCausalLM(nn.Module):
             h, residual = modules["embed_tokens"].forward(input_ids), None
         else:
             h, residual = intermediate
-        # computed per step rather than cached per position: cheap next to one layer, and
-        # no table of max_position_embeddings rows (128 MB for a 128k-context model)
+        # rows of a table of max_model_len positions, or computed per step (model/rope.py)
         cos, sin = self.rotary(positions, prompt_lens)
         for layer, (k_cache, v_cache) in zip(modules["layers"], self._layer_caches(kv_cache)):
             h, residual = layer.forward(h, residual, cos, sin, k_cache, v_cache, meta)

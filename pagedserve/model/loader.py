@@ -49,13 +49,15 @@ def model_class(config: ModelConfig):
 
 
 def load_model(config: ModelConfig, dtype: str, device: str, shard: TPShard | None = None,
-               stage: PipelineStage | None = None, **model_kwargs) -> LlamaForCausalLM:
+               stage: PipelineStage | None = None, max_model_len: int | None = None,
+               **model_kwargs) -> LlamaForCausalLM:
     """Build the architecture's model on `device` in `dtype` and load its weights.
     `shard`: the tensor-parallel rank's share (default: the whole model), experts included
     (model.config.TPShard: sliced by their intermediate dimension, or whole under EP).
     `stage`: the pipeline stage's layers (default: all; model/pipeline.py): the model is
     built for those layers only and reads only their tensors (and the embedding, norm and
-    head where the stage holds them)."""
+    head where the stage holds them). `max_model_len`: the engine's resolved limit, the
+    positions the RoPE table covers (None: no table, cos/sin computed every step)."""
     torch_dtype = TORCH_DTYPES[dtype]
     stage = stage or PipelineStage.of(config.num_layers)
     config = stage_config(config, stage)
@@ -67,7 +69,7 @@ def load_model(config: ModelConfig, dtype: str, device: str, shard: TPShard | No
     model.load_checkpoint(stage_tensors(iter_checkpoint_tensors(config.path), stage, config.tie_word_embeddings))
     # what this rank holds, counted before packing changes any weight's storage (plan counts the same)
     model.weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    model.init_buffers(device)
+    model.init_buffers(device, max_model_len)
     model.eval()
     prepare_linear_layers(model, torch_dtype, torch.device(device))
     return model

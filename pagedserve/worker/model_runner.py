@@ -150,7 +150,7 @@ class ModelRunner:
     def __init__(self, model_config: ModelConfig, dtype: str, device: str, block_size: int,
                  eos_token_ids: frozenset[int], seed: int, grammar_compiler: GrammarCompiler | None = None,
                  shard: TPShard | None = None, kv_cache_dtype: str | None = None,
-                 stage: PipelineStage | None = None) -> None:
+                 stage: PipelineStage | None = None, max_model_len: int | None = None) -> None:
         self.model_config = model_config
         self.shard = shard or TPShard.of(model_config)
         self.stage = stage or PipelineStage.of(model_config.num_layers)
@@ -170,7 +170,7 @@ class ModelRunner:
         if self.device.type == "cpu":
             keep_freed_memory_in_process()
         torch.manual_seed(seed)
-        self.model = load_model(model_config, dtype, device, self.shard, self.stage)
+        self.model = load_model(model_config, dtype, device, self.shard, self.stage, max_model_len)
         # MLA models read their latent pool through their own attention path and metadata
         self.build_metadata = getattr(self.model, "build_metadata", build_metadata)
         if self.quantized_cache and self.build_metadata is not build_metadata:  # refused at start-up, by name
@@ -202,7 +202,7 @@ class ModelRunner:
                                 if samples else None)
         return cls(model_config, settings.dtype, device, config.block_size, settings.eos_token_ids, config.seed,
                    grammar_compiler=grammar_compiler, shard=shard, kv_cache_dtype=settings.kv_cache_dtype,
-                   stage=stage)
+                   stage=stage, max_model_len=config.max_model_len)
 
     def initialize_cache(self, num_blocks: int, num_host_blocks: int = 0) -> None:
         """The device pool, and swap space in the same layout in host memory (pinned on

@@ -6,13 +6,15 @@
 // use through pagedserve/native.py and calls it through ctypes with raw data pointers.
 //
 // Invariant: every result equals, bit for bit, what the torch expressions in
-// pagedserve/model/llama.py produce in the same dtype, except where a reduction or exp is
-// computed in another order or by another implementation (the RMSNorm mean of squares, the
-// SiLU exp): there a float32 intermediate may differ by an ulp. So each torch op's rounding is
-// reproduced: bf16 values widen to fp32 exactly (a shift), each torch op computes in fp32 and
-// rounds to bf16 (round to nearest even) before the next one reads it; fp32 ops round to fp32
-// after every operation. The file is compiled without contraction into FMAs or reassociation
-// (the pragmas below), which would skip an intermediate rounding torch performs.
+// pagedserve/model/llama.py produce in the same dtype (SiLU: as HF runs it, on a contiguous
+// gate; see silu_and_mul), except where a reduction or exp is computed in another order or by
+// another implementation than torch's here: the RMSNorm mean of squares where no vector width
+// reproduces torch's sum order (an ulp), the SiLU exp where torch's SLEEF expf is not found
+// (SiLU then up to 4 ulps). So each torch op's rounding is reproduced: bf16 values widen to
+// fp32 exactly (a shift), each torch op computes in fp32 and rounds to bf16 (round to nearest
+// even) before the next one reads it; fp32 ops round to fp32 after every operation. The file
+// is compiled without contraction into FMAs or reassociation (the pragmas below), which would
+// skip an intermediate rounding torch performs.
 //
 // Layout: 2-D inputs are `rows` rows of contiguous elements, each row starting `stride`
 // elements after the previous (a split or sliced view needs no copy). Rotary q / k are
@@ -26,6 +28,10 @@
 
 #include <omp.h>
 
+#if defined(__x86_64__) || defined(_M_X64)
+#include <immintrin.h>
+#endif
+
 #if defined(__clang__)
 #pragma clang fp contract(off) reassociate(off)
 #elif defined(__GNUC__)
@@ -34,7 +40,7 @@
 
 namespace {
 
-constexpr int kAbiVersion = 1;
+constexpr int kAbiVersion = 2;
 constexpr int64_t kParallelMinElements = 1 << 15;  // below this a parallel region costs more than it saves
 
 enum DType : int { kFloat32 = 0, kBFloat16 = 1 };
@@ -193,29 +199,202 @@ void add_rms_norm(const T* x, int64_t x_stride, T* residual, int64_t res_stride,
     }
 }
 
+// torch's vectorised exp, as its Vectorized<float>::exp() calls it: SLEEF's expf16_u10 (AVX512
+// capability) or expf8_u10 (AVX2), found in the loaded libtorch_cpu by fused.py and handed over
+// once through ps_set_vector_exp. None: every exp is std::exp (torch's scalar SiLU's, and its
+// DEFAULT capability's vector one).
+void* g_vector_exp = nullptr;
+int g_vector_exp_lanes = 0;
+
+// One float vector's worth of the SiLU kernel per ISA: loads that widen T to fp32, stores that
+// round fp32 to T (bf16: nearest even, a NaN stays a quiet NaN, as narrow<T>), and the SiLU
+// expression in torch's vector kernel's order: x / (1 + exp(-x)), neg as a sign flip.
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+struct Avx512 {
+    static constexpr int kLanes = 16;
+    using V = __m512;
+    static V load(const float* p) { return _mm512_loadu_ps(p); }
+    static V load(const bf16* p) {
+        const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+        return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+    }
+    // The bf16 bits of v in the low 16 bits of each 32-bit lane.
+    static __m512i bf16_bits(V v) {
+        const __m512i u = _mm512_castps_si512(v);
+        const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+        const __m512i biased = _mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), lsb);
+        const __m512i rounded = _mm512_srli_epi32(biased, 16);
+        const __m512i quiet_nan = _mm512_or_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40));
+        return _mm512_mask_blend_epi32(_mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), rounded, quiet_nan);
+    }
+    static V round_to(float*, V v) { return v; }
+    static V round_to(bf16*, V v) { return _mm512_castsi512_ps(_mm512_slli_epi32(bf16_bits(v), 16)); }
+    static void store(float* p, V v) { _mm512_storeu_ps(p, v); }
+    static void store(bf16* p, V v) {
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(bf16_bits(v)));
+    }
+    static V silu(V x) {
+        const auto exp16 = reinterpret_cast<__m512 (*)(__m512)>(g_vector_exp);
+        const __m512i sign = _mm512_set1_epi32(static_cast<int>(0x80000000u));
+        const V e = exp16(_mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(x), sign)));
+        return _mm512_div_ps(x, _mm512_add_ps(_mm512_set1_ps(1.0f), e));
+    }
+    static V mul(V a, V b) { return _mm512_mul_ps(a, b); }
+};
+#endif
+
+#if defined(__AVX2__)
+struct Avx2 {
+    static constexpr int kLanes = 8;
+    using V = __m256;
+    static V load(const float* p) { return _mm256_loadu_ps(p); }
+    static V load(const bf16* p) {
+        const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+        return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
+    }
+    static __m256i bf16_bits(V v) {
+        const __m256i u = _mm256_castps_si256(v);
+        const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+        const __m256i biased = _mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7fff)), lsb);
+        const __m256i rounded = _mm256_srli_epi32(biased, 16);
+        const __m256i quiet_nan = _mm256_or_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(0x40));
+        const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+        return _mm256_blendv_epi8(rounded, quiet_nan, nan);
+    }
+    static V round_to(float*, V v) { return v; }
+    static V round_to(bf16*, V v) { return _mm256_castsi256_ps(_mm256_slli_epi32(bf16_bits(v), 16)); }
+    static void store(float* p, V v) { _mm256_storeu_ps(p, v); }
+    static void store(bf16* p, V v) {
+        const __m256i bits = bf16_bits(v);  // each < 2^16: the unsigned saturating pack keeps it
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(p),
+                         _mm_packus_epi32(_mm256_castsi256_si128(bits), _mm256_extracti128_si256(bits, 1)));
+    }
+    static V silu(V x) {
+        const auto exp8 = reinterpret_cast<__m256 (*)(__m256)>(g_vector_exp);
+        const V e = exp8(_mm256_xor_ps(x, _mm256_set1_ps(-0.0f)));
+        return _mm256_div_ps(x, _mm256_add_ps(_mm256_set1_ps(1.0f), e));
+    }
+    static V mul(V a, V b) { return _mm256_mul_ps(a, b); }
+};
+#endif
+
+// The elements torch's F.silu computes with its scalar loop (std::exp) on a contiguous [rows,
+// inter] gate, as HF's MLP has it, as flat index ranges [begin, end). TensorIterator runs one
+// flat range per thread: one range when the tensor has at most GRAIN_SIZE elements or torch runs
+// one thread, else at::parallel_for's split (min(threads, ceil(numel / GRAIN_SIZE)) chunks of
+// ceil(numel / chunks)). Its vectorized_loop covers each range in blocks of two Vectorized
+// (2 x 16 floats, or 2 x 32 bf16 under AVX512) and leaves the rest, fewer than one block at
+// the range's end, to the scalar loop.
+struct ScalarTails {
+    static constexpr int kMax = 256;  // threads beyond this are not modelled (chunks capped)
+    int count = 0;
+    int64_t begin[kMax], end[kMax];
+};
+
+inline ScalarTails torch_scalar_tails(int64_t numel, int64_t block, int threads) {
+    constexpr int64_t kGrainSize = 32768;  // at::internal::GRAIN_SIZE
+    ScalarTails tails;
+    int64_t chunks = 1;
+    if (numel > kGrainSize && threads > 1) {
+        chunks = std::min<int64_t>({threads, (numel + kGrainSize - 1) / kGrainSize, ScalarTails::kMax});
+    }
+    const int64_t chunk = (numel + chunks - 1) / chunks;
+    for (int64_t start = 0; start < numel; start += chunk) {
+        const int64_t stop = std::min(numel, start + chunk);
+        const int64_t tail = start + (stop - start) / block * block;
+        if (tail < stop) {
+            tails.begin[tails.count] = tail;
+            tails.end[tails.count] = stop;
+            ++tails.count;
+        }
+    }
+    return tails;
+}
+
+template <typename T>
+inline T scalar_silu_mul(T gate, T up) {
+    const float g = widen(gate);
+    return narrow<T>(round_to<T>(g / (1.0f + std::exp(-g))) * widen(up));
+}
+
+// One row with torch's vector exp: whole vectors straight from the row, the last partial one
+// through zero-padded copies, then the elements in torch's scalar tails (flat indices from
+// `flat`) redone with std::exp. Software prefetch ~2 KiB ahead on the gate and up streams: at
+// prefill sizes it halved the time (246M's M=2048 fp32, one thread: 6.3 -> 2.5 ms, about
+// what torch.mul moves the same bytes in); the exp calls leave the hardware prefetchers behind.
+template <class Isa, typename T>
+void silu_and_mul_row(const T* gate, const T* up, T* o, int64_t inter, int64_t flat, const ScalarTails& tails) {
+    constexpr int64_t kLanes = Isa::kLanes;
+    constexpr int64_t kAhead = 2048 / sizeof(T);
+    int64_t i = 0;
+    for (; i + kLanes <= inter; i += kLanes) {
+        __builtin_prefetch(gate + i + kAhead);
+        __builtin_prefetch(up + i + kAhead);
+        const auto s = Isa::round_to(static_cast<T*>(nullptr), Isa::silu(Isa::load(gate + i)));
+        Isa::store(o + i, Isa::mul(s, Isa::load(up + i)));
+    }
+    if (i < inter) {
+        T g[kLanes] = {}, u[kLanes] = {}, out[kLanes];
+        std::memcpy(g, gate + i, (inter - i) * sizeof(T));
+        std::memcpy(u, up + i, (inter - i) * sizeof(T));
+        const auto s = Isa::round_to(static_cast<T*>(nullptr), Isa::silu(Isa::load(g)));
+        Isa::store(out, Isa::mul(s, Isa::load(u)));
+        std::memcpy(o + i, out, (inter - i) * sizeof(T));
+    }
+    for (int t = 0; t < tails.count; ++t) {
+        const int64_t lo = std::max(tails.begin[t], flat) - flat, hi = std::min(tails.end[t], flat + inter) - flat;
+        for (int64_t j = lo; j < hi; ++j) o[j] = scalar_silu_mul(gate[j], up[j]);
+    }
+}
+
+// One row with std::exp for every element: torch's scalar SiLU, and its vector one under the
+// DEFAULT capability. In chunks: the scalar exp first, then the rest of the element's work in a
+// loop the compiler vectorises (in one loop the exp call kept the bf16 widening and rounding
+// scalar too: 1.6x the fp32 op's time at 246M's shapes).
+template <typename T>
+void silu_and_mul_row_scalar(const T* gate, const T* up, T* o, int64_t inter) {
+    constexpr int64_t kChunk = 256;
+    float e[kChunk];
+    for (int64_t c = 0; c < inter; c += kChunk) {
+        const int64_t n = std::min(kChunk, inter - c);
+        for (int64_t j = 0; j < n; ++j) e[j] = std::exp(-widen(gate[c + j]));
+        for (int64_t j = 0; j < n; ++j) {
+            const float silu = round_to<T>(widen(gate[c + j]) / (1.0f + e[j]));
+            o[c + j] = narrow<T>(silu * widen(up[c + j]));
+        }
+    }
+}
+
 // out = silu(gate) * up with gate = x[:, :inter], up = x[:, inter:]: F.silu rounds to T
 // (computed as g / (1 + exp(-g)) in fp32, as torch's kernel does), then the product rounds to T.
+// With torch's vector exp (ps_set_vector_exp) each element's exp is the one torch used for it
+// on HF's contiguous gate: SLEEF's in vector lanes, std::exp in the scalar tails that
+// torch_scalar_tails finds for `threads` threads (torch's own count; the caller passes it).
 template <typename T>
 void silu_and_mul(const T* x, int64_t x_stride, T* out, int64_t out_stride, int64_t rows, int64_t inter,
                   int threads) {
+    const int lanes = g_vector_exp_lanes;
+    // torch's block: two Vectorized<T>; a Vectorized<BFloat16> holds twice the floats' lanes.
+    const int64_t block = int64_t{2} * lanes * (sizeof(T) == 2 ? 2 : 1);
+    const ScalarTails tails = lanes > 0 ? torch_scalar_tails(rows * inter, block, threads) : ScalarTails{};
 #pragma omp parallel for num_threads(threads) schedule(static) if (parallel_worth_it(rows, rows * inter, threads))
     for (int64_t r = 0; r < rows; ++r) {
         const T* gate = x + r * x_stride;
         const T* up = gate + inter;
         T* o = out + r * out_stride;
-        // In chunks: the scalar exp first (std::exp, torch's scalar SiLU's), then the rest of the
-        // element's work in a loop the compiler vectorises (in one loop the exp call kept the bf16
-        // widening and rounding scalar too: 1.6x the fp32 op's time at 246M's shapes).
-        constexpr int64_t kChunk = 256;
-        float e[kChunk];
-        for (int64_t c = 0; c < inter; c += kChunk) {
-            const int64_t n = std::min(kChunk, inter - c);
-            for (int64_t j = 0; j < n; ++j) e[j] = std::exp(-widen(gate[c + j]));
-            for (int64_t j = 0; j < n; ++j) {
-                const float silu = round_to<T>(widen(gate[c + j]) / (1.0f + e[j]));
-                o[c + j] = narrow<T>(silu * widen(up[c + j]));
-            }
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+        if (lanes == 16) {
+            silu_and_mul_row<Avx512>(gate, up, o, inter, r * inter, tails);
+            continue;
         }
+#endif
+#if defined(__AVX2__)
+        if (lanes == 8) {
+            silu_and_mul_row<Avx2>(gate, up, o, inter, r * inter, tails);
+            continue;
+        }
+#endif
+        silu_and_mul_row_scalar(gate, up, o, inter);
     }
 }
 
@@ -287,6 +466,23 @@ int ps_add_rms_norm(int dtype, const void* x, int64_t x_stride, void* residual, 
     } else {
         return -1;
     }
+    return 0;
+}
+
+// Hands over torch's vectorised expf (see silu_and_mul): `lanes` 16 for SLEEF's expf16_u10, 8
+// for expf8_u10, 0 (or a null `fn`) for std::exp everywhere. Returns 0, or -1 when this build
+// cannot call a function of that width (then std::exp stays). Call before any kernel runs.
+int ps_set_vector_exp(int lanes, void* fn) {
+    bool callable = fn == nullptr || lanes == 0;
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+    callable = callable || lanes == 16;
+#endif
+#if defined(__AVX2__)
+    callable = callable || lanes == 8;
+#endif
+    if (!callable) return -1;
+    g_vector_exp = fn == nullptr ? nullptr : fn;
+    g_vector_exp_lanes = fn == nullptr ? 0 : lanes;
     return 0;
 }
 

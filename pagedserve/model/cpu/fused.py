@@ -12,7 +12,8 @@ PAGEDSERVE_FUSED_OPS=auto|cpu|torch forces the choice; a forced `cpu` that canno
 error, not a fallback (as PAGEDSERVE_ATTENTION_BACKEND in pagedserve/attention).
 
 Invariants: the kernels round as the reference does (fused.cpp says where an fp32 ulp may
-differ); a call whose tensors the kernels do not take (dtype other than fp32 / bf16, mixed
+differ; SiLU uses, element by element, the exp torch's F.silu uses on HF's contiguous gate:
+`torch_vector_exp`); a call whose tensors the kernels do not take (dtype other than fp32 / bf16, mixed
 dtypes, a last dim that is not contiguous, other ranks) takes the reference path, per call.
 `add_rms_norm` and `apply_rotary` may update their inputs in place (the kernels do, the
 reference does not): callers use the returned tensors and do not read the inputs again.
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import os
 from functools import cache
 from pathlib import Path
 
@@ -33,7 +35,7 @@ from pagedserve.scratch import ScratchOutput
 logger = logging.getLogger("pagedserve.model.fused")
 
 SOURCE = Path(__file__).with_name("fused.cpp")
-ABI_VERSION = 1
+ABI_VERSION = 2
 FUSED_ENV = "PAGEDSERVE_FUSED_OPS"
 FUSED_CHOICES = ("auto", "cpu", "torch")
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
@@ -84,6 +86,8 @@ def bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     ptr, i64, c_int = _ptr, _i64, _c_int
     lib.ps_sum_of_squares.argtypes = [ptr, i64, c_int]
     lib.ps_sum_of_squares.restype = ctypes.c_float
+    lib.ps_set_vector_exp.argtypes = [c_int, ptr]
+    lib.ps_set_vector_exp.restype = c_int
     for fn in (lib.ps_rms_norm, lib.ps_add_rms_norm, lib.ps_silu_and_mul, lib.ps_rotary):
         fn.restype = c_int
     return lib
@@ -91,8 +95,47 @@ def bind(lib: ctypes.CDLL) -> ctypes.CDLL:
 
 @cache
 def load_library() -> ctypes.CDLL:
-    """The compiled kernels (built now if no cached build fits); NativeUnavailable says why not."""
-    return native.load_library(SOURCE, ABI_VERSION, bind, "CPU fused elementwise ops")
+    """The compiled kernels (built now if no cached build fits), given torch's vectorised exp
+    (`torch_vector_exp`); NativeUnavailable says why not."""
+    lib = native.load_library(SOURCE, ABI_VERSION, bind, "CPU fused elementwise ops")
+    lanes, address = torch_vector_exp()
+    if lib.ps_set_vector_exp(lanes, address) != 0:
+        logger.info("this build of fused.cpp cannot call a %d-float vector exp; SiLU uses std::exp "
+                    "(it may differ from torch's vectorised F.silu by an ulp)", lanes)
+        lib.ps_set_vector_exp(0, None)
+    return lib
+
+
+# The SLEEF function torch's Vectorized<float>::exp() calls under each CPU capability
+# (ATen/cpu/vec/vec512/vec512_float.h, vec256/vec256_float.h), and its float lanes.
+VECTOR_EXP_SYMBOLS = {"AVX512": ("Sleef_expf16_u10", 16), "AVX2": ("Sleef_expf8_u10", 8)}
+
+
+@cache
+def torch_vector_exp() -> tuple[int, int | None]:
+    """(lanes, address) of the exp torch's vectorised SiLU uses in this process, resolved in the
+    loaded libtorch_cpu (no link-time dependency on torch): SiLU in fused.cpp then equals
+    F.silu bit for bit. (0, None) where every exp is std::exp: under the DEFAULT capability
+    (torch's generic Vectorized maps std::exp, so the scalar path is already torch's), and
+    where the symbol cannot be found (another torch build, another CPU family), said once."""
+    capability = torch.backends.cpu.get_cpu_capability()
+    if capability == "DEFAULT":
+        return 0, None
+    if capability not in VECTOR_EXP_SYMBOLS:
+        logger.info("torch's CPU capability is %s; SiLU uses std::exp, which may differ from torch's "
+                    "vectorised F.silu by an ulp", capability)
+        return 0, None
+    name, lanes = VECTOR_EXP_SYMBOLS[capability]
+    path = Path(torch.__file__).parent / "lib" / "libtorch_cpu.so"
+    try:
+        # RTLD_NOLOAD: the copy torch already loaded, or nothing.
+        libtorch = ctypes.CDLL(str(path), mode=os.RTLD_NOLOAD | os.RTLD_LAZY)
+        address = ctypes.cast(getattr(libtorch, name), ctypes.c_void_p).value
+    except (OSError, AttributeError) as e:
+        logger.info("%s not found in %s (%s); SiLU uses std::exp, which may differ from torch's "
+                    "vectorised F.silu by an ulp", name, path, e)
+        return 0, None
+    return lanes, address
 
 
 @cache
