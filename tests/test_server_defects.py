@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -206,6 +207,39 @@ def test_tokenization_runs_off_the_event_loop(server, model):
     finally:
         release.set()
         processor.tokenize = original
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_ttft_and_e2e_count_from_the_http_request_not_the_engine_hand_off(server, model, stream):
+    """A client waits for parsing and tokenizing too: a prompt whose tokenizing takes 0.4 s adds
+    at least that to the server's TTFT and E2E latency (it once counted from the hand-off to the
+    engine and read faster than every client)."""
+    processor = server.async_engine.engine.input_processor
+    original = processor.tokenize
+    delay = 0.4
+
+    def slow_tokenize(text, *args, **kwargs):
+        if text == "slow prompt":
+            time.sleep(delay)
+        return original(text, *args, **kwargs)
+
+    wait_idle(server)
+    before = scrape(server)
+    processor.tokenize = slow_tokenize
+    try:
+        body = {"model": model, "prompt": "slow prompt", "max_tokens": 2, "stream": stream}
+        if stream:
+            assert sse_events(server, "/v1/completions", body)
+        else:
+            assert post(server, "/v1/completions", body).status_code == 200
+    finally:
+        processor.tokenize = original
+    after = wait_idle(server)
+    for name in ("time_to_first_token_seconds", "e2e_request_latency_seconds"):
+        count = f"pagedserve:{name}_count{{}}"
+        total = f"pagedserve:{name}_sum{{}}"
+        assert after[count] - before[count] == 1, name
+        assert after[total] - before[total] >= delay, (name, after[total] - before[total])
 
 
 def test_cached_tokens_in_usage(server, model, tiny_llama):

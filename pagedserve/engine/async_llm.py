@@ -201,9 +201,12 @@ class AsyncLLM:
         return self.client.num_pending_adds + self._num_waiting_in_core
 
     def submit(self, entries: Sequence[tuple[str, str | None, Sequence[int]]], params: SamplingParams,
-               priority: int = 0, kind: OutputKind = OutputKind.DELTA) -> asyncio.Queue:
+               priority: int = 0, kind: OutputKind = OutputKind.DELTA, arrival: float | None = None
+               ) -> asyncio.Queue:
         """Queue requests (id, prompt text, token ids; already validated) that share params and
-        one output queue: all of them, or none (EngineOverloaded, EngineDead)."""
+        one output queue: all of them, or none (EngineOverloaded, EngineDead). `arrival`: when
+        they came (time.monotonic(), e.g. the HTTP request's stamp; default now), which TTFT, E2E
+        latency, queue time and first-come order count from."""
         if self.refusal is not None:
             raise ServerShuttingDown(self.refusal)
         if not self.is_running:
@@ -214,9 +217,10 @@ class AsyncLLM:
             raise EngineOverloaded(f"the waiting queue is full ({self.num_waiting} of {self.max_queue_len} "
                                    f"sequences wait; this request adds {num_new}); retry later")
         queue: asyncio.Queue = asyncio.Queue()
-        arrival = time.monotonic()
+        now = time.monotonic()
+        arrival = now if arrival is None else min(arrival, now)
         if not self._has_work():  # the watchdog's clock for this work starts now, not at the last idle output
-            self._last_output = max(self._last_output, arrival)
+            self._last_output = max(self._last_output, now)
         engine = self.engine
         batch = []
         for request_id, text, token_ids in entries:

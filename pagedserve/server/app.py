@@ -32,7 +32,7 @@ from pagedserve.server.logprobs import LogprobFormats
 from pagedserve.server.protocol import (RETRY_AFTER_SECONDS, ChatCompletionRequest, CompletionRequest,
                                         DetokenizeRequest, TokenizeRequest, error_body)
 from pagedserve.server.request_handling import RequestHandling
-from pagedserve.server.request_trace import ArrivalStamp
+from pagedserve.server.request_trace import ArrivalStamp, received
 from pagedserve.server.sse import EngineStream, SSEStreams, unless_disconnected
 
 logger = logging.getLogger("pagedserve.server")
@@ -89,8 +89,9 @@ def build_app(async_engine: AsyncLLM, api_key: str | None = None, manage_engine:
     app.state.drain = drain
     app.add_middleware(Gate, api_key=api_key, max_request_bytes=max_request_bytes or None)
     app.add_middleware(DrainGate, drain=drain)  # outside the gate: it counts a request from its arrival
-    if server.request_trace is not None:
-        app.add_middleware(ArrivalStamp)  # added last = outermost: the stamp precedes the gate
+    # Added last = outermost: the stamp precedes the gate, the body parser and tokenizing, and it is the
+    # arrival TTFT, E2E latency and queue time count from (what the client waits, not just the engine).
+    app.add_middleware(ArrivalStamp)
     install_error_handlers(app)
 
     @app.api_route("/health", methods=["GET", "HEAD"])
@@ -133,9 +134,9 @@ def build_app(async_engine: AsyncLLM, api_key: str | None = None, manage_engine:
         if body.stream:
             rid = f"cmpl-{uuid.uuid4().hex}"
             server.trace_arrival(rid, request)
-            queue, ids = server.submit(rid, prompts, params, body.priority, OutputKind.DELTA)
+            queue, ids = server.submit(rid, prompts, params, body.priority, OutputKind.DELTA, received(request))
             return EngineStream(server.completion_stream(body, rid, prompts, params, queue, ids), async_engine, ids)
-        return await unless_disconnected(request, server.completion(body, prompts, params))
+        return await unless_disconnected(request, server.completion(body, prompts, params, received(request)))
 
     @app.post("/v1/chat/completions", responses=ERROR_RESPONSES)
     async def chat_completions(body: ChatCompletionRequest, request: Request):
@@ -143,9 +144,10 @@ def build_app(async_engine: AsyncLLM, api_key: str | None = None, manage_engine:
         if body.stream:
             rid = f"chatcmpl-{uuid.uuid4().hex}"
             server.trace_arrival(rid, request)
-            queue, ids = server.submit(rid, [plan.prompt], plan.params, body.priority, OutputKind.DELTA)
+            queue, ids = server.submit(rid, [plan.prompt], plan.params, body.priority, OutputKind.DELTA,
+                                       received(request))
             return EngineStream(server.chat_stream(body, rid, plan, queue, ids), async_engine, ids)
-        return await unless_disconnected(request, server.chat(body, plan))
+        return await unless_disconnected(request, server.chat(body, plan, received(request)))
 
     @app.post("/tokenize", responses=ERROR_RESPONSES)
     async def tokenize(body: TokenizeRequest):

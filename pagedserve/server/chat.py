@@ -173,9 +173,9 @@ class Chat:
             message["tool_calls"] = [c.to_openai() for c in calls]
         return message, finish
 
-    async def chat(self, body: ChatCompletionRequest, plan: ChatPlan) -> dict:
+    async def chat(self, body: ChatCompletionRequest, plan: ChatPlan, received: float | None = None) -> dict:
         rid = f"chatcmpl-{uuid.uuid4().hex}"
-        queue, ids = self.submit(rid, [plan.prompt], plan.params, body.priority, OutputKind.FINAL_ONLY)
+        queue, ids = self.submit(rid, [plan.prompt], plan.params, body.priority, OutputKind.FINAL_ONLY, received)
         final = None
         async for _, out in self.results(queue, ids):
             final = out

@@ -63,9 +63,10 @@ class Completions:
             return offset
         return lp["text_offset"][-1] + len(lp["tokens"][-1])
 
-    async def completion(self, body: CompletionRequest, prompts: list[Prompt], params: SamplingParams) -> dict:
+    async def completion(self, body: CompletionRequest, prompts: list[Prompt], params: SamplingParams,
+                         received: float | None = None) -> dict:
         rid = f"cmpl-{uuid.uuid4().hex}"
-        queue, ids = self.submit(rid, prompts, params, body.priority, OutputKind.FINAL_ONLY)
+        queue, ids = self.submit(rid, prompts, params, body.priority, OutputKind.FINAL_ONLY, received)
         final: dict[int, RequestOutput] = {}
         async for i, out in self.results(queue, ids):
             final[i] = out

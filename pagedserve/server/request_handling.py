@@ -18,7 +18,7 @@ from pagedserve.outputs import RequestOutput, merge_deltas
 from pagedserve.sampling import SamplingParams
 from pagedserve.server.errors import APIError, bad_request
 from pagedserve.server.protocol import RETRY_AFTER_SECONDS
-from pagedserve.server.request_trace import RequestTrace, request_trace_path
+from pagedserve.server.request_trace import RequestTrace, received, request_trace_path
 from pagedserve.structured.params import StructuredOutputsParams
 from pagedserve.structured.tool_parsers import get_tool_parser
 
@@ -64,7 +64,7 @@ class RequestHandling:
         """Streamed requests, with --step-trace-path: note when the HTTP request came and when it
         is handed to the engine (just before submit), for the request trace."""
         if self.request_trace is not None:
-            self.request_trace.arrived(rid, getattr(request.state, "t_http", None))
+            self.request_trace.arrived(rid, received(request))
 
     async def off_loop(self, fn, *args):
         """Run a tokenizing call on the tokenizer thread (a long prompt never stalls the loop)."""
@@ -218,11 +218,13 @@ class RequestHandling:
         return [Prompt(None, list(x)) for x in prompt]
     # -- running requests ------------------------------------------------------------
     def submit(self, base_id: str, prompts: list[Prompt], params: SamplingParams, priority: int,
-               kind: OutputKind) -> tuple[asyncio.Queue, list[str]]:
+               kind: OutputKind, received: float | None = None) -> tuple[asyncio.Queue, list[str]]:
+        """`received`: when the HTTP request came (time.monotonic()); the requests' arrival, so that
+        TTFT and E2E latency include parsing and tokenizing, as the client waits them."""
         ids = [base_id if len(prompts) == 1 else f"{base_id}-{i}" for i in range(len(prompts))]
         try:
             queue = self.async_engine.submit([(rid, p.text, p.token_ids) for rid, p in zip(ids, prompts)], params,
-                                             priority, kind)
+                                             priority, kind, arrival=received)
         except (EngineOverloaded, ServerShuttingDown) as e:
             raise APIError(503, str(e), headers={"Retry-After": str(RETRY_AFTER_SECONDS)}) from None
         except EngineDead as e:

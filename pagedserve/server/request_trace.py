@@ -45,6 +45,11 @@ class ArrivalStamp:
         await self.app(scope, receive, send)
 
 
+def received(request) -> float | None:
+    """When ArrivalStamp saw this HTTP request (time.monotonic()), or None outside the app."""
+    return getattr(request.state, "t_http", None)
+
+
 class RequestTrace:
     """Collects one streamed request's server-side timestamps and appends its line when it ends."""
 
