@@ -861,6 +861,64 @@ inline void fresh_pv(float* o, int64_t dp, const float* alpha, const float* p, c
         for (int c = 0; c < NB; ++c) store16(o + (lane0 + i) * dp + (c0 + c) * kLanes, acc[i][c]);
 }
 
+// r[0..15] (rows) := their transpose, in registers: four butterfly stages, each swapping the
+// off-diagonal h x h blocks of every 2h x 2h block (64 two-source shuffles in all).
+inline void transpose_16x16(v16* r) {
+    for (int i = 0; i < 16; i += 16)
+        for (int j = 0; j < 8; ++j) {
+            const v16 a = r[i + j], c = r[i + j + 8];
+            r[i + j] = PS_SHUFFLE(a, c, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23);
+            r[i + j + 8] = PS_SHUFFLE(a, c, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+        }
+    for (int i = 0; i < 16; i += 8)
+        for (int j = 0; j < 4; ++j) {
+            const v16 a = r[i + j], c = r[i + j + 4];
+            r[i + j] = PS_SHUFFLE(a, c, 0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27);
+            r[i + j + 4] = PS_SHUFFLE(a, c, 4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31);
+        }
+    for (int i = 0; i < 16; i += 4)
+        for (int j = 0; j < 2; ++j) {
+            const v16 a = r[i + j], c = r[i + j + 2];
+            r[i + j] = PS_SHUFFLE(a, c, 0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29);
+            r[i + j + 2] = PS_SHUFFLE(a, c, 2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31);
+        }
+    for (int i = 0; i < 16; i += 2) {
+        const v16 a = r[i], c = r[i + 1];
+        r[i] = PS_SHUFFLE(a, c, 0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30);
+        r[i + 1] = PS_SHUFFLE(a, c, 1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31);
+    }
+}
+
+// qt[d][lane] = q of lane (token q0 + lane / G, head g * G + lane % G) at d, times scale; dead
+// lanes (lane >= lanes) 0. fp32 / bf16 rows of whole vectors go through 16 x 16 transposes in
+// registers (a scalar scatter of q was a fifth of the kernel's time at 128 tokens).
+template <typename T>
+inline void fresh_load_q(const T* q0row, int64_t q_stride, int64_t G, int64_t head0, int64_t dh, int64_t lanes,
+                         float scale, float* qt) {
+    if constexpr (std::is_same_v<T, float> || std::is_same_v<T, bf16>) {
+        if (dh % kLanes == 0) {
+            for (int64_t lb = 0; lb < kFreshLanes; lb += kLanes) {
+                for (int64_t d0 = 0; d0 < dh; d0 += kLanes) {
+                    v16 r[kLanes];
+                    for (int64_t i = 0; i < kLanes; ++i) {
+                        const int64_t lane = lb + i;
+                        r[i] = lane < lanes ? loadv(q0row + (lane / G) * q_stride + (head0 + lane % G) * dh + d0) * scale
+                                            : v16{};
+                    }
+                    transpose_16x16(r);
+                    for (int64_t i = 0; i < kLanes; ++i) store16(qt + (d0 + i) * kFreshLanes + lb, r[i]);
+                }
+            }
+            return;
+        }
+    }
+    for (int64_t lane = 0; lane < kFreshLanes; ++lane) {
+        const bool live = lane < lanes;
+        const T* qr = q0row + (live ? lane / G : 0) * q_stride + (head0 + (live ? lane % G : 0)) * dh;
+        for (int64_t d = 0; d < dh; ++d) qt[d * kFreshLanes + lane] = live ? to_float(qr[d]) * scale : 0.0f;
+    }
+}
+
 template <typename T, int DC>
 void fresh_item(const FreshShape& sh, const FreshItem& it, const int32_t* q_start, const int32_t* q_len,
                 const T* q, const T* k, const T* v, T* out) {
@@ -898,12 +956,9 @@ void fresh_item(const FreshShape& sh, const FreshItem& it, const int32_t* q_star
     }
     for (int64_t tile = it.tile_lo; tile < it.tile_hi; ++tile) {
         const int64_t q0 = tile * bq, ntok = std::min<int64_t>(bq, len - q0), lanes = ntok * G;
+        fresh_load_q(q + (first + q0) * sh.q_stride, sh.q_stride, G, g * G, dh, lanes, sh.scale, qt);
         for (int64_t lane = 0; lane < kFreshLanes; ++lane) {
-            const bool live = lane < lanes;
-            const int64_t t = q0 + (live ? lane / G : 0), h = live ? lane % G : 0;
-            tok[lane] = static_cast<float>(t);
-            const T* qr = q + (first + t) * sh.q_stride + (g * G + h) * dh;
-            for (int64_t d = 0; d < dh; ++d) qt[d * kFreshLanes + lane] = live ? to_float(qr[d]) * sh.scale : 0.0f;
+            tok[lane] = static_cast<float>(q0 + (lane < lanes ? lane / G : 0));
             m[lane] = kNegInf;
             l[lane] = 0.0f;
         }
