@@ -35,12 +35,12 @@ from pagedserve.attention.torch_backend import PrefillChunk, attend_prefill_chun
 from pagedserve.native import ConvertedArgs
 from pagedserve.scratch import ScratchOutput
 
-# Chunks the plan's kernel attends. Longer fresh chunks go to the tiled causal path (from 16
+# Chunks the plan's kernel attends. Longer fresh chunks go to the tiled causal path (from 8
 # tokens it beat the plan's kernel at 4/2 and 16/4 heads x 64, fp32 and bf16, 1 and 2 threads on
-# the 2-core AVX-512 EPYC; at 8 tokens it lost some: benchmarks/README.md, 2026-12-04); longer
+# the 2-core AVX-512 EPYC; at 4 it lost in 5 of 8 cases: benchmarks/README.md, 2026-12-04); longer
 # chunks after cached keys go to SDPA (crossover measured on a 2-core AVX-512 Xeon, 16 heads /
 # 4 kv heads x 64, after 512 cached ones: ~8).
-KERNEL_MAX_FRESH_CHUNK = 15
+KERNEL_MAX_FRESH_CHUNK = 7
 KERNEL_MAX_CACHED_CHUNK = 8
 # The tiled path takes at most FRESH_MAX_GROUP query heads per kv head (one tile's 32 lanes).
 FRESH_MAX_GROUP = 32
