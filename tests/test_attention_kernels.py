@@ -168,13 +168,17 @@ def test_decode_sliding_window(window):
     check_step(step, heads=8, kv_heads=2, head_dim=64, block_size=16, num_blocks=300, window=window)
 
 
-@pytest.fixture(params=["routed", "kernel-only"])
+@pytest.fixture(params=["routed", "kernel-only", "tiled-fresh"])
 def routing(request, monkeypatch):
-    """As cpu_backend routes chunks (short ones to the kernel, long ones to SDPA), or every
-    chunk through the kernel, so its many-row tiles are checked whatever the thresholds."""
+    """As cpu_backend routes chunks (short ones to the kernel's plan, long fresh ones to its tiled
+    causal path, long ones after cached keys to SDPA), every chunk through the plan, so its
+    many-row tiles are checked whatever the thresholds, or every fresh chunk (1 token up)
+    through the tiled path."""
     if request.param == "kernel-only":
         monkeypatch.setattr(cpu_backend, "KERNEL_MAX_FRESH_CHUNK", 1 << 30)
         monkeypatch.setattr(cpu_backend, "KERNEL_MAX_CACHED_CHUNK", 1 << 30)
+    if request.param == "tiled-fresh":
+        monkeypatch.setattr(cpu_backend, "KERNEL_MAX_FRESH_CHUNK", 0)
     return request.param
 
 
@@ -237,6 +241,54 @@ def test_many_sequences_on_threads_take_all_kv_heads_per_item(threads, kv_heads,
                    dtype=dtype)
     finally:
         torch.set_num_threads(before)
+
+
+FRESH_LENGTHS = [1, 7, 16, 17, 33, 100, 257, 600]  # tiles are 32 / group tokens x 16 keys
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("head_dim", [64, 128, 80])
+@pytest.mark.parametrize("group", [1, 2, 4, 6])
+def test_fresh_chunks_tiled(group, head_dim, dtype, threads, monkeypatch):
+    """Fresh chunks through the tiled causal path (ps_fresh_prefill): lengths off the tile sizes,
+    1 to 600 tokens, beside decodes, a chunk after cached keys and one under a window, GQA groups
+    whose tiles have dead lanes (6: 30 of 32), a head_dim that is not a power of two."""
+    monkeypatch.setattr(cpu_backend, "KERNEL_MAX_FRESH_CHUNK", 0)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        rng = np.random.default_rng(group * 1000 + head_dim)
+        spans = [(0, n) for n in FRESH_LENGTHS] + [(40, 30)]
+        step = make_step(rng, 200, 16, decode_ctx=[5, 130], prefill_spans=spans)
+        meta, _ = cpu_backend.build_metadata(step.decodes, step.prefills, 16, None, torch.device("cpu"))
+        assert [c.q_len for c in meta.fresh_chunks] == FRESH_LENGTHS
+        check_step(step, heads=2 * group, kv_heads=2, head_dim=head_dim, block_size=16, num_blocks=200, dtype=dtype)
+    finally:
+        torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("group", [32, 33])
+def test_fresh_chunks_widest_groups(group):
+    """32 query heads per kv head fill a tile with one token; 33 go to SDPA instead."""
+    rng = np.random.default_rng(9)
+    step = make_step(rng, 100, 16, decode_ctx=[3], prefill_spans=[(0, 70), (0, 20)])
+    check_step(step, heads=group, kv_heads=1, head_dim=64, block_size=16, num_blocks=100)
+
+
+def test_fresh_chunk_large_scores_stay_finite():
+    """Peaked scores of large magnitude in the tiled path: its lane-wise running max keeps exp in range."""
+    rng = np.random.default_rng(10)
+    step = make_step(rng, 100, 16, decode_ctx=[], prefill_spans=[(0, 90)])
+    gen = torch.Generator().manual_seed(0)
+    k_pool = torch.randn(1600, 2, 64, generator=gen)
+    v_pool = torch.randn(1600, 2, 64, generator=gen)
+    q, k, v = kv_views(90, 4, 2, 64, torch.float32, gen)
+    q, k = q * 30, k * 30
+    got, _ = run_backend(cpu_backend, step, q, k, v, k_pool, v_pool, 16, None, 0.125)
+    want = hand_attention(q, k_pool, v_pool, step, 16, None, 0.125)
+    assert torch.isfinite(got).all()
+    torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=1e-5)
 
 
 def test_large_scores_stay_finite():

@@ -6,11 +6,13 @@ where K/V are read: the kernel walks each sequence's block table in the pool its
 layer gathers blocks into a padded buffer and no step builds a mask.
 
 Who attends what (measured: `benchmarks/attention_kernel.py --prefill`): decodes and short
-prefill chunks go to the kernel as one plan. Longer chunks go to torch's SDPA, whose GEMM-based
-tiles beat the kernel's there: a fresh chunk (no cached key, no window) causally over its own
-K/V, with no gather; a chunk that sees cached keys (a prefix hit, a later piece of a chunked
-prefill) or a window through the reference path (its own blocks gathered, a mask). The plan is
-built once per step and shared by every layer.
+prefill chunks go to the kernel as one plan. Longer fresh chunks (no cached key, no window: a
+burst's prompts) go to the kernel's tiled causal path (ps_fresh_prefill), which reads the
+chunk's own K/V rows and computes its scores as register GEMMs (2.3-4x SDPA's time at 128 tokens,
+benchmarks/README.md). Longer chunks that see cached keys (a prefix hit, a later piece of a chunked
+prefill) or a window go to torch's SDPA through the reference path (its own blocks gathered, a
+mask), as do fresh chunks over a quantized cache or with more than 32 query heads per kv head.
+The plan is built once per step and shared by every layer.
 
 A quantized cache (kv_quant.QuantizedKV: fp8 / int8 with scales) is written by kv_quant.store and
 read by the kernel, which decodes each byte and applies its scale as it loads a tile; q and the
@@ -33,10 +35,15 @@ from pagedserve.attention.torch_backend import PrefillChunk, attend_prefill_chun
 from pagedserve.native import ConvertedArgs
 from pagedserve.scratch import ScratchOutput
 
-# Chunks the kernel attends; longer ones go to SDPA (crossovers measured on a 2-core AVX-512
-# Xeon, 16 heads / 4 kv heads x 64: fresh ~48 tokens, after 512 cached ones ~8).
-KERNEL_MAX_FRESH_CHUNK = 47
+# Chunks the plan's kernel attends. Longer fresh chunks go to the tiled causal path (from 8
+# tokens it beat the plan's kernel at 4/2 and 16/4 heads x 64, fp32 and bf16, 1 and 2 threads on
+# the 2-core AVX-512 EPYC; at 4 it lost in 5 of 8 cases: benchmarks/README.md, 2026-12-04); longer
+# chunks after cached keys go to SDPA (crossover measured on a 2-core AVX-512 Xeon, 16 heads /
+# 4 kv heads x 64, after 512 cached ones: ~8).
+KERNEL_MAX_FRESH_CHUNK = 7
 KERNEL_MAX_CACHED_CHUNK = 8
+# The tiled path takes at most FRESH_MAX_GROUP query heads per kv head (one tile's 32 lanes).
+FRESH_MAX_GROUP = 32
 
 
 @dataclass
@@ -46,6 +53,11 @@ class KernelMetadata:
     plan: AttentionPlan                 # rows the kernel attends (num_seqs 0 = none this step)
     sdpa_chunks: list[PrefillChunk]     # chunks SDPA attends (torch_backend.attend_prefill_chunk)
     block_size: int
+    # Fresh causal chunks for ps_fresh_prefill (SDPA's if the kernel cannot take them), and their
+    # (num_chunks, q_start, q_len) as ctypes arguments made once per step.
+    fresh_chunks: list[PrefillChunk] = field(default_factory=list)
+    fresh_args: tuple = field(default=(), repr=False)
+    fresh_rows: np.ndarray | None = field(default=None, repr=False)  # [2, n] int32 behind fresh_args
     # The arrays behind plan's pointers: they must live as long as the plan.
     plan_arrays: tuple[np.ndarray, ...] = field(default=(), repr=False)
     plan_ref: object = field(default=None, repr=False)  # ctypes.byref(plan), made once per step
@@ -133,6 +145,7 @@ def build_metadata(decodes: list[tuple[Sequence[int], int]], prefills: list[tupl
                                         dtype=np.int64)] if decodes else []
     q_start, q_len, ctx_len = list(range(num_decodes)), [1] * num_decodes, [p + 1 for p in dec_pos]
     sdpa_chunks: list[PrefillChunk] = []
+    fresh_chunks: list[PrefillChunk] = []
     row = num_decodes
     for blocks, start, n in prefills:
         blocks = np.asarray(blocks, dtype=np.int64)
@@ -140,7 +153,9 @@ def build_metadata(decodes: list[tuple[Sequence[int], int]], prefills: list[tupl
         positions.append(pos)
         slots.append(slots_for(blocks, pos, block_size))
         fresh = start == 0 and not (sliding_window and n > sliding_window)
-        if n > (KERNEL_MAX_FRESH_CHUNK if fresh else KERNEL_MAX_CACHED_CHUNK):
+        if fresh and n > KERNEL_MAX_FRESH_CHUNK:
+            fresh_chunks.append(PrefillChunk(row, n, 0, None, None))
+        elif n > (KERNEL_MAX_FRESH_CHUNK if fresh else KERNEL_MAX_CACHED_CHUNK):
             sdpa_chunks.append(prefill_chunk(blocks, start, n, row, block_size, sliding_window, device))
         else:
             q_start.append(row)
@@ -154,7 +169,13 @@ def build_metadata(decodes: list[tuple[Sequence[int], int]], prefills: list[tupl
     all_pos = np.concatenate(positions) if len(positions) > 1 else positions[0]
     slot_mapping = torch.from_numpy(np.concatenate(slots) if len(slots) > 1 else
                                     slots[0] if slots else np.zeros(0, dtype=np.int64))
-    return KernelMetadata(slot_mapping, num_decodes, plan, sdpa_chunks, block_size, arrays), all_pos
+    meta = KernelMetadata(slot_mapping, num_decodes, plan, sdpa_chunks, block_size, fresh_chunks, plan_arrays=arrays)
+    if fresh_chunks:
+        fresh_rows = np.array([(c.q_start, c.q_len) for c in fresh_chunks], dtype=np.int32).T.copy()
+        meta.fresh_rows = fresh_rows
+        meta.fresh_args = (ctypes.c_int64(len(fresh_chunks)), ctypes.c_void_p(fresh_rows[0].ctypes.data),
+                           ctypes.c_void_p(fresh_rows[1].ctypes.data))
+    return meta, all_pos
 
 
 TORCH_DTYPE_CODES = {getattr(torch, name): code for name, code in DTYPE_CODES.items()}
@@ -184,6 +205,13 @@ def _attention_layer_call() -> ConvertedArgs:
     once per step) and the rest converted once per distinct tuple of values (native.ConvertedArgs:
     each layer's shapes and addresses are the same every step)."""
     return ConvertedArgs(load_kernel().ps_attention_layer, raw=2)
+
+
+@cache
+def _fresh_prefill_call() -> ConvertedArgs:
+    """ps_fresh_prefill, the step's chunk arrays passed as made (fresh_args), the rest as
+    _attention_layer_call converts them."""
+    return ConvertedArgs(load_kernel().ps_fresh_prefill, raw=3)
 
 
 def _check(rc: int, q: torch.Tensor, k_cache: torch.Tensor) -> None:
@@ -230,7 +258,17 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         meta.block_size * token_stride, head_dim, token_stride, TORCH_DTYPE_CODES[cache_dtype], num_heads,
         k.shape[1], head_dim, scale, torch.get_num_threads())
     _check(rc, q, k_cache)
-    for c in meta.sdpa_chunks:
+    sdpa_chunks = meta.sdpa_chunks
+    if meta.fresh_chunks:
+        if num_heads // k.shape[1] <= FRESH_MAX_GROUP:
+            rc = _fresh_prefill_call().call_raw(
+                meta.fresh_args, q.data_ptr(), q_stride, k.data_ptr(), k_stride, v.data_ptr(), v_stride, out.data_ptr(),
+                num_heads * head_dim, TORCH_DTYPE_CODES[cache_dtype], num_heads, k.shape[1], head_dim, scale,
+                torch.get_num_threads())
+            _check(rc, q, k_cache)
+        else:
+            sdpa_chunks = sdpa_chunks + meta.fresh_chunks
+    for c in sdpa_chunks:
         out[c.q_start:c.q_start + c.q_len] = attend_prefill_chunk(q, k, v, k_cache, v_cache, c, meta.block_size, scale)
     return out if compute_dtype == cache_dtype else out.to(compute_dtype)
 
@@ -259,6 +297,6 @@ def _paged_attention_quantized(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
             v_cache.scales.data_ptr() if per_token else None, k_cache.scales.stride(0) if per_token else 0,
             k_cache.scale, v_cache.scale, torch.get_num_threads())
         _check(rc, qf, values)
-    for c in meta.sdpa_chunks:
+    for c in meta.sdpa_chunks + meta.fresh_chunks:  # fresh chunks too: the tiled path reads plain K/V
         out[c.q_start:c.q_start + c.q_len] = attend_prefill_chunk(q, k, v, k_cache, v_cache, c, meta.block_size, scale)
     return out if q.dtype == torch.float32 else out.to(q.dtype)

@@ -49,7 +49,7 @@
 
 namespace {
 
-constexpr int kAbiVersion = 4;
+constexpr int kAbiVersion = 5;
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
 enum DType : int { kFloat32 = 0, kBFloat16 = 1, kFloat16 = 2, kFp8E4M3 = 3, kFp8E5M2 = 4, kInt8 = 5 };
@@ -784,6 +784,314 @@ int dispatch_head_dim(const PsAttentionPlan& plan, const Shape& sh, const void* 
     return 0;
 }
 
+// ---- Fresh causal prefill chunks (start 0, no window): tiled, scores as register GEMMs ----
+//
+// A fresh chunk attends causally over its own K/V, read from the step's k / v rows (no block
+// table). One work item is (chunk, kv head, a range of q tiles). A q tile is kFreshLanes query
+// vectors, kept transposed and pre-scaled (qt[d][lane]): BQ = 32 / G tokens x the G heads of
+// the kv head's group, token-major (lane = token * G + head), so every query head of the group
+// shares each K/V row. For a tile of kFreshKeys keys, the scores come out transposed,
+// s[key][lane]: each K value broadcast against two lane vectors, 8 keys x 2 vectors of
+// accumulators in registers (a GEMM micro-kernel), so the softmax's max and sum run lane-wise
+// across keys with no horizontal reduction. P.V: o[lane][d] += p[key][lane] v[key][d], 4 lanes
+// x 4 vectors of d in registers per pass over the tile's keys; the rescale by
+// alpha = exp(m_old - m_new) is folded into loading o. Only tiles that reach past the q tile's
+// first token are masked; tiles past its last token are never computed. The item's K/V rows are
+// first widened to fp32 rows of `dp` floats (zero-padded to whole tiles and vectors), once per
+// item: any head_dim, any storage type, each row read once from the strided qkv output.
+constexpr int kFreshLanes = 32;
+constexpr int kFreshKeys = 16;
+
+struct FreshItem {
+    int32_t chunk, kv_head, tile_lo, tile_hi;  // q tiles [tile_lo, tile_hi) of BQ tokens
+    int64_t cost;
+};
+
+struct FreshShape {
+    int64_t num_heads, num_kv_heads, head_dim, group, dp, bq;
+    int64_t q_stride, k_stride, v_stride, out_stride;  // row strides (elements)
+    float scale;
+};
+
+thread_local Scratch<float> tls_fresh;
+
+inline float* align64(float* p) {
+    return reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(p) + 63) & ~static_cast<uintptr_t>(63));
+}
+
+// s[i][0..31] = sum_d ks[i][d] * qt[d][0..31] for 8 key rows (dp floats apart), d < D.
+template <int DC>
+inline void fresh_scores_8(const float* ks, int64_t dp, int64_t dh, const float* qt, float* s) {
+    v16 a0[8], a1[8];
+    for (int i = 0; i < 8; ++i) a0[i] = a1[i] = v16{};
+    const int64_t n = DC > 0 ? DC : dh;
+#pragma GCC unroll 4
+    for (int64_t d = 0; d < n; ++d) {
+        const v16 b0 = load16(qt + d * kFreshLanes), b1 = load16(qt + d * kFreshLanes + kLanes);
+        for (int i = 0; i < 8; ++i) {
+            const float x = ks[i * dp + d];
+            a0[i] += x * b0;
+            a1[i] += x * b1;
+        }
+    }
+    for (int i = 0; i < 8; ++i) {
+        store16(s + i * kFreshLanes, a0[i]);
+        store16(s + i * kFreshLanes + kLanes, a1[i]);
+    }
+}
+
+// o[lane0 + i][c0 * 16 ...] = o * alpha[lane] + sum_j p[j][lane] * vs[j][...], 4 lanes x NB vectors.
+template <int NB>
+inline void fresh_pv(float* o, int64_t dp, const float* alpha, const float* p, const float* vs, int64_t nkeys,
+                     int64_t lane0, int64_t c0) {
+    v16 acc[4][NB];
+    for (int i = 0; i < 4; ++i) {
+        const float a = alpha[lane0 + i];
+        for (int c = 0; c < NB; ++c) acc[i][c] = load16(o + (lane0 + i) * dp + (c0 + c) * kLanes) * a;
+    }
+    for (int64_t j = 0; j < nkeys; ++j) {
+        v16 vv[NB];
+        for (int c = 0; c < NB; ++c) vv[c] = load16(vs + j * dp + (c0 + c) * kLanes);
+        for (int i = 0; i < 4; ++i) {
+            const float x = p[j * kFreshLanes + lane0 + i];
+            for (int c = 0; c < NB; ++c) acc[i][c] += x * vv[c];
+        }
+    }
+    for (int i = 0; i < 4; ++i)
+        for (int c = 0; c < NB; ++c) store16(o + (lane0 + i) * dp + (c0 + c) * kLanes, acc[i][c]);
+}
+
+// r[0..15] (rows) := their transpose, in registers: four butterfly stages, each swapping the
+// off-diagonal h x h blocks of every 2h x 2h block (64 two-source shuffles in all).
+inline void transpose_16x16(v16* r) {
+    for (int i = 0; i < 16; i += 16)
+        for (int j = 0; j < 8; ++j) {
+            const v16 a = r[i + j], c = r[i + j + 8];
+            r[i + j] = PS_SHUFFLE(a, c, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23);
+            r[i + j + 8] = PS_SHUFFLE(a, c, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+        }
+    for (int i = 0; i < 16; i += 8)
+        for (int j = 0; j < 4; ++j) {
+            const v16 a = r[i + j], c = r[i + j + 4];
+            r[i + j] = PS_SHUFFLE(a, c, 0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27);
+            r[i + j + 4] = PS_SHUFFLE(a, c, 4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31);
+        }
+    for (int i = 0; i < 16; i += 4)
+        for (int j = 0; j < 2; ++j) {
+            const v16 a = r[i + j], c = r[i + j + 2];
+            r[i + j] = PS_SHUFFLE(a, c, 0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29);
+            r[i + j + 2] = PS_SHUFFLE(a, c, 2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31);
+        }
+    for (int i = 0; i < 16; i += 2) {
+        const v16 a = r[i], c = r[i + 1];
+        r[i] = PS_SHUFFLE(a, c, 0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30);
+        r[i + 1] = PS_SHUFFLE(a, c, 1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31);
+    }
+}
+
+// qt[d][lane] = q of lane (token q0 + lane / G, head g * G + lane % G) at d, times scale; dead
+// lanes (lane >= lanes) 0. fp32 / bf16 rows of whole vectors go through 16 x 16 transposes in
+// registers (a scalar scatter of q was a fifth of the kernel's time at 128 tokens).
+template <typename T>
+inline void fresh_load_q(const T* q0row, int64_t q_stride, int64_t G, int64_t head0, int64_t dh, int64_t lanes,
+                         float scale, float* qt) {
+    if constexpr (std::is_same_v<T, float> || std::is_same_v<T, bf16>) {
+        if (dh % kLanes == 0) {
+            for (int64_t lb = 0; lb < kFreshLanes; lb += kLanes) {
+                for (int64_t d0 = 0; d0 < dh; d0 += kLanes) {
+                    v16 r[kLanes];
+                    for (int64_t i = 0; i < kLanes; ++i) {
+                        const int64_t lane = lb + i;
+                        r[i] = lane < lanes ? loadv(q0row + (lane / G) * q_stride + (head0 + lane % G) * dh + d0) * scale
+                                            : v16{};
+                    }
+                    transpose_16x16(r);
+                    for (int64_t i = 0; i < kLanes; ++i) store16(qt + (d0 + i) * kFreshLanes + lb, r[i]);
+                }
+            }
+            return;
+        }
+    }
+    for (int64_t lane = 0; lane < kFreshLanes; ++lane) {
+        const bool live = lane < lanes;
+        const T* qr = q0row + (live ? lane / G : 0) * q_stride + (head0 + (live ? lane % G : 0)) * dh;
+        for (int64_t d = 0; d < dh; ++d) qt[d * kFreshLanes + lane] = live ? to_float(qr[d]) * scale : 0.0f;
+    }
+}
+
+template <typename T, int DC>
+void fresh_item(const FreshShape& sh, const FreshItem& it, const int32_t* q_start, const int32_t* q_len,
+                const T* q, const T* k, const T* v, T* out) {
+    const int64_t dh = DC > 0 ? DC : sh.head_dim, dp = DC > 0 ? DC : sh.dp, G = sh.group, bq = sh.bq;
+    const int64_t first = q_start[it.chunk], len = q_len[it.chunk], g = it.kv_head;
+    const int64_t nkeys = std::min<int64_t>(len, static_cast<int64_t>(it.tile_hi) * bq);  // keys any row sees
+    const int64_t kpad = (nkeys + kFreshKeys - 1) / kFreshKeys * kFreshKeys;
+    const int64_t nvec = dp / kLanes;
+    float* base = align64(tls_fresh.get(static_cast<size_t>(2 * kpad * dp + dh * kFreshLanes + kFreshLanes * dp +
+                                                            kFreshKeys * kFreshLanes + 4 * kFreshLanes + 64)));
+    float* ks = base;                          // [kpad][dp]
+    float* vs = ks + kpad * dp;                // [kpad][dp]
+    float* qt = vs + kpad * dp;                // [dh][32]
+    float* o = qt + dh * kFreshLanes;          // [32][dp]
+    float* s = o + kFreshLanes * dp;           // [16][32] scores, then probabilities
+    float* m = s + kFreshKeys * kFreshLanes;   // [32] running max
+    float* l = m + kFreshLanes;                // [32] running sum
+    float* alpha = l + kFreshLanes;            // [32]
+    float* tok = alpha + kFreshLanes;          // [32] each lane's token (as float, for the mask)
+    for (int64_t j = 0; j < kpad; ++j) {
+        float* kd = ks + j * dp;
+        float* vd = vs + j * dp;
+        if (j < nkeys) {
+            const T* kr = k + (first + j) * sh.k_stride + g * dh;
+            const T* vr = v + (first + j) * sh.v_stride + g * dh;
+#pragma omp simd
+            for (int64_t d = 0; d < dh; ++d) kd[d] = to_float(kr[d]);
+#pragma omp simd
+            for (int64_t d = 0; d < dh; ++d) vd[d] = to_float(vr[d]);
+            for (int64_t d = dh; d < dp; ++d) kd[d] = vd[d] = 0.0f;
+        } else {
+            std::fill(kd, kd + dp, 0.0f);  // never seen: masked (past every row's token)
+            std::fill(vd, vd + dp, 0.0f);
+        }
+    }
+    for (int64_t tile = it.tile_lo; tile < it.tile_hi; ++tile) {
+        const int64_t q0 = tile * bq, ntok = std::min<int64_t>(bq, len - q0), lanes = ntok * G;
+        fresh_load_q(q + (first + q0) * sh.q_stride, sh.q_stride, G, g * G, dh, lanes, sh.scale, qt);
+        for (int64_t lane = 0; lane < kFreshLanes; ++lane) {
+            tok[lane] = static_cast<float>(q0 + (lane < lanes ? lane / G : 0));
+            m[lane] = kNegInf;
+            l[lane] = 0.0f;
+        }
+        std::fill(o, o + kFreshLanes * dp, 0.0f);
+        const int64_t lane_blocks = (lanes + 3) / 4;
+        const int64_t last_tok = q0 + ntok - 1;
+        const int64_t num_key_tiles = last_tok / kFreshKeys + 1;
+        for (int64_t kt = 0; kt < num_key_tiles; ++kt) {
+            const int64_t k0 = kt * kFreshKeys;
+            fresh_scores_8<DC>(ks + k0 * dp, dp, dh, qt, s);
+            fresh_scores_8<DC>(ks + (k0 + 8) * dp, dp, dh, qt, s + 8 * kFreshLanes);
+            const bool diagonal = k0 + kFreshKeys - 1 > q0;
+            if (diagonal) {  // key k0 + j is hidden from lanes whose token is before it
+                for (int64_t j = 0; j < kFreshKeys; ++j) {
+                    const float key = static_cast<float>(k0 + j);
+                    float* sj = s + j * kFreshLanes;
+#pragma omp simd
+                    for (int64_t lane = 0; lane < kFreshLanes; ++lane) sj[lane] = key > tok[lane] ? kNegInf : sj[lane];
+                }
+            }
+            float mx[kFreshLanes];
+#pragma omp simd
+            for (int64_t lane = 0; lane < kFreshLanes; ++lane) mx[lane] = m[lane];
+            for (int64_t j = 0; j < kFreshKeys; ++j) {
+                const float* sj = s + j * kFreshLanes;
+#pragma omp simd
+                for (int64_t lane = 0; lane < kFreshLanes; ++lane) mx[lane] = std::max(mx[lane], sj[lane]);
+            }
+            // Every lane sees key 0 in the first tile, so mx is finite from then on.
+            float sum[kFreshLanes];
+#pragma omp simd
+            for (int64_t lane = 0; lane < kFreshLanes; ++lane) {
+                alpha[lane] = fast_exp(m[lane] - mx[lane]);  // m = -inf at first: ~1e-38 x (l = 0, o = 0)
+                sum[lane] = 0.0f;
+            }
+            for (int64_t j = 0; j < kFreshKeys; ++j) {
+                float* sj = s + j * kFreshLanes;
+#pragma omp simd
+                for (int64_t lane = 0; lane < kFreshLanes; ++lane) {
+                    const float p = sj[lane] == kNegInf ? 0.0f : fast_exp(sj[lane] - mx[lane]);
+                    sj[lane] = p;
+                    sum[lane] += p;
+                }
+            }
+#pragma omp simd
+            for (int64_t lane = 0; lane < kFreshLanes; ++lane) {
+                l[lane] = keep_rounded(l[lane] * alpha[lane]) + sum[lane];
+                m[lane] = mx[lane];
+            }
+            const float* vt = vs + k0 * dp;
+            for (int64_t b = 0; b < lane_blocks; ++b) {
+                int64_t c0 = 0;
+                for (; c0 + 4 <= nvec; c0 += 4) fresh_pv<4>(o, dp, alpha, s, vt, kFreshKeys, 4 * b, c0);
+                switch (nvec - c0) {
+                    case 3: fresh_pv<3>(o, dp, alpha, s, vt, kFreshKeys, 4 * b, c0); break;
+                    case 2: fresh_pv<2>(o, dp, alpha, s, vt, kFreshKeys, 4 * b, c0); break;
+                    case 1: fresh_pv<1>(o, dp, alpha, s, vt, kFreshKeys, 4 * b, c0); break;
+                    default: break;
+                }
+            }
+        }
+        for (int64_t lane = 0; lane < lanes; ++lane) {
+            const int64_t t = q0 + lane / G, h = lane % G;
+            T* orow = out + (first + t) * sh.out_stride + (g * G + h) * dh;
+            const float inv = 1.0f / l[lane];
+            const float* ol = o + lane * dp;
+            for (int64_t d = 0; d < dh; ++d) store(orow + d, ol[d] * inv);
+        }
+    }
+}
+
+template <typename T, int DC>
+void run_fresh(const FreshShape& sh, int64_t num_chunks, const int32_t* q_start, const int32_t* q_len,
+               const void* q, const void* k, const void* v, void* out, int num_threads) {
+    // Items: (chunk, kv head) with all its q tiles, or, when that leaves too few for the threads,
+    // its q tiles cut into ranges of about equal cost (tile t costs ~t + 1 key tiles).
+    int64_t work = 0;
+    for (int64_t c = 0; c < num_chunks; ++c) work += static_cast<int64_t>(q_len[c]) * q_len[c] / 2;
+    if (work * sh.num_heads < kMinParallelWork) num_threads = 1;
+    const int64_t wanted = num_threads > 1 ? 4 * static_cast<int64_t>(num_threads) : 1;
+    const int64_t base = num_chunks * sh.num_kv_heads;
+    const int64_t splits = base >= wanted ? 1 : (wanted + base - 1) / base;
+    std::vector<FreshItem> items;
+    for (int64_t c = 0; c < num_chunks; ++c) {
+        const int64_t tiles = (q_len[c] + sh.bq - 1) / sh.bq;
+        const int64_t total = tiles * (tiles + 1) / 2;
+        const int64_t parts = std::min(splits, tiles);
+        for (int32_t g = 0; g < sh.num_kv_heads; ++g) {
+            int64_t lo = 0, acc = 0;
+            for (int64_t part = 1; part <= parts && lo < tiles; ++part) {
+                int64_t hi = lo;
+                const int64_t target = total * part / parts;
+                while (hi < tiles && (acc + hi + 1 <= target || hi == lo)) acc += ++hi;
+                if (part == parts) {
+                    while (hi < tiles) acc += ++hi;
+                }
+                const int64_t cost = (hi * (hi + 1) - lo * (lo + 1)) / 2;
+                items.push_back({static_cast<int32_t>(c), g, static_cast<int32_t>(lo), static_cast<int32_t>(hi), cost});
+                lo = hi;
+            }
+        }
+    }
+    if (num_threads > 1)
+        std::stable_sort(items.begin(), items.end(), [](const FreshItem& a, const FreshItem& b) { return a.cost > b.cost; });
+    const int64_t n = static_cast<int64_t>(items.size());
+    const T* qp = static_cast<const T*>(q);
+    const T* kp = static_cast<const T*>(k);
+    const T* vp = static_cast<const T*>(v);
+    T* op = static_cast<T*>(out);
+    std::atomic<int64_t> claimed{0};
+    auto work_items = [&]() {
+        for (int64_t i = claimed.fetch_add(1, std::memory_order_relaxed); i < n;
+             i = claimed.fetch_add(1, std::memory_order_relaxed))
+            fresh_item<T, DC>(sh, items[i], q_start, q_len, qp, kp, vp, op);
+    };
+    if (num_threads > 1 && n > 1) {
+#pragma omp parallel num_threads(num_threads)
+        work_items();
+    } else {
+        work_items();
+    }
+}
+
+template <typename T>
+void dispatch_fresh(const FreshShape& sh, int64_t num_chunks, const int32_t* q_start, const int32_t* q_len,
+                    const void* q, const void* k, const void* v, void* out, int num_threads) {
+    switch (sh.head_dim) {
+        case 64: run_fresh<T, 64>(sh, num_chunks, q_start, q_len, q, k, v, out, num_threads); break;
+        case 128: run_fresh<T, 128>(sh, num_chunks, q_start, q_len, q, k, v, out, num_threads); break;
+        default: run_fresh<T, 0>(sh, num_chunks, q_start, q_len, q, k, v, out, num_threads); break;
+    }
+}
+
 }  // namespace
 
 extern "C" {
@@ -885,6 +1193,31 @@ int ps_attention_layer(const PsAttentionPlan* plan, const int64_t* slot_mapping,
     return ps_paged_attention(plan, q, q_row_stride, dtype, k_cache, v_cache, block_stride, head_stride, token_stride,
                               dtype, out, out_row_stride, num_heads, num_kv_heads, head_dim, scale, nullptr, nullptr,
                               0, 1.0f, 1.0f, num_threads);
+}
+
+// Fresh causal prefill chunks (start 0, no window) over their own K/V: chunk c is rows
+// [q_start[c], q_start[c] + q_len[c]) of q, k, v and out (row strides in elements; each
+// token's heads contiguous), row j attending keys [0, j]. q, k, v and out share one dtype.
+// Returns 0, -1 for a bad shape (num_heads / num_kv_heads over 32), -2 for an unsupported dtype.
+int ps_fresh_prefill(int64_t num_chunks, const int32_t* q_start, const int32_t* q_len, const void* q,
+                     int64_t q_row_stride, const void* k, int64_t k_row_stride, const void* v, int64_t v_row_stride,
+                     void* out, int64_t out_row_stride, int dtype, int64_t num_heads, int64_t num_kv_heads,
+                     int64_t head_dim, float scale, int num_threads) {
+    if (num_kv_heads <= 0 || num_heads % num_kv_heads != 0 || head_dim <= 0) return -1;
+    const int64_t group = num_heads / num_kv_heads;
+    if (group > kFreshLanes) return -1;
+    if (num_chunks == 0) return 0;
+    FreshShape sh{num_heads, num_kv_heads, head_dim, group, (head_dim + kLanes - 1) / kLanes * kLanes,
+                  kFreshLanes / group, q_row_stride, k_row_stride, v_row_stride, out_row_stride, scale};
+    num_threads = std::max(1, num_threads);
+    switch (dtype) {
+        case kFloat32: dispatch_fresh<float>(sh, num_chunks, q_start, q_len, q, k, v, out, num_threads); return 0;
+        case kBFloat16: dispatch_fresh<bf16>(sh, num_chunks, q_start, q_len, q, k, v, out, num_threads); return 0;
+#ifdef __FLT16_MAX__
+        case kFloat16: dispatch_fresh<f16>(sh, num_chunks, q_start, q_len, q, k, v, out, num_threads); return 0;
+#endif
+        default: return -2;
+    }
 }
 
 }  // extern "C"
