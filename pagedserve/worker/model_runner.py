@@ -32,6 +32,8 @@ from __future__ import annotations
 import ctypes
 import itertools
 import logging
+import math
+import mmap
 import os
 import time
 from dataclasses import dataclass
@@ -79,14 +81,20 @@ def keep_freed_memory_in_process() -> None:
 
 def allocate_zeroed(shape: tuple, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """A zero-filled pool. Zeros matter: padded attention reads may touch never-written
-    slots, and garbage NaNs there would poison the masked sums. On CPU, numpy's calloc
-    maps zero pages lazily, so a 4 GiB pool costs nothing until its blocks are written
-    (torch.zeros would touch every page up front: seconds at start-up)."""
+    slots, and garbage NaNs there would poison the masked sums. On CPU it is an anonymous
+    mmap with no advice: zero pages the kernel maps lazily, so a 4 GiB pool costs nothing until
+    its blocks are written (torch.zeros touched every page up front: 12 s for 4 GiB on a 2-core
+    EPYC). Not numpy's calloc: numpy advises MADV_HUGEPAGE on big arrays, and where the kernel's
+    THP defrag is `madvise` (a common default) each first write of a 2 MiB page then stalls for
+    compaction; a 32 x 128-token prefill of the 19M Llama into a fresh 4 GiB pool took 110 ms
+    that way, 75 ms here, 70 ms in a pool small enough to stay warm (benchmarks/README.md)."""
     if device.type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    raw = np.zeros(shape, dtype={1: np.int8, 2: np.int16, 4: np.int32, 8: np.int64}[itemsize])
-    return torch.from_numpy(raw).view(dtype)
+    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    if nbytes == 0:
+        return torch.zeros(shape, dtype=dtype)
+    buf = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    return torch.frombuffer(buf, dtype=torch.uint8).view(dtype).view(shape)  # the tensor keeps buf alive
 
 
 @dataclass
