@@ -51,3 +51,17 @@ def test_pool_is_zeros_mapped_lazily_without_huge_page_advice(dtype):
     assert not pool.any()
     pool[1, 0, 5] = 3
     assert int(pool.sum()) == 3 * 64
+
+
+def test_a_fork_succeeds_beside_pools_larger_than_memory():
+    """Pools mapped side by side merge into one mapping; a fork() must not be refused for it (the
+    kernel's overcommit guess checks each accounted mapping against RAM + swap)."""
+    with open("/proc/meminfo") as f:
+        info = {line.split(":")[0]: int(line.split()[1]) * 1024 for line in f}
+    each = (info["MemTotal"] + info.get("SwapTotal", 0)) // 2
+    pools = [allocate_zeroed((each // 4,), torch.float32, torch.device("cpu")) for _ in range(3)]
+    pid = os.fork()
+    if pid == 0:
+        os._exit(0)
+    assert os.waitpid(pid, 0)[1] == 0
+    assert not pools[0][:16].any()

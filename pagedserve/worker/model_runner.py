@@ -35,6 +35,7 @@ import logging
 import math
 import mmap
 import os
+import sys
 import time
 from dataclasses import dataclass
 
@@ -79,6 +80,14 @@ def keep_freed_memory_in_process() -> None:
     libc.mallopt(M_TRIM_THRESHOLD, (1 << 31) - 1)
 
 
+# Linux's MAP_NORESERVE (not every Python's mmap module names it). Without it, pools mapped side by
+# side merge into one accounted mapping, and a fork() checks that mapping alone against RAM + swap:
+# three 10 GiB pools on a 24 GiB machine made os.fork() fail with ENOMEM (numpy's calloc'd pools
+# never merged). Pages still come as they are written; under strict overcommit (mode 2) the kernel
+# ignores the flag and charges the pool up front, as before.
+MAP_NORESERVE = getattr(mmap, "MAP_NORESERVE", 0x4000 if sys.platform.startswith("linux") else 0)
+
+
 def allocate_zeroed(shape: tuple, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """A zero-filled pool. Zeros matter: padded attention reads may touch never-written
     slots, and garbage NaNs there would poison the masked sums. On CPU it is an anonymous
@@ -93,7 +102,7 @@ def allocate_zeroed(shape: tuple, dtype: torch.dtype, device: torch.device) -> t
     nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
     if nbytes == 0:
         return torch.zeros(shape, dtype=dtype)
-    buf = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    buf = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | MAP_NORESERVE)
     return torch.frombuffer(buf, dtype=torch.uint8).view(dtype).view(shape)  # the tensor keeps buf alive
 
 
