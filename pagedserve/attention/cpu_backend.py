@@ -8,8 +8,8 @@ layer gathers blocks into a padded buffer and no step builds a mask.
 Who attends what (measured: `benchmarks/attention_kernel.py --prefill`): decodes and short
 prefill chunks go to the kernel as one plan. Longer fresh chunks (no cached key, no window: a
 burst's prompts) go to the kernel's tiled causal path (ps_fresh_prefill), which reads the
-chunk's own K/V rows and computes its scores as register GEMMs (2.3-4x SDPA's time at 128 tokens,
-benchmarks/README.md). Longer chunks that see cached keys (a prefix hit, a later piece of a chunked
+chunk's own K/V rows and computes its scores as register GEMMs (SDPA took 2.4-4.2x its time per
+layer, 48 to 2,048 tokens a chunk: benchmarks/README.md). Longer chunks that see cached keys (a prefix hit, a later piece of a chunked
 prefill) or a window go to torch's SDPA through the reference path (its own blocks gathered, a
 mask), as do fresh chunks over a quantized cache or with more than 32 query heads per kv head.
 The plan is built once per step and shared by every layer.
@@ -35,10 +35,10 @@ from pagedserve.attention.torch_backend import PrefillChunk, attend_prefill_chun
 from pagedserve.native import ConvertedArgs
 from pagedserve.scratch import ScratchOutput
 
-# Chunks the plan's kernel attends. Longer fresh chunks go to the tiled causal path (from 8
-# tokens it beat the plan's kernel at 4/2 and 16/4 heads x 64, fp32 and bf16, 1 and 2 threads on
-# the 2-core AVX-512 EPYC; at 4 it lost in 5 of 8 cases: benchmarks/README.md, 2026-12-04); longer
-# chunks after cached keys go to SDPA (crossover measured on a 2-core AVX-512 Xeon, 16 heads /
+# Chunks the plan's kernel attends. Longer fresh chunks go to the tiled causal path (at 8 tokens it
+# beat the plan's kernel in 4 of 4 cases, 4/2 and 16/4 heads x 64, fp32 and bf16, one thread on the
+# 2-core AVX-512 EPYC; at 4 it lost 2, tied 1: benchmarks/README.md, 2026-12-04 second sitting);
+# longer chunks after cached keys go to SDPA (crossover measured on a 2-core AVX-512 Xeon, 16 heads /
 # 4 kv heads x 64, after 512 cached ones: ~8).
 KERNEL_MAX_FRESH_CHUNK = 7
 KERNEL_MAX_CACHED_CHUNK = 8
