@@ -9,9 +9,12 @@ Who attends what (measured: `benchmarks/attention_kernel.py --prefill`): decodes
 prefill chunks go to the kernel as one plan. Longer fresh chunks (no cached key, no window: a
 burst's prompts) go to the kernel's tiled causal path (ps_fresh_prefill), which reads the
 chunk's own K/V rows and computes its scores as register GEMMs (SDPA took 2.4-4.2x its time per
-layer, 48 to 2,048 tokens a chunk: benchmarks/README.md). Longer chunks that see cached keys (a prefix hit, a later piece of a chunked
-prefill) or a window go to torch's SDPA through the reference path (its own blocks gathered, a
-mask), as do fresh chunks over a quantized cache or with more than 32 query heads per kv head.
+layer, 48 to 2,048 tokens a chunk: benchmarks/README.md). Longer chunks that see cached keys (a
+prefix hit, a later piece of a chunked prefill) go to the same tiled path reading keys [0, start +
+q_len) from the pool through their block tables (ps_cached_prefill; the step's K/V are written
+there first). Longer chunks under a window that hides some key go to torch's SDPA through the
+reference path (its own blocks gathered, a mask), as do tiled-path chunks over a quantized cache
+or with more than 32 query heads per kv head.
 The plan is built once per step and shared by every layer.
 
 A quantized cache (kv_quant.QuantizedKV: fp8 / int8 with scales) is written by kv_quant.store and
@@ -37,11 +40,15 @@ from pagedserve.scratch import ScratchOutput
 
 # Chunks the plan's kernel attends. Longer fresh chunks go to the tiled causal path (at 8 tokens it
 # beat the plan's kernel in 4 of 4 cases, 4/2 and 16/4 heads x 64, fp32 and bf16, one thread on the
-# 2-core AVX-512 EPYC; at 4 it lost 2, tied 1: benchmarks/README.md, 2026-12-04 second sitting);
-# longer chunks after cached keys go to SDPA (crossover measured on a 2-core AVX-512 Xeon, 16 heads /
-# 4 kv heads x 64, after 512 cached ones: ~8).
+# 2-core AVX-512 EPYC; at 4 it lost 2, tied 1: benchmarks/README.md, 2026-12-04 second sitting).
+# Longer unwindowed chunks after cached keys go to the tiled path over the pool (ps_cached_prefill):
+# `benchmarks/fresh_prefill.py --cached-routing`, one thread, whole paged_attention calls on 8 chunks
+# of n after c = 64 / 512 / 2048 cached tokens, 16/4 and 4/2 heads x 64, fp32 and bf16 (12 cases per
+# n; 2-core host, 2026-12-04): plan/tiled time at n = 4: 0.57-1.30 (tiled won 6 of 12), n = 8:
+# 0.94-1.62 (won 11 of 12, lost 19M fp32 after 2048), n = 12: 1.15-1.93 (12 of 12). At n = 1 the
+# tiled path took 2-4x the plan's (it widens every cached key once per kv head for few queries).
 KERNEL_MAX_FRESH_CHUNK = 7
-KERNEL_MAX_CACHED_CHUNK = 8
+KERNEL_MAX_CACHED_CHUNK = 7
 # The tiled path takes at most FRESH_MAX_GROUP query heads per kv head (one tile's 32 lanes).
 FRESH_MAX_GROUP = 32
 
