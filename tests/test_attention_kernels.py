@@ -509,16 +509,22 @@ def test_engine_with_kernel_matches_hf(fresh_choice, tmp_path):
     assert llm.engine.block_pool.num_free_blocks == llm.engine.block_pool.num_blocks
 
 
-@pytest.mark.parametrize("where", ["slot_mapping", "block table"])
+@pytest.mark.parametrize("where", ["slot_mapping", "block table", "cached chunk's block table"])
 def test_ids_outside_the_pool_are_refused(where):
     """The kernel touches raw memory: a slot or block id past the pool must raise, and write nothing."""
     pool = torch.zeros(2, 4 * 16, 2, 64)  # blocks 0-3
-    q, k, v = kv_views(1, 4, 2, 64, torch.float32, torch.Generator().manual_seed(0))
+    tokens = 12 if where.startswith("cached") else 1
+    q, k, v = kv_views(tokens, 4, 2, 64, torch.float32, torch.Generator().manual_seed(0))
+    decodes, prefills = [], []
     if where == "slot_mapping":  # the new token lands in block 5
-        decode = (np.array([1, 2, 3, 0, 5]), 70)
-    else:  # the new token's slot (block 3) is fine, but an earlier block of the table is not
-        decode = (np.array([7, 2, 3]), 40)
-    meta, _ = cpu_backend.build_metadata([decode], [], 16, None, torch.device("cpu"))
+        decodes = [(np.array([1, 2, 3, 0, 5]), 70)]
+    elif where == "block table":  # the new token's slot (block 3) is fine, but an earlier block of the table is not
+        decodes = [(np.array([7, 2, 3]), 40)]
+    else:  # a chunk for the tiled path over the pool: its new tokens' slots (block 2) are fine, block 7 is not
+        prefills = [(np.array([7, 2]), 20, 12)]
+        where = "block table"
+    meta, _ = cpu_backend.build_metadata(decodes, prefills, 16, None, torch.device("cpu"))
+    assert bool(meta.cached_spans) == bool(prefills)
     with pytest.raises(ValueError, match=f"{where} holds"):
         cpu_backend.paged_attention(q, k, v, pool[0], pool[1], meta, 0.125)
     assert not pool.any()
