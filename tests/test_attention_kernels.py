@@ -137,6 +137,7 @@ def check_step(step: Step, *, heads: int, kv_heads: int, head_dim: int, block_si
     tol = TOL[dtype]
     torch.testing.assert_close(got.double(), want, atol=tol, rtol=tol)
     torch.testing.assert_close(ref.double(), want, atol=tol, rtol=tol)  # the reference agrees too
+    return got, ref
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -168,17 +169,20 @@ def test_decode_sliding_window(window):
     check_step(step, heads=8, kv_heads=2, head_dim=64, block_size=16, num_blocks=300, window=window)
 
 
-@pytest.fixture(params=["routed", "kernel-only", "tiled-fresh"])
+@pytest.fixture(params=["routed", "kernel-only", "tiled-fresh", "tiled-all"])
 def routing(request, monkeypatch):
     """As cpu_backend routes chunks (short ones to the kernel's plan, long fresh ones to its tiled
-    causal path, long ones after cached keys to SDPA), every chunk through the plan, so its
-    many-row tiles are checked whatever the thresholds, or every fresh chunk (1 token up)
-    through the tiled path."""
+    causal path, long ones after cached keys to its tiled path over the pool, windowed ones to
+    SDPA), every chunk through the plan, so its many-row tiles are checked whatever the
+    thresholds, every fresh chunk (1 token up) through the tiled path, or every unwindowed chunk,
+    fresh or after cached keys, through the tiled paths."""
     if request.param == "kernel-only":
         monkeypatch.setattr(cpu_backend, "KERNEL_MAX_FRESH_CHUNK", 1 << 30)
         monkeypatch.setattr(cpu_backend, "KERNEL_MAX_CACHED_CHUNK", 1 << 30)
-    if request.param == "tiled-fresh":
+    if request.param in ("tiled-fresh", "tiled-all"):
         monkeypatch.setattr(cpu_backend, "KERNEL_MAX_FRESH_CHUNK", 0)
+    if request.param == "tiled-all":
+        monkeypatch.setattr(cpu_backend, "KERNEL_MAX_CACHED_CHUNK", 0)
     return request.param
 
 
@@ -289,6 +293,107 @@ def test_fresh_chunk_large_scores_stay_finite():
     want = hand_attention(q, k_pool, v_pool, step, 16, None, 0.125)
     assert torch.isfinite(got).all()
     torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=1e-5)
+
+
+# (start, q_len) of chunks after cached keys: starts on and off block boundaries (16), lengths
+# off the tile sizes (32 / group tokens x 16 keys), a start in the same key tile as the chunk's
+# first rows, long contexts before short chunks and the reverse.
+CACHED_SPANS = [(1, 33), (5, 9), (16, 20), (37, 90), (64, 3), (130, 64), (300, 17), (250, 250), (15, 1), (700, 40)]
+
+
+def check_against_reference_chunks(got, step: Step, dtype, heads, kv_heads, head_dim, block_size, num_blocks, seed):
+    """Each chunk after cached keys beside torch_backend.attend_prefill_chunk over the same pools."""
+    k_pool, v_pool, q, k, v, scale = step_inputs(step, heads, kv_heads, head_dim, block_size, num_blocks, dtype, seed)
+    k_pool, v_pool = pools_after_write(step, k_pool, v_pool, k, v, block_size)
+    tol = TOL[dtype]
+    for first, rows, ctx, blocks in step.sequences():
+        start = ctx - rows
+        if start == 0 or rows == 1 and first < len(step.decodes):
+            continue
+        c = torch_backend.prefill_chunk(blocks, start, rows, first, block_size, None, torch.device("cpu"))
+        want = torch_backend.attend_prefill_chunk(q, k, v, k_pool, v_pool, c, block_size, scale)
+        torch.testing.assert_close(got[first:first + rows].double(), want.double(), atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("head_dim", [64, 80])
+@pytest.mark.parametrize("group", [1, 4, 8])
+def test_cached_chunks_tiled(group, head_dim, dtype, threads, monkeypatch):
+    """Chunks after cached keys through the tiled path over the pool (ps_cached_prefill), every
+    one of them (1 token up), in one call beside decodes, fresh chunks (tiled and plan) and a
+    windowed chunk; tables are shuffled, non-contiguous blocks with a spare block past the context
+    (noise: a read past the context shows)."""
+    monkeypatch.setattr(cpu_backend, "KERNEL_MAX_CACHED_CHUNK", 0)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        rng = np.random.default_rng(group * 100 + head_dim)
+        spans = CACHED_SPANS + [(0, 40), (0, 5)]
+        step = make_step(rng, 400, 16, decode_ctx=[5, 130], prefill_spans=spans)
+        meta, _ = cpu_backend.build_metadata(step.decodes, step.prefills, 16, None, torch.device("cpu"))
+        assert [(s, n) for _, s, n, _ in meta.cached_spans] == CACHED_SPANS
+        assert [c.q_len for c in meta.fresh_chunks] == [40] and not meta.sdpa_chunks
+        kw = dict(heads=2 * group, kv_heads=2, head_dim=head_dim, block_size=16, num_blocks=400, dtype=dtype)
+        got, _ = check_step(step, **kw, seed=group)
+        check_against_reference_chunks(got, step, seed=group, **kw)
+    finally:
+        torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("block_size", [5, 7, 32])
+def test_cached_chunks_tiled_odd_block_sizes(block_size):
+    """Block sizes that are not the key tile's: block boundaries fall inside key tiles."""
+    rng = np.random.default_rng(block_size)
+    step = make_step(rng, 900, block_size, decode_ctx=[9], prefill_spans=[(3, 50), (21, 100), (200, 9), (0, 30)])
+    meta, _ = cpu_backend.build_metadata(step.decodes, step.prefills, block_size, None, torch.device("cpu"))
+    assert [(s, n) for _, s, n, _ in meta.cached_spans] == [(3, 50), (21, 100), (200, 9)]
+    kw = dict(heads=8, kv_heads=2, head_dim=64, block_size=block_size, num_blocks=900, dtype=torch.float32)
+    got, _ = check_step(step, **kw)
+    check_against_reference_chunks(got, step, seed=0, **kw)
+
+
+@pytest.mark.parametrize("window", [None, 100, 300])
+def test_cached_chunks_routing(window):
+    """Longer chunks after cached keys go to the tiled path unless a window hides some key from
+    them (then SDPA); short ones to the plan."""
+    rng = np.random.default_rng(11)
+    n = cpu_backend.KERNEL_MAX_CACHED_CHUNK
+    spans = [(40, n), (40, n + 1), (150, 120)]
+    step = make_step(rng, 200, 16, decode_ctx=[], prefill_spans=spans)
+    meta, _ = cpu_backend.build_metadata(step.decodes, step.prefills, 16, window, torch.device("cpu"))
+    tiled = [(s, q) for _, s, q, _ in meta.cached_spans]
+    assert tiled == {None: [(40, n + 1), (150, 120)], 100: [(40, n + 1)], 300: [(40, n + 1), (150, 120)]}[window]
+    assert len(meta.sdpa_chunks) == 2 - len(tiled)
+    check_step(step, heads=4, kv_heads=1, head_dim=64, block_size=16, num_blocks=200, window=window)
+
+
+@pytest.mark.parametrize("group", [32, 33])
+def test_cached_chunks_widest_groups(group, monkeypatch):
+    """32 query heads per kv head through the tiled path after cached keys; 33 go to SDPA."""
+    monkeypatch.setattr(cpu_backend, "KERNEL_MAX_CACHED_CHUNK", 0)
+    rng = np.random.default_rng(12)
+    step = make_step(rng, 100, 16, decode_ctx=[3], prefill_spans=[(30, 70), (17, 20)])
+    check_step(step, heads=group, kv_heads=1, head_dim=64, block_size=16, num_blocks=100)
+
+
+def test_cached_chunk_large_scores_stay_finite():
+    """Peaked scores of large magnitude after cached keys: the lane-wise running max keeps exp in range."""
+    rng = np.random.default_rng(13)
+    step = make_step(rng, 100, 16, decode_ctx=[], prefill_spans=[(70, 90)])
+    gen = torch.Generator().manual_seed(0)
+    k_pool = torch.randn(1600, 2, 64, generator=gen) * 30
+    v_pool = torch.randn(1600, 2, 64, generator=gen)
+    q, k, v = kv_views(90, 4, 2, 64, torch.float32, gen)
+    q, k = q * 30, k * 30
+    ref_k, ref_v = k_pool.clone(), v_pool.clone()
+    got, _ = run_backend(cpu_backend, step, q, k, v, k_pool, v_pool, 16, None, 0.125)
+    ref, _ = run_backend(torch_backend, step, q, k, v, ref_k, ref_v, 16, None, 0.125)
+    want = hand_attention(q, k_pool, v_pool, step, 16, None, 0.125)
+    assert torch.isfinite(got).all()
+    # Scores of ~1e3 carry fp32 rounding of ~1e-4 into the softmax (SDPA's error is the same).
+    torch.testing.assert_close(got.double(), want, atol=1e-3, rtol=1e-3)
+    torch.testing.assert_close(got, ref, atol=2e-5, rtol=2e-5)
 
 
 def test_large_scores_stay_finite():
@@ -404,16 +509,22 @@ def test_engine_with_kernel_matches_hf(fresh_choice, tmp_path):
     assert llm.engine.block_pool.num_free_blocks == llm.engine.block_pool.num_blocks
 
 
-@pytest.mark.parametrize("where", ["slot_mapping", "block table"])
+@pytest.mark.parametrize("where", ["slot_mapping", "block table", "cached chunk's block table"])
 def test_ids_outside_the_pool_are_refused(where):
     """The kernel touches raw memory: a slot or block id past the pool must raise, and write nothing."""
     pool = torch.zeros(2, 4 * 16, 2, 64)  # blocks 0-3
-    q, k, v = kv_views(1, 4, 2, 64, torch.float32, torch.Generator().manual_seed(0))
+    tokens = 12 if where.startswith("cached") else 1
+    q, k, v = kv_views(tokens, 4, 2, 64, torch.float32, torch.Generator().manual_seed(0))
+    decodes, prefills = [], []
     if where == "slot_mapping":  # the new token lands in block 5
-        decode = (np.array([1, 2, 3, 0, 5]), 70)
-    else:  # the new token's slot (block 3) is fine, but an earlier block of the table is not
-        decode = (np.array([7, 2, 3]), 40)
-    meta, _ = cpu_backend.build_metadata([decode], [], 16, None, torch.device("cpu"))
+        decodes = [(np.array([1, 2, 3, 0, 5]), 70)]
+    elif where == "block table":  # the new token's slot (block 3) is fine, but an earlier block of the table is not
+        decodes = [(np.array([7, 2, 3]), 40)]
+    else:  # a chunk for the tiled path over the pool: its new tokens' slots (block 2) are fine, block 7 is not
+        prefills = [(np.array([7, 2]), 20, 12)]
+        where = "block table"
+    meta, _ = cpu_backend.build_metadata(decodes, prefills, 16, None, torch.device("cpu"))
+    assert bool(meta.cached_spans) == bool(prefills)
     with pytest.raises(ValueError, match=f"{where} holds"):
         cpu_backend.paged_attention(q, k, v, pool[0], pool[1], meta, 0.125)
     assert not pool.any()

@@ -9,9 +9,12 @@ Who attends what (measured: `benchmarks/attention_kernel.py --prefill`): decodes
 prefill chunks go to the kernel as one plan. Longer fresh chunks (no cached key, no window: a
 burst's prompts) go to the kernel's tiled causal path (ps_fresh_prefill), which reads the
 chunk's own K/V rows and computes its scores as register GEMMs (SDPA took 2.4-4.2x its time per
-layer, 48 to 2,048 tokens a chunk: benchmarks/README.md). Longer chunks that see cached keys (a prefix hit, a later piece of a chunked
-prefill) or a window go to torch's SDPA through the reference path (its own blocks gathered, a
-mask), as do fresh chunks over a quantized cache or with more than 32 query heads per kv head.
+layer, 48 to 2,048 tokens a chunk: benchmarks/README.md). Longer chunks that see cached keys (a
+prefix hit, a later piece of a chunked prefill) go to the same tiled path reading keys [0, start +
+q_len) from the pool through their block tables (ps_cached_prefill; the step's K/V are written
+there first). Longer chunks under a window that hides some key go to torch's SDPA through the
+reference path (its own blocks gathered, a mask), as do tiled-path chunks over a quantized cache
+or with more than 32 query heads per kv head.
 The plan is built once per step and shared by every layer.
 
 A quantized cache (kv_quant.QuantizedKV: fp8 / int8 with scales) is written by kv_quant.store and
@@ -37,11 +40,15 @@ from pagedserve.scratch import ScratchOutput
 
 # Chunks the plan's kernel attends. Longer fresh chunks go to the tiled causal path (at 8 tokens it
 # beat the plan's kernel in 4 of 4 cases, 4/2 and 16/4 heads x 64, fp32 and bf16, one thread on the
-# 2-core AVX-512 EPYC; at 4 it lost 2, tied 1: benchmarks/README.md, 2026-12-04 second sitting);
-# longer chunks after cached keys go to SDPA (crossover measured on a 2-core AVX-512 Xeon, 16 heads /
-# 4 kv heads x 64, after 512 cached ones: ~8).
+# 2-core AVX-512 EPYC; at 4 it lost 2, tied 1: benchmarks/README.md, 2026-12-04 second sitting).
+# Longer unwindowed chunks after cached keys go to the tiled path over the pool (ps_cached_prefill):
+# `benchmarks/fresh_prefill.py --cached-routing`, one thread, whole paged_attention calls on 8 chunks
+# of n after c = 64 / 512 / 2048 cached tokens, 16/4 and 4/2 heads x 64, fp32 and bf16 (12 cases per
+# n; 2-core host, 2026-12-04): plan/tiled time at n = 4: 0.57-1.30 (tiled won 6 of 12), n = 8:
+# 0.94-1.62 (won 11 of 12, lost 19M fp32 after 2048), n = 12: 1.15-1.93 (12 of 12). At n = 1 the
+# tiled path took 2-4x the plan's (it widens every cached key once per kv head for few queries).
 KERNEL_MAX_FRESH_CHUNK = 7
-KERNEL_MAX_CACHED_CHUNK = 8
+KERNEL_MAX_CACHED_CHUNK = 7
 # The tiled path takes at most FRESH_MAX_GROUP query heads per kv head (one tile's 32 lanes).
 FRESH_MAX_GROUP = 32
 
@@ -58,6 +65,13 @@ class KernelMetadata:
     fresh_chunks: list[PrefillChunk] = field(default_factory=list)
     fresh_args: tuple = field(default=(), repr=False)
     fresh_rows: np.ndarray | None = field(default=None, repr=False)  # [2, n] int32 behind fresh_args
+    # Longer chunks after cached keys for ps_cached_prefill, as a plan of their own (its tables
+    # read from the pool as the plan kernel reads them), and (blocks, start, q_len, row) per chunk
+    # to make their SDPA inputs if the kernel cannot take them (a quantized cache, a wide group).
+    cached_plan: AttentionPlan | None = None
+    cached_spans: list[tuple] = field(default_factory=list, repr=False)
+    cached_arrays: tuple[np.ndarray, ...] = field(default=(), repr=False)
+    cached_plan_ref: object = field(default=None, repr=False)
     # The arrays behind plan's pointers: they must live as long as the plan.
     plan_arrays: tuple[np.ndarray, ...] = field(default=(), repr=False)
     plan_ref: object = field(default=None, repr=False)  # ctypes.byref(plan), made once per step
@@ -83,6 +97,15 @@ class KernelMetadata:
         self.checked_pools[id(k_cache)] = (k_cache, v_cache, token_stride)
         return token_stride
 
+    def cached_sdpa_chunks(self) -> list[PrefillChunk]:
+        """The cached chunks' SDPA inputs (context blocks and a mask), made on first need."""
+        chunks = self.__dict__.get("_cached_sdpa")
+        if chunks is None:
+            chunks = [prefill_chunk(blocks, start, n, row, self.block_size, None, torch.device("cpu"))
+                      for blocks, start, n, row in self.cached_spans]
+            self.__dict__["_cached_sdpa"] = chunks
+        return chunks
+
     def check_bounds(self, num_slots: int) -> None:
         """The kernel writes and reads raw memory: a slot or block id outside the pool must be
         an error here, not a stray write. Checked once per step (every layer's pool is alike)."""
@@ -92,8 +115,10 @@ class KernelMetadata:
         if len(slots) and (slots.max() >= num_slots or slots.min() < 0):
             raise ValueError(f"slot_mapping holds slot {int(slots.max() if slots.max() >= num_slots else slots.min())} "
                              f"outside the pool of {num_slots} slots")
-        if self.plan_arrays:
-            table = self.plan_arrays[3]
+        for arrays in (self.plan_arrays, self.cached_arrays):
+            if not arrays:
+                continue
+            table = arrays[3]
             num_blocks = num_slots // self.block_size
             if table.max() >= num_blocks or table.min() < 0:
                 bad = int(table.max() if table.max() >= num_blocks else table.min())
@@ -146,15 +171,22 @@ def build_metadata(decodes: list[tuple[Sequence[int], int]], prefills: list[tupl
     q_start, q_len, ctx_len = list(range(num_decodes)), [1] * num_decodes, [p + 1 for p in dec_pos]
     sdpa_chunks: list[PrefillChunk] = []
     fresh_chunks: list[PrefillChunk] = []
+    cached_spans: list[tuple] = []
+    cached_plan_rows: tuple[list, list, list, list] = ([], [], [], [])  # q_start, q_len, ctx_len, tables
     row = num_decodes
     for blocks, start, n in prefills:
         blocks = np.asarray(blocks, dtype=np.int64)
         pos = np.arange(start, start + n, dtype=np.int64)
         positions.append(pos)
         slots.append(slots_for(blocks, pos, block_size))
-        fresh = start == 0 and not (sliding_window and n > sliding_window)
+        unwindowed = not (sliding_window and start + n > sliding_window)  # the window hides no key
+        fresh = start == 0 and unwindowed
         if fresh and n > KERNEL_MAX_FRESH_CHUNK:
             fresh_chunks.append(PrefillChunk(row, n, 0, None, None))
+        elif start > 0 and unwindowed and n > KERNEL_MAX_CACHED_CHUNK:
+            cached_spans.append((blocks, start, n, row))
+            for lst, x in zip(cached_plan_rows, (row, n, start + n, blocks)):
+                lst.append(x)
         elif n > (KERNEL_MAX_FRESH_CHUNK if fresh else KERNEL_MAX_CACHED_CHUNK):
             sdpa_chunks.append(prefill_chunk(blocks, start, n, row, block_size, sliding_window, device))
         else:
@@ -170,6 +202,10 @@ def build_metadata(decodes: list[tuple[Sequence[int], int]], prefills: list[tupl
     slot_mapping = torch.from_numpy(np.concatenate(slots) if len(slots) > 1 else
                                     slots[0] if slots else np.zeros(0, dtype=np.int64))
     meta = KernelMetadata(slot_mapping, num_decodes, plan, sdpa_chunks, block_size, fresh_chunks, plan_arrays=arrays)
+    if cached_spans:
+        meta.cached_plan, meta.cached_arrays = make_plan(*cached_plan_rows, block_size, None)
+        meta.cached_plan_ref = ctypes.byref(meta.cached_plan)
+        meta.cached_spans = cached_spans
     if fresh_chunks:
         fresh_rows = np.array([(c.q_start, c.q_len) for c in fresh_chunks], dtype=np.int32).T.copy()
         meta.fresh_rows = fresh_rows
@@ -212,6 +248,13 @@ def _fresh_prefill_call() -> ConvertedArgs:
     """ps_fresh_prefill, the step's chunk arrays passed as made (fresh_args), the rest as
     _attention_layer_call converts them."""
     return ConvertedArgs(load_kernel().ps_fresh_prefill, raw=3)
+
+
+@cache
+def _cached_prefill_call() -> ConvertedArgs:
+    """ps_cached_prefill, the step's cached-chunk plan passed as made (cached_plan_ref), the rest
+    as _attention_layer_call converts them."""
+    return ConvertedArgs(load_kernel().ps_cached_prefill, raw=1)
 
 
 def _check(rc: int, q: torch.Tensor, k_cache: torch.Tensor) -> None:
@@ -268,6 +311,15 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             _check(rc, q, k_cache)
         else:
             sdpa_chunks = sdpa_chunks + meta.fresh_chunks
+    if meta.cached_spans:  # the chunks' K/V were written to the pool by ps_attention_layer above
+        if num_heads // k.shape[1] <= FRESH_MAX_GROUP:
+            rc = _cached_prefill_call().call_raw(
+                (meta.cached_plan_ref,), q.data_ptr(), q_stride, k_cache.data_ptr(), v_cache.data_ptr(),
+                meta.block_size * token_stride, head_dim, token_stride, out.data_ptr(), num_heads * head_dim,
+                TORCH_DTYPE_CODES[cache_dtype], num_heads, k.shape[1], head_dim, scale, torch.get_num_threads())
+            _check(rc, q, k_cache)
+        else:
+            sdpa_chunks = sdpa_chunks + meta.cached_sdpa_chunks()
     for c in sdpa_chunks:
         out[c.q_start:c.q_start + c.q_len] = attend_prefill_chunk(q, k, v, k_cache, v_cache, c, meta.block_size, scale)
     return out if compute_dtype == cache_dtype else out.to(compute_dtype)
@@ -297,6 +349,6 @@ def _paged_attention_quantized(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
             v_cache.scales.data_ptr() if per_token else None, k_cache.scales.stride(0) if per_token else 0,
             k_cache.scale, v_cache.scale, torch.get_num_threads())
         _check(rc, qf, values)
-    for c in meta.sdpa_chunks + meta.fresh_chunks:  # fresh chunks too: the tiled path reads plain K/V
+    for c in meta.sdpa_chunks + meta.fresh_chunks + meta.cached_sdpa_chunks():  # the tiled paths read plain K/V
         out[c.q_start:c.q_start + c.q_len] = attend_prefill_chunk(q, k, v, k_cache, v_cache, c, meta.block_size, scale)
     return out if q.dtype == torch.float32 else out.to(q.dtype)

@@ -13,7 +13,7 @@ from pagedserve.native import find_compiler
 __all__ = ["KernelUnavailable", "find_compiler", "load_kernel", "library_path"]
 
 SOURCE = Path(__file__).with_name("paged_attention.cpp")
-ABI_VERSION = 5
+ABI_VERSION = 6
 DTYPE_CODES = {"float32": 0, "bfloat16": 1, "float16": 2}  # quantized caches: kv_quant.KVFormat.kernel_code
 
 
@@ -53,6 +53,9 @@ def bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.ps_fresh_prefill.argtypes = [c_i64, ptr, ptr, ptr, c_i64, ptr, c_i64, ptr, c_i64, ptr, c_i64, c_int, c_i64,
                                      c_i64, c_i64, c_float, c_int]
     lib.ps_fresh_prefill.restype = c_int
+    lib.ps_cached_prefill.argtypes = [ctypes.POINTER(AttentionPlan), ptr, c_i64, ptr, ptr, c_i64, c_i64, c_i64, ptr,
+                                      c_i64, c_int, c_i64, c_i64, c_i64, c_float, c_int]
+    lib.ps_cached_prefill.restype = c_int
     return lib
 
 

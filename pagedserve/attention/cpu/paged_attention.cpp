@@ -49,7 +49,7 @@
 
 namespace {
 
-constexpr int kAbiVersion = 5;
+constexpr int kAbiVersion = 6;
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
 enum DType : int { kFloat32 = 0, kBFloat16 = 1, kFloat16 = 2, kFp8E4M3 = 3, kFp8E5M2 = 4, kInt8 = 5 };
@@ -919,12 +919,46 @@ inline void fresh_load_q(const T* q0row, int64_t q_stride, int64_t G, int64_t he
     }
 }
 
-template <typename T, int DC>
+// Where a chunk's key rows come from. StepRows: a fresh chunk's own rows of the step's k / v
+// (key j = the chunk's row j). PoolRows: the paged pool through the chunk's block table, as
+// the plan kernel reads it (key j = position j; the step's own K/V are already written there).
+template <typename T>
+struct StepRows {
+    const T *k, *v;
+    int64_t k_stride, v_stride, dh;
+    const int32_t* q_start;
+    int64_t start(int64_t) const { return 0; }
+    void row(int64_t c, int64_t g, int64_t j, const T*& kr, const T*& vr) const {
+        kr = k + (q_start[c] + j) * k_stride + g * dh;
+        vr = v + (q_start[c] + j) * v_stride + g * dh;
+    }
+};
+
+template <typename T>
+struct PoolRows {
+    const T *k, *v;
+    const PsAttentionPlan* plan;
+    int64_t block_stride, head_stride, token_stride;
+    int64_t start(int64_t c) const { return plan->ctx_len[c] - plan->q_len[c]; }
+    void row(int64_t c, int64_t g, int64_t j, const T*& kr, const T*& vr) const {
+        const int64_t bs = plan->block_size;
+        const int64_t off = static_cast<int64_t>(plan->block_table[c * plan->table_stride + j / bs]) * block_stride +
+                            (j % bs) * token_stride + g * head_stride;
+        kr = k + off;
+        vr = v + off;
+    }
+};
+
+// One item of a chunk whose first query is at position `start` (0 for a fresh chunk): query
+// start + t sees keys [0, start + t]; only key tiles reaching past a q tile's first position are
+// masked, so the cached keys before the chunk cost no mask.
+template <typename T, int DC, typename Rows>
 void fresh_item(const FreshShape& sh, const FreshItem& it, const int32_t* q_start, const int32_t* q_len,
-                const T* q, const T* k, const T* v, T* out) {
+                const T* q, const Rows& rows, T* out) {
     const int64_t dh = DC > 0 ? DC : sh.head_dim, dp = DC > 0 ? DC : sh.dp, G = sh.group, bq = sh.bq;
     const int64_t first = q_start[it.chunk], len = q_len[it.chunk], g = it.kv_head;
-    const int64_t nkeys = std::min<int64_t>(len, static_cast<int64_t>(it.tile_hi) * bq);  // keys any row sees
+    const int64_t start = rows.start(it.chunk);
+    const int64_t nkeys = start + std::min<int64_t>(len, static_cast<int64_t>(it.tile_hi) * bq);  // keys any row sees
     const int64_t kpad = (nkeys + kFreshKeys - 1) / kFreshKeys * kFreshKeys;
     const int64_t nvec = dp / kLanes;
     float* base = align64(tls_fresh.get(static_cast<size_t>(2 * kpad * dp + dh * kFreshLanes + kFreshLanes * dp +
@@ -942,8 +976,8 @@ void fresh_item(const FreshShape& sh, const FreshItem& it, const int32_t* q_star
         float* kd = ks + j * dp;
         float* vd = vs + j * dp;
         if (j < nkeys) {
-            const T* kr = k + (first + j) * sh.k_stride + g * dh;
-            const T* vr = v + (first + j) * sh.v_stride + g * dh;
+            const T *kr, *vr;
+            rows.row(it.chunk, g, j, kr, vr);
 #pragma omp simd
             for (int64_t d = 0; d < dh; ++d) kd[d] = to_float(kr[d]);
 #pragma omp simd
@@ -958,19 +992,19 @@ void fresh_item(const FreshShape& sh, const FreshItem& it, const int32_t* q_star
         const int64_t q0 = tile * bq, ntok = std::min<int64_t>(bq, len - q0), lanes = ntok * G;
         fresh_load_q(q + (first + q0) * sh.q_stride, sh.q_stride, G, g * G, dh, lanes, sh.scale, qt);
         for (int64_t lane = 0; lane < kFreshLanes; ++lane) {
-            tok[lane] = static_cast<float>(q0 + (lane < lanes ? lane / G : 0));
+            tok[lane] = static_cast<float>(start + q0 + (lane < lanes ? lane / G : 0));
             m[lane] = kNegInf;
             l[lane] = 0.0f;
         }
         std::fill(o, o + kFreshLanes * dp, 0.0f);
         const int64_t lane_blocks = (lanes + 3) / 4;
-        const int64_t last_tok = q0 + ntok - 1;
+        const int64_t last_tok = start + q0 + ntok - 1;  // positions
         const int64_t num_key_tiles = last_tok / kFreshKeys + 1;
         for (int64_t kt = 0; kt < num_key_tiles; ++kt) {
             const int64_t k0 = kt * kFreshKeys;
             fresh_scores_8<DC>(ks + k0 * dp, dp, dh, qt, s);
             fresh_scores_8<DC>(ks + (k0 + 8) * dp, dp, dh, qt, s + 8 * kFreshLanes);
-            const bool diagonal = k0 + kFreshKeys - 1 > q0;
+            const bool diagonal = k0 + kFreshKeys - 1 > start + q0;
             if (diagonal) {  // key k0 + j is hidden from lanes whose token is before it
                 for (int64_t j = 0; j < kFreshKeys; ++j) {
                     const float key = static_cast<float>(k0 + j);
@@ -1030,13 +1064,13 @@ void fresh_item(const FreshShape& sh, const FreshItem& it, const int32_t* q_star
     }
 }
 
-template <typename T, int DC>
+template <typename T, int DC, typename Rows>
 void run_fresh(const FreshShape& sh, int64_t num_chunks, const int32_t* q_start, const int32_t* q_len,
-               const void* q, const void* k, const void* v, void* out, int num_threads) {
+               const void* q, const Rows& rows, void* out, int num_threads) {
     // Items: (chunk, kv head) with all its q tiles, or, when that leaves too few for the threads,
-    // its q tiles cut into ranges of about equal cost (tile t costs ~t + 1 key tiles).
+    // its q tiles cut into ranges of about equal cost (tile t costs ~start / BQ + t + 1 BQ-key units).
     int64_t work = 0;
-    for (int64_t c = 0; c < num_chunks; ++c) work += static_cast<int64_t>(q_len[c]) * q_len[c] / 2;
+    for (int64_t c = 0; c < num_chunks; ++c) work += static_cast<int64_t>(q_len[c]) * (rows.start(c) + q_len[c] / 2);
     if (work * sh.num_heads < kMinParallelWork) num_threads = 1;
     const int64_t wanted = num_threads > 1 ? 4 * static_cast<int64_t>(num_threads) : 1;
     const int64_t base = num_chunks * sh.num_kv_heads;
@@ -1044,18 +1078,19 @@ void run_fresh(const FreshShape& sh, int64_t num_chunks, const int32_t* q_start,
     std::vector<FreshItem> items;
     for (int64_t c = 0; c < num_chunks; ++c) {
         const int64_t tiles = (q_len[c] + sh.bq - 1) / sh.bq;
-        const int64_t total = tiles * (tiles + 1) / 2;
+        const int64_t s0 = rows.start(c) / sh.bq;  // tile t weighs s0 + t + 1
+        const int64_t total = tiles * s0 + tiles * (tiles + 1) / 2;
         const int64_t parts = std::min(splits, tiles);
         for (int32_t g = 0; g < sh.num_kv_heads; ++g) {
             int64_t lo = 0, acc = 0;
             for (int64_t part = 1; part <= parts && lo < tiles; ++part) {
                 int64_t hi = lo;
                 const int64_t target = total * part / parts;
-                while (hi < tiles && (acc + hi + 1 <= target || hi == lo)) acc += ++hi;
+                while (hi < tiles && (acc + s0 + hi + 1 <= target || hi == lo)) acc += s0 + ++hi;
                 if (part == parts) {
-                    while (hi < tiles) acc += ++hi;
+                    while (hi < tiles) acc += s0 + ++hi;
                 }
-                const int64_t cost = (hi * (hi + 1) - lo * (lo + 1)) / 2;
+                const int64_t cost = (hi - lo) * s0 + (hi * (hi + 1) - lo * (lo + 1)) / 2;
                 items.push_back({static_cast<int32_t>(c), g, static_cast<int32_t>(lo), static_cast<int32_t>(hi), cost});
                 lo = hi;
             }
@@ -1065,14 +1100,12 @@ void run_fresh(const FreshShape& sh, int64_t num_chunks, const int32_t* q_start,
         std::stable_sort(items.begin(), items.end(), [](const FreshItem& a, const FreshItem& b) { return a.cost > b.cost; });
     const int64_t n = static_cast<int64_t>(items.size());
     const T* qp = static_cast<const T*>(q);
-    const T* kp = static_cast<const T*>(k);
-    const T* vp = static_cast<const T*>(v);
     T* op = static_cast<T*>(out);
     std::atomic<int64_t> claimed{0};
     auto work_items = [&]() {
         for (int64_t i = claimed.fetch_add(1, std::memory_order_relaxed); i < n;
              i = claimed.fetch_add(1, std::memory_order_relaxed))
-            fresh_item<T, DC>(sh, items[i], q_start, q_len, qp, kp, vp, op);
+            fresh_item<T, DC>(sh, items[i], q_start, q_len, qp, rows, op);
     };
     if (num_threads > 1 && n > 1) {
 #pragma omp parallel num_threads(num_threads)
@@ -1082,14 +1115,31 @@ void run_fresh(const FreshShape& sh, int64_t num_chunks, const int32_t* q_start,
     }
 }
 
-template <typename T>
+template <typename T, typename Rows>
 void dispatch_fresh(const FreshShape& sh, int64_t num_chunks, const int32_t* q_start, const int32_t* q_len,
-                    const void* q, const void* k, const void* v, void* out, int num_threads) {
+                    const void* q, const Rows& rows, void* out, int num_threads) {
     switch (sh.head_dim) {
-        case 64: run_fresh<T, 64>(sh, num_chunks, q_start, q_len, q, k, v, out, num_threads); break;
-        case 128: run_fresh<T, 128>(sh, num_chunks, q_start, q_len, q, k, v, out, num_threads); break;
-        default: run_fresh<T, 0>(sh, num_chunks, q_start, q_len, q, k, v, out, num_threads); break;
+        case 64: run_fresh<T, 64>(sh, num_chunks, q_start, q_len, q, rows, out, num_threads); break;
+        case 128: run_fresh<T, 128>(sh, num_chunks, q_start, q_len, q, rows, out, num_threads); break;
+        default: run_fresh<T, 0>(sh, num_chunks, q_start, q_len, q, rows, out, num_threads); break;
     }
+}
+
+template <typename T>
+void fresh_step_rows(const FreshShape& sh, int64_t num_chunks, const int32_t* q_start, const int32_t* q_len,
+                     const void* q, const void* k, const void* v, void* out, int num_threads) {
+    const StepRows<T> rows{static_cast<const T*>(k), static_cast<const T*>(v), sh.k_stride, sh.v_stride,
+                           sh.head_dim, q_start};
+    dispatch_fresh<T>(sh, num_chunks, q_start, q_len, q, rows, out, num_threads);
+}
+
+template <typename T>
+void cached_pool_rows(const FreshShape& sh, const PsAttentionPlan& plan, const void* q, const void* k_cache,
+                      const void* v_cache, int64_t block_stride, int64_t head_stride, int64_t token_stride,
+                      void* out, int num_threads) {
+    const PoolRows<T> rows{static_cast<const T*>(k_cache), static_cast<const T*>(v_cache), &plan, block_stride,
+                           head_stride, token_stride};
+    dispatch_fresh<T>(sh, plan.num_seqs, plan.q_start, plan.q_len, q, rows, out, num_threads);
 }
 
 }  // namespace
@@ -1211,10 +1261,48 @@ int ps_fresh_prefill(int64_t num_chunks, const int32_t* q_start, const int32_t* 
                   kFreshLanes / group, q_row_stride, k_row_stride, v_row_stride, out_row_stride, scale};
     num_threads = std::max(1, num_threads);
     switch (dtype) {
-        case kFloat32: dispatch_fresh<float>(sh, num_chunks, q_start, q_len, q, k, v, out, num_threads); return 0;
-        case kBFloat16: dispatch_fresh<bf16>(sh, num_chunks, q_start, q_len, q, k, v, out, num_threads); return 0;
+        case kFloat32: fresh_step_rows<float>(sh, num_chunks, q_start, q_len, q, k, v, out, num_threads); return 0;
+        case kBFloat16: fresh_step_rows<bf16>(sh, num_chunks, q_start, q_len, q, k, v, out, num_threads); return 0;
 #ifdef __FLT16_MAX__
-        case kFloat16: dispatch_fresh<f16>(sh, num_chunks, q_start, q_len, q, k, v, out, num_threads); return 0;
+        case kFloat16: fresh_step_rows<f16>(sh, num_chunks, q_start, q_len, q, k, v, out, num_threads); return 0;
+#endif
+        default: return -2;
+    }
+}
+
+// Causal prefill chunks after cached keys, tiled as ps_fresh_prefill's: chunk s of the plan is
+// rows [q_start[s], q_start[s] + q_len[s]) of q and out, its queries at positions
+// ctx_len[s] - q_len[s] + j, each attending keys [0, its position] read from the pool through
+// the chunk's block table (the plan's layout and strides, as ps_paged_attention reads them; the
+// chunk's own K/V must already be written there). Plain caches only (q, cache and out share one
+// dtype), no sliding window. Returns 0, -1 for a bad shape (num_heads / num_kv_heads over 32,
+// a window), -2 for an unsupported dtype.
+int ps_cached_prefill(const PsAttentionPlan* plan, const void* q, int64_t q_row_stride, const void* k_cache,
+                      const void* v_cache, int64_t block_stride, int64_t head_stride, int64_t token_stride, void* out,
+                      int64_t out_row_stride, int dtype, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                      float scale, int num_threads) {
+    if (num_kv_heads <= 0 || num_heads % num_kv_heads != 0 || head_dim <= 0 || plan->block_size <= 0) return -1;
+    if (plan->sliding_window != 0) return -1;
+    const int64_t group = num_heads / num_kv_heads;
+    if (group > kFreshLanes) return -1;
+    if (plan->num_seqs == 0) return 0;
+    FreshShape sh{num_heads, num_kv_heads, head_dim, group, (head_dim + kLanes - 1) / kLanes * kLanes,
+                  kFreshLanes / group, q_row_stride, 0, 0, out_row_stride, scale};
+    num_threads = std::max(1, num_threads);
+    switch (dtype) {
+        case kFloat32:
+            cached_pool_rows<float>(sh, *plan, q, k_cache, v_cache, block_stride, head_stride, token_stride, out,
+                                    num_threads);
+            return 0;
+        case kBFloat16:
+            cached_pool_rows<bf16>(sh, *plan, q, k_cache, v_cache, block_stride, head_stride, token_stride, out,
+                                   num_threads);
+            return 0;
+#ifdef __FLT16_MAX__
+        case kFloat16:
+            cached_pool_rows<f16>(sh, *plan, q, k_cache, v_cache, block_stride, head_stride, token_stride, out,
+                                  num_threads);
+            return 0;
 #endif
         default: return -2;
     }
