@@ -72,6 +72,7 @@ class KernelMetadata:
     cached_spans: list[tuple] = field(default_factory=list, repr=False)
     cached_arrays: tuple[np.ndarray, ...] = field(default=(), repr=False)
     cached_plan_ref: object = field(default=None, repr=False)
+    cached_sdpa: list[PrefillChunk] | None = field(default=None, repr=False)  # made on first need
     # The arrays behind plan's pointers: they must live as long as the plan.
     plan_arrays: tuple[np.ndarray, ...] = field(default=(), repr=False)
     plan_ref: object = field(default=None, repr=False)  # ctypes.byref(plan), made once per step
@@ -99,12 +100,10 @@ class KernelMetadata:
 
     def cached_sdpa_chunks(self) -> list[PrefillChunk]:
         """The cached chunks' SDPA inputs (context blocks and a mask), made on first need."""
-        chunks = self.__dict__.get("_cached_sdpa")
-        if chunks is None:
-            chunks = [prefill_chunk(blocks, start, n, row, self.block_size, None, torch.device("cpu"))
-                      for blocks, start, n, row in self.cached_spans]
-            self.__dict__["_cached_sdpa"] = chunks
-        return chunks
+        if self.cached_sdpa is None:
+            self.cached_sdpa = [prefill_chunk(blocks, start, n, row, self.block_size, None, torch.device("cpu"))
+                                for blocks, start, n, row in self.cached_spans]
+        return self.cached_sdpa
 
     def check_bounds(self, num_slots: int) -> None:
         """The kernel writes and reads raw memory: a slot or block id outside the pool must be
@@ -302,8 +301,9 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         k.shape[1], head_dim, scale, torch.get_num_threads())
     _check(rc, q, k_cache)
     sdpa_chunks = meta.sdpa_chunks
+    tiled = num_heads // k.shape[1] <= FRESH_MAX_GROUP  # the tiled paths take this group width
     if meta.fresh_chunks:
-        if num_heads // k.shape[1] <= FRESH_MAX_GROUP:
+        if tiled:
             rc = _fresh_prefill_call().call_raw(
                 meta.fresh_args, q.data_ptr(), q_stride, k.data_ptr(), k_stride, v.data_ptr(), v_stride, out.data_ptr(),
                 num_heads * head_dim, TORCH_DTYPE_CODES[cache_dtype], num_heads, k.shape[1], head_dim, scale,
@@ -312,7 +312,7 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         else:
             sdpa_chunks = sdpa_chunks + meta.fresh_chunks
     if meta.cached_spans:  # the chunks' K/V were written to the pool by ps_attention_layer above
-        if num_heads // k.shape[1] <= FRESH_MAX_GROUP:
+        if tiled:
             rc = _cached_prefill_call().call_raw(
                 (meta.cached_plan_ref,), q.data_ptr(), q_stride, k_cache.data_ptr(), v_cache.data_ptr(),
                 meta.block_size * token_stride, head_dim, token_stride, out.data_ptr(), num_heads * head_dim,
