@@ -1125,21 +1125,28 @@ void dispatch_fresh(const FreshShape& sh, int64_t num_chunks, const int32_t* q_s
     }
 }
 
-template <typename T>
-void fresh_step_rows(const FreshShape& sh, int64_t num_chunks, const int32_t* q_start, const int32_t* q_len,
-                     const void* q, const void* k, const void* v, void* out, int num_threads) {
-    const StepRows<T> rows{static_cast<const T*>(k), static_cast<const T*>(v), sh.k_stride, sh.v_stride,
-                           sh.head_dim, q_start};
-    dispatch_fresh<T>(sh, num_chunks, q_start, q_len, q, rows, out, num_threads);
+// The tiled paths' shape, into sh: -1 for a bad one (no kv head, a group over one tile's lanes).
+inline int fresh_shape(int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t q_stride, int64_t k_stride,
+                       int64_t v_stride, int64_t out_stride, float scale, FreshShape& sh) {
+    if (num_kv_heads <= 0 || num_heads % num_kv_heads != 0 || head_dim <= 0) return -1;
+    const int64_t group = num_heads / num_kv_heads;
+    if (group > kFreshLanes) return -1;
+    sh = {num_heads, num_kv_heads, head_dim, group, (head_dim + kLanes - 1) / kLanes * kLanes, kFreshLanes / group,
+          q_stride, k_stride, v_stride, out_stride, scale};
+    return 0;
 }
 
-template <typename T>
-void cached_pool_rows(const FreshShape& sh, const PsAttentionPlan& plan, const void* q, const void* k_cache,
-                      const void* v_cache, int64_t block_stride, int64_t head_stride, int64_t token_stride,
-                      void* out, int num_threads) {
-    const PoolRows<T> rows{static_cast<const T*>(k_cache), static_cast<const T*>(v_cache), &plan, block_stride,
-                           head_stride, token_stride};
-    dispatch_fresh<T>(sh, plan.num_seqs, plan.q_start, plan.q_len, q, rows, out, num_threads);
+// run(tag), tag a null T* of the storage type: 0, or -2 for a type this build lacks.
+template <typename Run>
+int by_storage_type(int dtype, Run run) {
+    switch (dtype) {
+        case kFloat32: run(static_cast<float*>(nullptr)); return 0;
+        case kBFloat16: run(static_cast<bf16*>(nullptr)); return 0;
+#ifdef __FLT16_MAX__
+        case kFloat16: run(static_cast<f16*>(nullptr)); return 0;
+#endif
+        default: return -2;
+    }
 }
 
 }  // namespace
@@ -1253,21 +1260,17 @@ int ps_fresh_prefill(int64_t num_chunks, const int32_t* q_start, const int32_t* 
                      int64_t q_row_stride, const void* k, int64_t k_row_stride, const void* v, int64_t v_row_stride,
                      void* out, int64_t out_row_stride, int dtype, int64_t num_heads, int64_t num_kv_heads,
                      int64_t head_dim, float scale, int num_threads) {
-    if (num_kv_heads <= 0 || num_heads % num_kv_heads != 0 || head_dim <= 0) return -1;
-    const int64_t group = num_heads / num_kv_heads;
-    if (group > kFreshLanes) return -1;
+    FreshShape sh;
+    if (fresh_shape(num_heads, num_kv_heads, head_dim, q_row_stride, k_row_stride, v_row_stride, out_row_stride, scale,
+                    sh) != 0)
+        return -1;
     if (num_chunks == 0) return 0;
-    FreshShape sh{num_heads, num_kv_heads, head_dim, group, (head_dim + kLanes - 1) / kLanes * kLanes,
-                  kFreshLanes / group, q_row_stride, k_row_stride, v_row_stride, out_row_stride, scale};
-    num_threads = std::max(1, num_threads);
-    switch (dtype) {
-        case kFloat32: fresh_step_rows<float>(sh, num_chunks, q_start, q_len, q, k, v, out, num_threads); return 0;
-        case kBFloat16: fresh_step_rows<bf16>(sh, num_chunks, q_start, q_len, q, k, v, out, num_threads); return 0;
-#ifdef __FLT16_MAX__
-        case kFloat16: fresh_step_rows<f16>(sh, num_chunks, q_start, q_len, q, k, v, out, num_threads); return 0;
-#endif
-        default: return -2;
-    }
+    return by_storage_type(dtype, [&](auto tag) {
+        using T = std::remove_pointer_t<decltype(tag)>;
+        const StepRows<T> rows{static_cast<const T*>(k), static_cast<const T*>(v), k_row_stride, v_row_stride, head_dim,
+                               q_start};
+        dispatch_fresh<T>(sh, num_chunks, q_start, q_len, q, rows, out, std::max(1, num_threads));
+    });
 }
 
 // Causal prefill chunks after cached keys, tiled as ps_fresh_prefill's: chunk s of the plan is
@@ -1281,31 +1284,16 @@ int ps_cached_prefill(const PsAttentionPlan* plan, const void* q, int64_t q_row_
                       const void* v_cache, int64_t block_stride, int64_t head_stride, int64_t token_stride, void* out,
                       int64_t out_row_stride, int dtype, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
                       float scale, int num_threads) {
-    if (num_kv_heads <= 0 || num_heads % num_kv_heads != 0 || head_dim <= 0 || plan->block_size <= 0) return -1;
-    if (plan->sliding_window != 0) return -1;
-    const int64_t group = num_heads / num_kv_heads;
-    if (group > kFreshLanes) return -1;
+    FreshShape sh;
+    if (fresh_shape(num_heads, num_kv_heads, head_dim, q_row_stride, 0, 0, out_row_stride, scale, sh) != 0) return -1;
+    if (plan->block_size <= 0 || plan->sliding_window != 0) return -1;
     if (plan->num_seqs == 0) return 0;
-    FreshShape sh{num_heads, num_kv_heads, head_dim, group, (head_dim + kLanes - 1) / kLanes * kLanes,
-                  kFreshLanes / group, q_row_stride, 0, 0, out_row_stride, scale};
-    num_threads = std::max(1, num_threads);
-    switch (dtype) {
-        case kFloat32:
-            cached_pool_rows<float>(sh, *plan, q, k_cache, v_cache, block_stride, head_stride, token_stride, out,
-                                    num_threads);
-            return 0;
-        case kBFloat16:
-            cached_pool_rows<bf16>(sh, *plan, q, k_cache, v_cache, block_stride, head_stride, token_stride, out,
-                                   num_threads);
-            return 0;
-#ifdef __FLT16_MAX__
-        case kFloat16:
-            cached_pool_rows<f16>(sh, *plan, q, k_cache, v_cache, block_stride, head_stride, token_stride, out,
-                                  num_threads);
-            return 0;
-#endif
-        default: return -2;
-    }
+    return by_storage_type(dtype, [&](auto tag) {
+        using T = std::remove_pointer_t<decltype(tag)>;
+        const PoolRows<T> rows{static_cast<const T*>(k_cache), static_cast<const T*>(v_cache), plan, block_stride,
+                               head_stride, token_stride};
+        dispatch_fresh<T>(sh, plan->num_seqs, plan->q_start, plan->q_len, q, rows, out, std::max(1, num_threads));
+    });
 }
 
 }  // extern "C"
