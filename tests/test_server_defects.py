@@ -6,6 +6,7 @@ import json
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 
 import httpx
 import pytest
@@ -181,21 +182,34 @@ def test_giant_prompt_is_413_and_costs_no_memory(server, model):
     assert httpx.get(server.url + "/health").status_code == 200
 
 
-def test_tokenization_runs_off_the_event_loop(server, model):
-    """While one request's tokenization is stuck, the server still answers others."""
+@contextmanager
+def slow_tokenize(server, stall):
+    """The server's tokenizer calls stall() before tokenizing the text "slow prompt"."""
     processor = server.async_engine.engine.input_processor
     original = processor.tokenize
-    entered, release = threading.Event(), threading.Event()
 
-    def slow_tokenize(text, *args, **kwargs):
+    def tokenize(text, *args, **kwargs):
         if text == "slow prompt":
-            entered.set()
-            assert release.wait(60)
+            stall()
         return original(text, *args, **kwargs)
 
-    processor.tokenize = slow_tokenize
+    processor.tokenize = tokenize
     try:
-        with ThreadPoolExecutor(1) as pool:
+        yield
+    finally:
+        processor.tokenize = original
+
+
+def test_tokenization_runs_off_the_event_loop(server, model):
+    """While one request's tokenization is stuck, the server still answers others."""
+    entered, release = threading.Event(), threading.Event()
+
+    def stall():
+        entered.set()
+        assert release.wait(60)
+
+    try:
+        with slow_tokenize(server, stall), ThreadPoolExecutor(1) as pool:
             slow = pool.submit(post, server, "/v1/completions", {"model": model, "prompt": "slow prompt",
                                                                   "max_tokens": 2})
             assert entered.wait(60)
@@ -206,7 +220,6 @@ def test_tokenization_runs_off_the_event_loop(server, model):
             assert slow.result(timeout=60).status_code == 200
     finally:
         release.set()
-        processor.tokenize = original
 
 
 @pytest.mark.parametrize("stream", [False, True])
@@ -214,26 +227,15 @@ def test_ttft_and_e2e_count_from_the_http_request_not_the_engine_hand_off(server
     """A client waits for parsing and tokenizing too: a prompt whose tokenizing takes 0.4 s adds
     at least that to the server's TTFT and E2E latency (it once counted from the hand-off to the
     engine and read faster than every client)."""
-    processor = server.async_engine.engine.input_processor
-    original = processor.tokenize
     delay = 0.4
-
-    def slow_tokenize(text, *args, **kwargs):
-        if text == "slow prompt":
-            time.sleep(delay)
-        return original(text, *args, **kwargs)
-
     wait_idle(server)
     before = scrape(server)
-    processor.tokenize = slow_tokenize
-    try:
+    with slow_tokenize(server, lambda: time.sleep(delay)):
         body = {"model": model, "prompt": "slow prompt", "max_tokens": 2, "stream": stream}
         if stream:
             assert sse_events(server, "/v1/completions", body)
         else:
             assert post(server, "/v1/completions", body).status_code == 200
-    finally:
-        processor.tokenize = original
     after = wait_idle(server)
     for name in ("time_to_first_token_seconds", "e2e_request_latency_seconds"):
         count = f"pagedserve:{name}_count{{}}"
