@@ -3,6 +3,7 @@ engine step that prefills them all (max_num_batched_tokens fits the burst), best
 
     OMP_NUM_THREADS=1 python benchmarks/prefill_step.py --model /tmp/peers/tiny-llama --seqs 32 --threads 1
     python benchmarks/prefill_step.py --model /tmp/peers/small-llama --seqs 16 --threads 2
+    python benchmarks/prefill_step.py --model /tmp/peers/tiny-llama --seqs 32 --threads 2 --pool-gib 4
 
 Run it under PYTHONPATH of each checkout to compare two; prints thread CPU and wall ms of the step.
 """
@@ -22,6 +23,9 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--pool-gib", type=float, default=None,
+                    help="a KV pool of this size (kv_cache_memory) instead of one just big enough: each burst then "
+                         "writes blocks never touched before, as a server's does until its pool has been used once")
     args = ap.parse_args()
     import torch
 
@@ -31,7 +35,9 @@ def main() -> None:
 
     n, plen = args.seqs, args.prompt_len
     llm = LLM(model=args.model, dtype=args.dtype, max_model_len=plen + 16, max_num_seqs=n,
-              max_num_batched_tokens=n * plen, num_kv_blocks=n * (plen // 16 + 2), enable_prefix_caching=False)
+              max_num_batched_tokens=n * plen, enable_prefix_caching=False,
+              **({"kv_cache_memory": int(args.pool_gib * 2**30)} if args.pool_gib else
+                 {"num_kv_blocks": n * (plen // 16 + 2)}))
     engine = llm.engine
     vocab = engine.model_config.vocab_size
     rng = random.Random(0)
@@ -49,7 +55,7 @@ def main() -> None:
             best_cpu, best_wall = min(best_cpu, c1 - c0), min(best_wall, w1 - w0)
     print(f"{os.path.basename(args.model)} {n}x{plen} {args.dtype} threads {args.threads} "
           f"({os.path.dirname(pagedserve.__file__)}): prefill step thread CPU {best_cpu * 1e3:.1f} ms, "
-          f"wall {best_wall * 1e3:.1f} ms (best of {args.repeats}); load {os.getloadavg()[0]:.2f}")
+          f"wall {best_wall * 1e3:.1f} ms (best of {args.repeats}; pool {args.pool_gib or 'just big enough'} GiB); load {os.getloadavg()[0]:.2f}")
 
 
 if __name__ == "__main__":
