@@ -502,3 +502,66 @@ def test_step_scatter_is_fitted_and_added_to_every_simulated_step(tmp_path):
     plain, scattered = run([]), run([0.002] * 100)
     assert [b - a for a, b in zip(plain.token_times, scattered.token_times)] == pytest.approx(
         [0.002 * (k + 1) for k in range(5)])
+
+
+def test_warm_up_after_idle_is_fitted_and_replayed(tmp_path):
+    """On a CPU the first decode steps after an idle spell run slower than the same steps back to back:
+    the fit measures a factor per position after idle from the trace (leaving those steps out of the shape
+    fit), and the simulator applies it to the steps after its own idle spells, not to others."""
+    from pagedserve.sim.calibration import steps_after_idle
+    from test_sim import cpu_params, write_config
+
+    m = ModelCost.from_shape(SHAPE, "float32", None, 1)
+    truth = CostModel(m, cpu_truth(attention_pad_share=0.0))
+    slow = [1.4, 1.25, 1.1]
+
+    def trace(factors):
+        rng = random.Random(3)
+        steps, t = [], 100.0
+        for burst in range(40):
+            t += 0.5  # idle
+            new = [rng.randint(20, 200)]
+            for k in range(16):
+                ctx = [n + rng.randint(0, 300) for n in new]
+                cost = truth.predict(new, ctx) * (factors[k - 1] if 1 <= k <= len(factors) else 1.0)
+                t += cost
+                steps.append(StepTrace(new, ctx, duration=cost, step_time=cost, t_end=t, cpu_time=cost,
+                                       num_outputs=len(new), num_unfinished=1 if k < 15 else 0))
+                t += 0.0002  # the engine's own gap between steps: not idle
+                new = [1] * rng.randint(1, 4) + ([rng.randint(20, 200)] if k % 5 == 4 else [])
+        return steps
+
+    steps = trace(slow)
+    assert steps_after_idle(steps)[:18] == list(range(16)) + [0, 1]
+    base = CostParams(peak_flops=1e6, mem_bandwidth=1e6, combine="sum")
+    params, report = fit(steps, m, base, host_bandwidth_fallback=(1e9, "stated"))
+    assert params.warmup_factors == pytest.approx(slow, rel=0.01)
+    assert report["warmup_steps_seen"] == [40, 40, 40, 40]
+    # the shape was fitted on the warm steps: a warm step is priced as the truth prices it
+    assert report["errors"]["all"]["mean_abs_rel_error"] < 0.02
+    # no slowdown in the trace, no factor
+    assert fit(trace([]), m, base, host_bandwidth_fallback=(1e9, "stated"))[0].warmup_factors == []
+
+    # The simulator: a lone request arriving to an idle engine has its 2nd and 3rd steps slowed; a second
+    # request arriving 1 ms after the first finishes (under warmup_idle_s) starts warm.
+    model_dir = write_config(tmp_path / "m")
+
+    def gaps(factors, second_at):
+        params = cpu_params()
+        params.warmup_factors = factors
+        workload = [WorkloadRequest(None, None, 40, 6, arrival_time=0.0),
+                    WorkloadRequest(None, None, 40, 6, arrival_time=second_at)]
+        res = simulate(build_deployment(EngineConfig(num_kv_blocks=64, max_model_len=256), str(model_dir),
+                                        cost_params=params), workload)
+        return [[b - a for a, b in zip(r.token_times, r.token_times[1:])] for r in res.records]
+
+    plain = gaps([], 10.0)
+    assert plain[0] == pytest.approx(plain[1])
+    warm = gaps([2.0, 1.5], 10.0)  # both requests find the engine idle
+    for p, w in zip(plain, warm):
+        assert w[:2] == pytest.approx([2.0 * p[0], 1.5 * p[1]]) and w[2:] == pytest.approx(p[2:])
+    first_end = simulate(build_deployment(EngineConfig(num_kv_blocks=64, max_model_len=256), str(model_dir),
+                                          cost_params=cpu_params()),
+                         [WorkloadRequest(None, None, 40, 6, arrival_time=0.0)]).records[0].token_times[-1]
+    soon = gaps([2.0, 1.5], first_end + 0.001)  # idle 1 ms < warmup_idle_s: the second request starts warm
+    assert soon[1] == pytest.approx(plain[1])

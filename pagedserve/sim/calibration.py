@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Iterable, Sequence
 
 from pagedserve.core.engine_core import StepTrace
-from pagedserve.sim.cost_params import CostParams
+from pagedserve.sim.cost_params import WARMUP_IDLE_S, CostParams
 from pagedserve.sim.step_work import ModelCost, step_features
 
 # ---------------------------------------------------------------------------------------
@@ -66,6 +66,26 @@ def step_costs(records: Sequence[StepTrace]) -> tuple[list[float], dict]:
         if k not in with_gap and r.t_end:
             costs[k] += median
     return costs, {"num_gaps": len(gaps), "median_gap_s": median, "mean_gap_s": sum(values) / len(values)}
+
+
+def steps_after_idle(records: Sequence[StepTrace], idle_s: float = WARMUP_IDLE_S) -> list[int | None]:
+    """Per step, how many steps the engine ran since it was last idle for `idle_s` or longer: 0 for
+    the first step after such a spell (and the first of the trace), 1 for the one after it, ...
+    None where the trace has no timestamps. Idle is measured from a step's end to the next one's
+    start, as the engine's clock stamped them."""
+    out: list[int | None] = []
+    prev_end, since = None, 0
+    for r in records:
+        if not r.t_end:
+            out.append(None)
+            prev_end = None
+            continue
+        start = r.t_end - r.step_time
+        gap = None if prev_end is None else start - prev_end
+        since = 0 if gap is None or gap < 0 or gap >= idle_s else since + 1
+        out.append(since)
+        prev_end = r.t_end
+    return out
 
 
 def trace_coverage(records: Sequence[StepTrace]) -> dict:
@@ -246,7 +266,7 @@ def fit(records: Iterable[StepTrace], model: ModelCost, base: CostParams, *, blo
         swap_probe=None,
         max_model_len: int | None = None, iterations: int = 20, reweight: int = 4, trim: float = 3.0,
         max_factor_tokens: int = 8, min_factor_steps: int = 20,
-        min_kind_steps: int = 20) -> tuple[CostParams, dict]:
+        min_kind_steps: int = 20, warmup_steps: int = 4) -> tuple[CostParams, dict]:
     """Fit the step cost's constants to a step trace; returns (params, report).
 
     What a step costs the server is its wall time plus the gap to the next step
@@ -277,6 +297,15 @@ def fit(records: Iterable[StepTrace], model: ModelCost, base: CostParams, *, blo
     step and how it knows: swap_probe.probe_swap_cost, the engine's own block copy timed here),
     else a memcpy measured here, and the report warns. Peaks stay as
     given; the efficiencies absorb the scale.
+
+    Warm-up: on a CPU the first decode steps after the engine sat idle for `warmup_idle_s` (its
+    caches, the OpenMP team and the core's clock were elsewhere) run 10-40% over the same steps
+    back to back (sim_vs_real's traces, 2026-12-05). The decode steps 1..`warmup_steps` after such a
+    spell are left out of the shape fit, and each position with at least `min_factor_steps` of them
+    gets its measured/modelled median as `warmup_factors[k - 1]`, which the simulator applies to
+    the k-th step after an idle spell of its own. (Step 0 after idle is almost always a prompt's
+    first chunk: its warm-up cannot be told apart from the prompt's price, so the prefill terms
+    hold it.)
     """
     import numpy as np
 
@@ -301,6 +330,9 @@ def fit(records: Iterable[StepTrace], model: ModelCost, base: CostParams, *, blo
     rare_share = sum(n for k, n in counts.items() if k not in common) / len(y)
     for k in common:
         balance[kinds == k] = math.sqrt((1.0 - rare_share) * len(y) / (len(common) * counts[k]))
+    idle_s = base.warmup_idle_s
+    since = np.asarray([-1 if s is None else s for s in steps_after_idle(records, idle_s)])
+    cold = (kinds == "decode") & (since >= 1) & (since <= warmup_steps)
 
     def combine_pred(X, coef):
         if form == "sum":
@@ -361,11 +393,11 @@ def fit(records: Iterable[StepTrace], model: ModelCost, base: CostParams, *, blo
         scale[scale == 0] = 1.0
         scale[_COL_DAF], scale[_COL_DAB] = scale[_COL_AF], scale[_COL_AB]  # parts of those columns
         Xs = X / scale
-        keep = np.ones(len(y), dtype=bool)
+        keep = ~cold
         coef, pred = solve(Xs, keep)
         rel = (pred - y) / y
-        mad = np.median(np.abs(rel - np.median(rel))) or 1e-9
-        keep = np.abs(rel - np.median(rel)) <= trim * mad * 1.4826 + 0.05
+        mad = np.median(np.abs(rel[keep] - np.median(rel[keep]))) or 1e-9
+        keep = ~cold & (np.abs(rel - np.median(rel[keep])) <= trim * mad * 1.4826 + 0.05)
         coef, pred = solve(Xs, keep)
         return coef / scale[:_NUM_COEF], pred, keep
 
@@ -389,6 +421,19 @@ def fit(records: Iterable[StepTrace], model: ModelCost, base: CostParams, *, blo
             if abs(ratio - 1) > 0.03:
                 factors[str(int(t))] = ratio
                 pred[counts_arr == t] *= ratio
+
+    warmup: list[float] = []
+    for pos in range(1, warmup_steps + 1):
+        sel = cold & (since == pos)
+        if sel.sum() < min_factor_steps:
+            break
+        warmup.append(float(np.median(y[sel] / pred[sel])))
+    while warmup and abs(warmup[-1] - 1) <= 0.03:  # positions that run as fast as the rest add nothing
+        warmup.pop()
+    for pos, factor in enumerate(warmup, start=1):
+        pred[since == pos] *= factor
+    # the warm-up steps count in the wall-clock fit and the error reports from here on
+    keep = keep | cold
 
     shape_errors = None
     wall_per_cpu = None
@@ -457,7 +502,7 @@ def fit(records: Iterable[StepTrace], model: ModelCost, base: CostParams, *, blo
         gemm_mfu=eff(k[_COL_LF], gemm_peak), gemm_mbu=eff(k[_COL_LB], base.mem_bandwidth * base.mem_share),
         attn_mfu=eff(k[_COL_AF], base.peak_flops), attn_mbu=eff(k[_COL_AB], base.mem_bandwidth * base.mem_share),
         attention_pad_share=float(pad_share), host_bandwidth=host_bw, host_link_efficiency=host_eff,
-        token_count_factors=factors, coverage=coverage,
+        token_count_factors=factors, warmup_factors=warmup, coverage=coverage,
         source=f"calibrated on {int(keep.sum())} of {len(y)} steps",
     )
     rel = (pred - y) / y
@@ -470,6 +515,8 @@ def fit(records: Iterable[StepTrace], model: ModelCost, base: CostParams, *, blo
         "median_abs_rel_error": float(np.median(np.abs(rel[keep]))),
         "total_time_error": float(pred[keep].sum() / y[keep].sum() - 1),
         "token_count_factors": factors, "attention_pad_share": float(pad_share),
+        "warmup_factors": warmup, "warmup_steps_seen": [int((cold & (since == pos)).sum())
+                                                        for pos in range(1, warmup_steps + 1)],
         "pad_share_scores": {str(s): score(s) for s in shares} if len(shares) > 1 else None,
         "step_gap": gap_info, "host_bandwidth": host_source, "coverage": coverage, "errors": errors,
         # How widely steps scatter around the model (measured / predicted): the simulator

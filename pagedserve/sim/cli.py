@@ -566,6 +566,13 @@ def format_calibration(params, report: dict, serving_report: dict | None) -> str
         f"(included in each step's cost)",
         f"attention padding share: {report['attention_pad_share']:g}; swaps: {report['host_bandwidth']}",
     ]
+    seen = report.get("warmup_steps_seen")
+    if seen is not None:
+        factors = report.get("warmup_factors") or []
+        lines.append(f"after an idle spell of {params.warmup_idle_s * 1e3:g} ms or more, decode steps 1-{len(seen)} "
+                     f"seen {'/'.join(map(str, seen))} times: "
+                     + ("took " + ", ".join(f"{f:.2f}x" for f in factors) + " the model, applied to the simulated "
+                        "steps after idle" if factors else "no warm-up fitted (too few, or as fast as the rest)"))
     if report.get("shape_errors"):
         lines += [
             "shape of the step cost, fitted to the engine thread's CPU time per step (error vs CPU time):",

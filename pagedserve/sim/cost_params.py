@@ -88,6 +88,11 @@ def memory_share(gpu) -> float:
 # apart: if so, up to 1.3 us a kernel is counted twice there.
 KERNEL_LAUNCH_S = {"cuda": 1.3e-6, "hip": 3.865e-6}
 
+# How long the engine must have sat idle for its next steps to count as warming up (CostParams.warmup_factors).
+# On the 2-core AMD EPYC VM (sim_vs_real's traces, 2026-12-05) the decode steps right after gaps over 20 ms ran
+# 1.04-1.45x the steps back to back; the gaps the engine leaves between steps with work are ~0.2 ms.
+WARMUP_IDLE_S = 0.02
+
 # Kernel profiles: the chip's GEMMs and the layer's other kernels as measured, where a public per-kernel profile
 # exists. Source: Vidur (Agrawal et al., MLSys 2024), https://github.com/microsoft/vidur, files
 # data/profiling/compute/{h100,a100}/<org>/<model>/mlp.csv (commit 7d47513, 2024-11-19): CUDA kernel durations
@@ -299,6 +304,11 @@ class CostParams:
     # picks GEMM kernels by shape: here 3 decode rows took 20% longer than 4. Vidur
     # profiles every batch size for the same reason; `fit` fills this from the trace.
     token_count_factors: dict = field(default_factory=dict)
+    # A CPU engine's first steps after an idle spell of at least warmup_idle_s run slower than the same
+    # steps back to back (caches, the OpenMP team, the core's clock): warmup_factors[k - 1] is the measured /
+    # modelled time of the k-th step after such a spell (`fit` fills it from the trace; empty: none).
+    warmup_factors: list = field(default_factory=list)
+    warmup_idle_s: float = WARMUP_IDLE_S
     # Seconds per K/V value a quantized cache's reads spend decoding (None: the GPU default,
     # default_kv_dequant_s_per_value; on a CPU, benchmarks/kv_cache_dtype.py measures it).
     kv_dequant_s_per_value: float | None = None

@@ -44,6 +44,13 @@ class SimExecutor:
         # calibrated on: cost_model.run_beyond_coverage).
         self.shapes = {"max_decode_batch": 0, "max_context": 0, "max_step_tokens": 0, "max_prefill_chunk": 0,
                        "swap_blocks": 0}
+        # A calibration's warm-up after idle (CostParams.warmup_factors): the k-th step after the engine sat
+        # idle for warmup_idle_s takes warmup_factors[k - 1] x its modelled time. Needs the clock.
+        params = getattr(cost_model, "params", None)
+        self._warmup = list(getattr(params, "warmup_factors", None) or ()) if clock is not None else []
+        self._warmup_idle_s = getattr(params, "warmup_idle_s", 0.0)
+        self._last_end: float | None = None
+        self._since_idle = 0
 
     # -- what the engine core asks at build time ---------------------------------------
     def profile_kv_budget(self, gpu_memory_utilization: float, max_num_batched_tokens: int,
@@ -89,6 +96,8 @@ class SimExecutor:
 
         if self.clock is not None:
             self.clock.now += duration
+            if not out.is_empty:
+                self._last_end = self.clock.now
         return StepResult(sampled=sampled, duration=duration, forward_time=duration)
 
     def step_duration(self, out) -> float:
@@ -101,9 +110,20 @@ class SimExecutor:
             # async scheduling: the host's part of the step ran while the device ran the step before
             host = host_step_s(params, out)
             t = max(t - host, host)
+        if self._warmup:
+            t *= self._warmup_factor()
         if self._residuals:
             t = max(t + self._residuals[self._residual_rng.randrange(len(self._residuals))], 0.0)
         return t
+
+    def _warmup_factor(self) -> float:
+        """The warm-up factor of the step starting now (and note where it will end: the caller adds
+        the step's time to the clock, so the end is set after the duration is known; see execute)."""
+        now = self.clock.now
+        last = self._last_end
+        self._since_idle = 0 if last is None or now - last >= self._warmup_idle_s else self._since_idle + 1
+        k = self._since_idle
+        return self._warmup[k - 1] if 1 <= k <= len(self._warmup) else 1.0
 
     def _note_shape(self, out) -> None:
         shapes = self.shapes
