@@ -208,7 +208,25 @@ def held_out_step_errors(cost: Path, model: Path, trace: Path) -> dict:
     rep = error_report(recs, pred, wall)
     rep["wall_over_model"] = sum(wall) / sum(pred)
     rep["busy_s"] = sum(wall)
+    rep["speed_windows"] = speed_windows(recs, wall, pred)
     return rep
+
+
+def speed_windows(recs, wall, pred, window_s: float = 5.0, min_steps: int = 50) -> list[float]:
+    """The run's measured / modelled step time in consecutive `window_s` windows (decode steps only,
+    warm-up after idle excluded; windows with fewer than `min_steps` of them left out): how far the
+    machine's speed moved within the run. The same step shapes, minutes apart, on this 2-core VM
+    ran 0.82-1.29x the model by window (2026-12-05): a run no model can predict to 10% when its
+    windows spread that far."""
+    from pagedserve.sim.calibration import step_kind, steps_after_idle
+
+    since = steps_after_idle(recs)
+    buckets: dict[int, list[float]] = {}
+    t0 = recs[0].t_end
+    for r, w, p, s in zip(recs, wall, pred, since):
+        if step_kind(r) == "decode" and (s is None or s > 4) and p > 0:
+            buckets.setdefault(int((r.t_end - t0) // window_s), []).append(w / p)
+    return [statistics.median(v) for _, v in sorted(buckets.items()) if len(v) >= min_steps]
 
 
 def scaled_cost(cost: Path, factor: float):
@@ -371,8 +389,11 @@ def main() -> int:
             r["wall_over_model"], r["probe_over_model"] = held["wall_over_model"], probe["wall_over_model"]
             d.update(wall_over_pooled_model=held["wall_over_model"], probe_over_pooled_model=probe["wall_over_model"],
                      step_errors_by_kind_pooled=held["by_kind"], step_errors_pooled=held["all"])
+            d["speed_windows"] = held["speed_windows"]
+            sw = held["speed_windows"]
             print(f"[{d['round']}] {w.name}: probe x{probe['wall_over_model']:.2f}, run x{held['wall_over_model']:.2f} "
-                  f"of the pooled model; held-out per-step error by kind (total time): "
+                  f"of the pooled model (decode steps by 5-s window: "
+                  + (f"{min(sw):.2f}-{max(sw):.2f}" if sw else "n/a") + "); held-out per-step error by kind (total time): "
                   + ", ".join(f"{k} {v['total_time_error']:+.1%}" for k, v in held["by_kind"].items()), flush=True)
     rows = compare(model, pooled_cost, chosen, at_run_speed=True)
     rows_first = compare(model, first_cost, chosen, at_run_speed=False)
