@@ -5,6 +5,13 @@ same checkpoints, one session: the project's one peer benchmark, in three modes.
     python benchmarks/peers_side_by_side.py --served --conc 1,8,32 # servers + the same HTTP load
     python benchmarks/peers_side_by_side.py --latency              # servers under arrival-bound load
     python benchmarks/peers_side_by_side.py --models tiny-llama --engines pagedserve,llama.cpp
+    python benchmarks/peers_side_by_side.py --sitting --rounds 1   # every pass below, then the goals
+
+`--sitting` runs, in one invocation: in process fp32 on both cores (every engine, both models, 1 / 8 /
+32), in process fp32 on one pinned core, in process bf16 on both cores (246M at 8 / 32: pagedserve
+`--dtype bfloat16`, OpenVINO in its default precision, vLLM bf16), served fp32 on both cores
+(pagedserve, vLLM's server, llama-server at 1 / 8 / 32 streams), and pagedserve's per-step breakdown
+(`step_breakdown.py --issue32`); then it prints issue 32's goal lines with the ratios each pass gave.
 
 The peers are installed by ../shared/peers/setup.sh under $PEERS_DIR (default /tmp/peers): their
 own venvs, two random Llama checkpoints (tiny-llama 19M, small-llama 246M), GGUF and OpenVINO
@@ -38,6 +45,7 @@ import argparse
 import json
 import os
 import random
+import re
 import shutil
 import subprocess
 import sys
@@ -309,6 +317,162 @@ def latency_main(args, engines: list[str], report: dict) -> None:
                 for k, _ in LATENCY_COLUMNS))
 
 
+def one_pass(args, engines: list[str]) -> dict:
+    """In process (or `args.served`) for every model and engine, `args.rounds` rounds, best kept; prints the
+    tables and returns {"served", "threads", "rounds", "dtype", "models": {model: {"best", "runs"}}}."""
+    cols = [int(x) for x in (args.conc if args.served else args.batch_sizes).split(",")]
+    report: dict = {"served": args.served, "threads": args.threads, "rounds": args.rounds, "dtype": args.dtype,
+                    "models": {}}
+    os.environ["PAGEDSERVE_DTYPE"] = args.dtype
+    for model in args.models.split(","):
+        runs: dict[str, list] = {e: [] for e in engines}
+        for rnd in range(args.rounds):
+            for engine in engines:
+                t0 = time.perf_counter()
+                res = run_served(engine, model, cols, args) if args.served else run_engine(engine, model, cols, args)
+                runs[engine].append(res)
+                print(f"  {model} round {rnd + 1} {engine}: {res if isinstance(res, str) else 'ok'} "
+                      f"({time.perf_counter() - t0:.0f} s)", flush=True)
+        results = {e: best(r) for e, r in runs.items()}
+        report["models"][model] = {"best": results, "runs": runs}
+        where = f"{args.threads} thread{'s' if args.threads > 1 else ''}, {args.dtype}"
+        if args.served:
+            print(table(f"\n{model}: served output tok/s at concurrency (best of {args.rounds}; {where})", results,
+                        cols, lambda v: v["out_tok_s"]))
+            print(table(f"{model}: P99 TTFT s at concurrency", results, cols, lambda v: v["ttft_p99_s"] or 0.0, ".2f"))
+        else:
+            print(table(f"\n{model}: output tok/s at batch size (best of {args.rounds}; {where})", results, cols,
+                        lambda v: v["out_tok_s"]))
+            print(table(f"{model}: seconds to the whole batch's first token (the burst's prefill; ratio < 1: "
+                        f"pagedserve faster)", results, cols, lambda v: v["ttft_s"] or float("nan"), ".3f"))
+    return report
+
+
+# Environment of the bf16 pass: OpenVINO in its default precision (bf16 on CPUs with AVX512-BF16), vLLM in bf16.
+BF16_ENV = {"INFER_PREC": "default", "KV_PREC": "default", "DTYPE": "bfloat16"}
+
+
+def sitting(args) -> dict:
+    """Every pass issue 32's goals name, one after the other in this invocation; then the goal lines."""
+    import copy
+
+    def variant(**kw):
+        a = copy.copy(args)
+        a.served = False
+        for k, v in kw.items():
+            setattr(a, k, v)
+        return a
+
+    passes = {}
+    print("\n== in process, fp32, both cores", flush=True)
+    passes["fp32"] = one_pass(variant(threads=2, dtype="float32"), ENGINES)
+    print("\n== in process, fp32, one pinned core", flush=True)
+    passes["fp32_1core"] = one_pass(variant(threads=1, dtype="float32"), ["pagedserve", "openvino", "llama.cpp"])
+    print("\n== in process, bf16, both cores (OpenVINO in its default precision)", flush=True)
+    saved = {k: os.environ.get(k) for k in BF16_ENV}
+    os.environ.update(BF16_ENV)
+    try:
+        models = args.models.split(",")
+        sizes = [b for b in args.batch_sizes.split(",") if b in ("8", "32")] or args.batch_sizes.split(",")
+        passes["bf16"] = one_pass(variant(threads=2, dtype="bfloat16",
+                                          models="small-llama" if "small-llama" in models else models[0],
+                                          batch_sizes=",".join(sizes)), ["pagedserve", "openvino", "vllm"])
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+    print("\n== served, fp32, both cores", flush=True)
+    passes["served"] = one_pass(variant(threads=2, dtype="float32", served=True), SERVED)
+    if args.no_breakdown:
+        passes["breakdown"] = {}
+        print("\n" + goals_table(passes), flush=True)
+        return {"sitting": True, "passes": passes}
+    print("\n== pagedserve's per-step breakdown (step_breakdown.py --issue32)", flush=True)
+    r = subprocess.run([sys.executable, str(Path(__file__).with_name("step_breakdown.py")), "--issue32"],
+                       capture_output=True, text=True, timeout=args.timeout, env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    print(r.stdout[-4000:] or r.stderr[-2000:], flush=True)
+    found = re.search(r"issue 32: engine work at 32 running on .*?: ([\d.]+)% of the step", r.stdout)
+    share = float(found.group(1)) / 100 if found else None
+    passes["breakdown"] = {"engine_share_246m_32": share, "tail": r.stdout[-4000:]}
+    print("\n" + goals_table(passes), flush=True)
+    return {"sitting": True, "passes": passes}
+
+
+def _value(report: dict, model: str, engine: str, col: int, key: str = "out_tok_s"):
+    res = report.get("models", {}).get(model, {}).get("best", {}).get(engine)
+    if not isinstance(res, dict) or col not in res or not isinstance(res[col], dict):
+        return None
+    return res[col].get(key)
+
+
+def goals_table(passes: dict) -> str:
+    """Issue 32's goal lines, each with pagedserve / the peer from this sitting's passes."""
+    rows = []
+
+    def ratio_cells(rep, model, peer, cols, key="out_tok_s", lower_is_better=False):
+        cells, met = [], True
+        for c in cols:
+            ours, theirs = _value(rep, model, "pagedserve", c, key), _value(rep, model, peer, c, key)
+            if not ours or not theirs:
+                cells.append("-")
+                met = None  # a pass or a peer that did not run: no verdict
+                continue
+            ratio = ours / theirs
+            cells.append(f"{ratio:.2f}x")
+            if met is not None:
+                met &= ratio <= 1.0 if lower_is_better else ratio >= 1.0
+        return " / ".join(cells), met
+
+    sizes = {"tiny-llama": "19M", "small-llama": "246M"}
+    fp32, one, bf16, served = passes.get("fp32", {}), passes.get("fp32_1core", {}), passes.get("bf16", {}), \
+        passes.get("served", {})
+    for model in ("tiny-llama", "small-llama"):
+        cells, met = ratio_cells(fp32, model, "openvino", [1, 8, 32])
+        rows.append((f"in process fp32 >= 1.0x OpenVINO at 1 / 8 / 32, {sizes[model]}", cells, met))
+    cells, met = ratio_cells(fp32, "tiny-llama", "llama.cpp", [1])
+    rows.append(("in process fp32 >= 1.0x llama.cpp at 1, 19M", cells, met))
+    for model in ("tiny-llama", "small-llama"):
+        cells, _ = ratio_cells(one, model, "openvino", [1, 8, 32])
+        rows.append((f"one pinned core, / OpenVINO at 1 / 8 / 32, {sizes[model]} (reported)", cells, None))
+    for peer in ("openvino", "vllm"):
+        cells, met = ratio_cells(bf16, "small-llama", peer, [8, 32])
+        rows.append((f"bf16 >= 1.0x {peer} bf16 at 8 / 32, 246M", cells, met))
+    for model in ("tiny-llama", "small-llama"):
+        fastest = None
+        for peer in ("openvino", "vllm", "llama.cpp", "hf"):
+            t = _value(fp32, model, peer, 32, "ttft_s")
+            if t and (fastest is None or t < fastest[1]):
+                fastest = (peer, t)
+        ours = _value(fp32, model, "pagedserve", 32, "ttft_s")
+        if fastest and ours:
+            rows.append((f"32 x 128 burst TTFT <= 1.0x the fastest peer, {sizes[model]}",
+                         f"{ours / fastest[1]:.2f}x ({ours:.3f} s vs {fastest[0]} {fastest[1]:.3f} s)",
+                         ours <= fastest[1]))
+    for model in ("tiny-llama", "small-llama"):
+        cells, met = ratio_cells(served, model, "vllm", [8, 32], key="ttft_p99_s", lower_is_better=True)
+        rows.append((f"served P99 TTFT <= vLLM's server at 8 / 32, {sizes[model]}", cells, met))
+        for peer in ("vllm", "llama.cpp"):
+            cells, met = ratio_cells(served, model, peer, [1, 8, 32])
+            rows.append((f"served tok/s >= 1.0x {peer} at 1 / 8 / 32, {sizes[model]}", cells, met))
+        kept = []
+        for c in (1, 8, 32):
+            s_, i_ = _value(served, model, "pagedserve", c), _value(fp32, model, "pagedserve", c)
+            kept.append(f"{s_ / i_:.2f}" if s_ and i_ else "-")
+        ok = None if "-" in kept else all(float(k) >= 0.95 for k in kept)
+        rows.append((f"server keeps >= 95% of in process at 1 / 8 / 32, {sizes[model]}", " / ".join(kept), ok))
+    share = passes.get("breakdown", {}).get("engine_share_246m_32")
+    rows.append(("work outside forward + LM head <= 5% of the step at 32, 246M",
+                 "-" if share is None else f"{share:.1%}", None if share is None else share <= 0.05))
+    width = max(len(r[0]) for r in rows)
+    lines = ["issue 32's goals, this sitting (pagedserve / peer; for TTFT, below 1.0x is better)",
+             f"{'goal':<{width}}  {'ratios':<40} met"]
+    for goal, cells, met in rows:
+        lines.append(f"{goal:<{width}}  {cells:<40} {'-' if met is None else 'yes' if met else 'no'}")
+    return "\n".join(lines)
+
+
 def main() -> None:
     if len(sys.argv) > 2 and sys.argv[1] == "--_worker":
         env = os.environ
@@ -323,7 +487,11 @@ def main() -> None:
     mode.add_argument("--served", action="store_true", help="servers under bench_http.py instead of in-process")
     mode.add_argument("--latency", action="store_true",
                       help="pagedserve and vLLM servers under arrival-bound `pagedserve bench` workloads")
+    mode.add_argument("--sitting", action="store_true",
+                      help="every pass of issue 32 in one invocation (both cores, one core, bf16, served, the "
+                           "breakdown), then its goal lines")
     ap.add_argument("--conc", default="1,8,32")
+    ap.add_argument("--no-breakdown", action="store_true", help="--sitting: leave out step_breakdown.py --issue32")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--threads", type=int, default=None, help="default 2 (--latency: 1)")
     ap.add_argument("--prompt-len", type=int, default=128)
@@ -356,28 +524,10 @@ def main() -> None:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(report, indent=1, default=str))
         return
-    cols = [int(x) for x in (args.conc if args.served else args.batch_sizes).split(",")]
-    report: dict = {"served": args.served, "threads": args.threads, "rounds": args.rounds, "models": {}}
-    for model in args.models.split(","):
-        runs: dict[str, list] = {e: [] for e in engines}
-        for rnd in range(args.rounds):
-            for engine in engines:
-                t0 = time.perf_counter()
-                res = run_served(engine, model, cols, args) if args.served else run_engine(engine, model, cols, args)
-                runs[engine].append(res)
-                print(f"  {model} round {rnd + 1} {engine}: {res if isinstance(res, str) else 'ok'} "
-                      f"({time.perf_counter() - t0:.0f} s)", flush=True)
-        results = {e: best(r) for e, r in runs.items()}
-        report["models"][model] = {"best": results, "runs": runs}
-        if args.served:
-            print(table(f"\n{model}: served output tok/s at concurrency (best of {args.rounds})", results, cols,
-                        lambda v: v["out_tok_s"]))
-            print(table(f"{model}: P99 TTFT s at concurrency", results, cols, lambda v: v["ttft_p99_s"] or 0.0, ".2f"))
-        else:
-            print(table(f"\n{model}: output tok/s at batch size (best of {args.rounds})", results, cols,
-                        lambda v: v["out_tok_s"]))
-            print(table(f"{model}: seconds to the whole batch's first token (the burst's prefill; ratio < 1: "
-                        f"pagedserve faster)", results, cols, lambda v: v["ttft_s"] or float("nan"), ".3f"))
+    if args.sitting:
+        report = sitting(args)
+    else:
+        report = one_pass(args, engines)
     print(f"load after: {os.getloadavg()}")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(report, indent=1, default=str))
