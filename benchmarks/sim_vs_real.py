@@ -73,7 +73,9 @@ class Workload:
 
 def workloads(rate_random: float) -> list[Workload]:
     return [
-        Workload("random lengths, ~80% busy", ENGINE + ["--kv-cache-memory", "64MiB", "--no-enable-prefix-caching"],
+        # The rate search (rate_for_busy) stops at 5 req/s, where the simulator says ~55% busy: the name said
+        # "~80% busy" until 2026-12-05, which no run reached.
+        Workload("random lengths, rate for 80% busy capped at 5 req/s", ENGINE + ["--kv-cache-memory", "64MiB", "--no-enable-prefix-caching"],
                  ["--dataset", "random", "--random-input-len", "160", "--random-output-len", "48",
                   "--random-range-ratio", "0.5", "--num-prompts", "48", "--request-rate", f"{rate_random:.3f}",
                   "--seed", "1"]),
@@ -85,6 +87,13 @@ def workloads(rate_random: float) -> list[Workload]:
                                                          "--no-enable-prefix-caching"],
                  ["--dataset", "random", "--random-input-len", "192", "--random-output-len", "96",
                   "--random-range-ratio", "0.3", "--num-prompts", "32", "--request-rate", "inf", "--seed", "3"]),
+        # Added 2026-12-05: the first three never preempt by recompute (the random one's pool is roomy), and the
+        # issue asks for recompute, prefix and swap modes.
+        Workload("burst into 64 blocks, recompute", ENGINE + ["--num-kv-blocks", "64", "--max-model-len", "512",
+                                                              "--preemption-mode", "recompute",
+                                                              "--no-enable-prefix-caching"],
+                 ["--dataset", "random", "--random-input-len", "192", "--random-output-len", "96",
+                  "--random-range-ratio", "0.3", "--num-prompts", "32", "--request-rate", "inf", "--seed", "4"]),
     ]
 
 
@@ -404,6 +413,11 @@ def main() -> int:
     met_probe, _ = goals_met(rows, which=3)
     print(f"\n{met} of {total} goal metrics within 10% of the median real run; at the probe's speed {met_probe} of "
           f"{total}")
+    first_three = [row for row in rows if row[0].name != "burst into 64 blocks, recompute"]
+    met3, total3 = goals_met(first_three)
+    own = [e for row in rows for e in (row[4] or {}).values() if e is not None]
+    print(f"(the three workloads of the issue's count: {met3} of {total3}; at each run's own speed "
+          f"{sum(1 for e in own if abs(e) <= 0.10)} of {len(own)} over all workloads)")
     met1, total1 = goals_met(rows_first)
     print(f"(calibrated once, on round 0 only: {met1} of {total1})")
     for w, real, sim, *_ in rows_first:
@@ -420,6 +434,7 @@ def main() -> int:
                        "diagnostics": diagnostics[w.name]}
                       for (w, real, sim, probe_sim, own_err), first in zip(rows, rows_first)],
         "goals_met": met, "goals_met_at_probe_speed": met_probe, "goals_total": total,
+        "goals_met_first_three": met3, "goals_total_first_three": total3,
         "goals_met_first_calibration": met1}, indent=2, default=str))
     print(f"wrote {args.out}")
     return 0
