@@ -219,3 +219,16 @@ def test_slot_outside_the_pool_is_refused(tmp_path):
     meta, positions = cpu_backend.build_metadata([(np.array([9]), 3)], [], 16, None, CPU)
     with torch.inference_mode(), pytest.raises(ValueError, match="outside the pool"):
         model(torch.tensor([1]), torch.from_numpy(positions), pool, meta)
+
+
+def test_unbuildable_loop_warns_and_runs_op_by_op(tmp_path, choices_forgotten, caplog):
+    from pagedserve.native import NativeUnavailable
+
+    def unavailable():
+        raise NativeUnavailable("no compiler here")
+    path = checkpoint(tmp_path)
+    choices_forgotten.setattr(decoder, "load_library", unavailable)
+    with caplog.at_level("WARNING", logger="pagedserve.model.decoder"):
+        model = load(path)
+    assert model.native_forward is None
+    assert "no compiler here" in caplog.text

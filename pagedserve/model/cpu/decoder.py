@@ -126,6 +126,9 @@ class NativeForward:
             _address(attn_lib, "ps_cached_prefill"))
         self.lib = load_library()
         self.layer_array = (DecoderLayer * len(layers))()
+        # The structures hold raw addresses of these tensors: keep them alive with this object
+        # (weights are not replaced after load; were one replaced, this would read the old one).
+        self.weights = [t for t in (*model.parameters(), *model.buffers())]
         for entry, layer in zip(self.layer_array, layers):
             a, mlp = layer.self_attn, layer.mlp
             for field, linear in (("qkv", a.qkv_proj), ("o", a.o_proj), ("gate_up", mlp.gate_up_proj),
@@ -159,6 +162,11 @@ class NativeForward:
         why = cls.refusal(model)
         if why is not None:
             logger.debug("the model's forward runs op by op: %s", why)
+            return None
+        try:
+            load_library()
+        except native.NativeUnavailable as e:
+            logger.warning("CPU decoder loop unavailable, the model's forward runs op by op: %s", e)
             return None
         return cls(model, next(model.parameters()).dtype)
 
@@ -210,7 +218,6 @@ class NativeForward:
             for lib, name in ((fused.load_library(), "ps_rms_norm"), (gemm.load_gemm(), "ps_gemm"),
                               (load_kernel(), "ps_attention_layer")):
                 _address(lib, name)
-            load_library()
         except (TypeError, AttributeError, native.NativeUnavailable) as e:
             return f"a kernel library's functions cannot be called natively: {e}"
         return None
@@ -222,7 +229,8 @@ class NativeForward:
         if kv_cache is self.pool:
             return True
         if (type(kv_cache) is not torch.Tensor or kv_cache.dtype != self.dtype or not kv_cache.is_contiguous()
-                or kv_cache.dim() != 5 or kv_cache.shape[0] != len(self.layer_array)):
+                or tuple(kv_cache.shape[:2]) != (len(self.layer_array), 2)
+                or tuple(kv_cache.shape[3:]) != (self.model_struct.num_kv_heads, self.model_struct.head_dim)):
             return False
         views = self.model._layer_caches(kv_cache)
         for entry, (k_cache, v_cache) in zip(self.layer_array, views):
