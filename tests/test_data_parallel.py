@@ -340,7 +340,9 @@ def test_zz_killed_core_fails_requests_in_flight_and_health_turns_503(dense):
     deadline = time.monotonic() + 60
     while min(c.num_pending_adds == 0 and s.num_running > 0 for c, s in zip(client.clients, client._state)) is False:
         assert time.monotonic() < deadline, "the requests never ran on both cores"
-        time.sleep(0.05)
+        # Polled finely: a core runs its two requests (120 tokens each) in well under 0.1 s on
+        # the tiny model, so a coarse poll can miss the moment both cores hold one.
+        time.sleep(0.002)
     on_core_1 = {rid for rid, rank in client._owner.items() if rank == 1}
     os.kill(client.clients[1].process.pid, signal.SIGKILL)
     future.result(150)
