@@ -71,7 +71,8 @@ def main() -> None:
                     model.compute_logits(hidden)
                 times["LM head"].append((time.perf_counter() - start) / args.calls * 1e3)
             model.native_forward = native
-        shown = ", ".join(f"{name} {statistics.median(t):.3f} ({min(t):.3f}..{max(t):.3f})" for name, t in times.items())
+        shown = ", ".join(f"{name} {statistics.median(t):.3f} ({min(t):.3f}..{max(t):.3f})"
+                          for name, t in times.items())
         ratio = statistics.median(a / b for a, b in zip(times["per-op"], times["native"]))
         print(f"rows {rows:>3}: {shown}; per-op / native {ratio:.2f}x (paired by round)")
 

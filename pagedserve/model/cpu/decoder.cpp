@@ -143,8 +143,8 @@ int ps_decoder_forward(const PsDecoderModel* m, const PsDecoderStep* s, int* ker
         // x = norm(h) for the first layer (the embeddings are the residual), else
         // residual += h (the last MLP output); x = norm(residual)
         if (l == 0) {
-            PS_CHECK(k.rms_norm(m->fused_dtype, s->hidden, hidden, w.input_norm, s->normed, hidden, rows, hidden, m->eps,
-                                lanes, threads), 1, l);
+            PS_CHECK(k.rms_norm(m->fused_dtype, s->hidden, hidden, w.input_norm, s->normed, hidden, rows, hidden,
+                                m->eps, lanes, threads), 1, l);
         } else {
             PS_CHECK(k.add_rms_norm(m->fused_dtype, s->mlp, hidden, s->hidden, hidden, w.input_norm, s->normed, hidden,
                                     rows, hidden, m->eps, lanes, threads), 1, l);
