@@ -12,8 +12,10 @@ engine). Each part's time is its own, without the parts it calls:
   forward     the model forward, split by layer kind: embed, rope table (cos/sin of the
               step's positions), norms (every RMSNorm, the residual adds and the final norm),
               attn GEMM (qkv + o projections), rope (rotating q and k), attention (the K/V
-              write and the paged attention), MLP GEMM (gate_up + down), silu*up, and glue
-              (what the forward does between those: views, splits, the layer loop)
+              write and the paged attention), MLP GEMM (gate_up + down), silu*up, native
+              (where the model runs as one C++ call, model/cpu/decoder.py: all the layers and
+              the final norm; the kinds before it are then empty), and glue (what the forward
+              does between those: views, splits, the layer loop)
   LM head     compute_logits (the vocabulary GEMM)
   sampler     the rest of _sample: the sampler and the per-request result
   update      Scheduler.update_from_output
@@ -63,7 +65,8 @@ from pathlib import Path
 ISSUE32_PLAN = "/tmp/peers/tiny-llama=1,32,256;/tmp/peers/small-llama=32"
 ENGINE_GOAL = 0.05  # issue 32: the work outside forward + LM head, at 32 running on the 246M
 PARTS = ["schedule", "input prep", "forward", "LM head", "sampler", "update", "outputs", "other"]
-FORWARD_KINDS = ["embed", "rope table", "norms", "attn GEMM", "rope", "attention", "MLP GEMM", "silu*up", "glue"]
+FORWARD_KINDS = ["embed", "rope table", "norms", "attn GEMM", "rope", "attention", "MLP GEMM", "silu*up", "native",
+                 "glue"]
 # What the step's engine work is: everything but the model forward and the LM head.
 ENGINE_PARTS = ["schedule", "input prep", "sampler", "update", "outputs", "other"]
 
@@ -164,6 +167,9 @@ def instrument(engine, probe: Probe) -> None:
                        ("silu_and_mul", "silu*up")):
         probe.wrap(fused, name, part)
     probe.wrap(llama, "paged_attention", "attention")
+    # the forward as one C++ call (model/cpu/decoder.py): every layer and the final norm in "native"
+    if getattr(model, "native_forward", None) is not None:
+        probe.wrap(model.native_forward, "forward", "native")
 
 
 def main() -> None:

@@ -26,7 +26,11 @@ DEADLINE = 60.0
 # The watchdog's bound here: far above a tiny model's step (milliseconds), even on a loaded
 # machine, so only the frozen engine trips it.
 BOUND = 2.0
-BODY = {"prompt": [5, 6, 7, 8], "max_tokens": 48, "temperature": 0, "ignore_eos": True}
+# Long enough (within the servers' 128-token context) that the engine is still generating when
+# the test freezes it after the first token arrives: 48 tokens took less than the first token's
+# trip to the client on the tiny model once the forward ran as one native call (the request was
+# done before the freeze).
+BODY = {"prompt": [5, 6, 7, 8], "max_tokens": 120, "temperature": 0, "ignore_eos": True}
 
 
 def stream(url: str, out: dict, first_token: threading.Event) -> None:

@@ -113,6 +113,9 @@ class DecoderLayer(nn.Module):
 class LlamaForCausalLM(nn.Module):
     # Tensors a pipeline stage hands the next: the layer output and the residual (model/pipeline.py).
     num_intermediate_tensors = 2
+    # The whole forward in one C++ call where every piece already runs in pagedserve's C++
+    # (model/cpu/decoder.py; set at load by `prepare_native_forward`); None: op by op.
+    native_forward = None
 
     def __init__(self, cfg: ModelConfig, shard: TPShard | None = None) -> None:
         super().__init__()
@@ -167,6 +170,11 @@ class LlamaForCausalLM(nn.Module):
         dtype = next(self.parameters()).dtype  # a middle pipeline stage has no embedding
         self.rotary = RotaryEmbedding(self.cfg.rope, self.cfg.head_dim, dtype, device, max_model_len)
 
+    def prepare_native_forward(self) -> None:
+        """Decide, once the weights are packed, whether the forward runs as one native call."""
+        from pagedserve.model.cpu.decoder import NativeForward
+        self.native_forward = NativeForward.build(self)
+
     # -- forward ----------------------------------------------------------------------
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
                 meta: AttentionMetadata, prompt_lens: torch.Tensor | None = None,
@@ -176,6 +184,11 @@ class LlamaForCausalLM(nn.Module):
         Returns hidden [T, H]. A pipeline stage after the first starts from `intermediate`
         (the previous stage's (h, residual)); one before the last (no final norm) returns
         its (h, residual) instead of the normed hidden."""
+        native = self.__dict__.get("native_forward")
+        if native is not None and intermediate is None:
+            hidden = native.forward(input_ids, positions, kv_cache, meta, prompt_lens)
+            if hidden is not None:  # else this step needs the per-op path (decoder.py says when)
+                return hidden
         modules = self._modules  # as DecoderLayer.forward: no Module.__getattr__ / __call__ per layer
         if intermediate is None:
             h, residual = modules["embed_tokens"].forward(input_ids), None

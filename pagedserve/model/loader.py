@@ -72,4 +72,6 @@ def load_model(config: ModelConfig, dtype: str, device: str, shard: TPShard | No
     model.init_buffers(device, max_model_len)
     model.eval()
     prepare_linear_layers(model, torch_dtype, torch.device(device))
+    if isinstance(model, LlamaForCausalLM):
+        model.prepare_native_forward()
     return model
