@@ -6,7 +6,7 @@ Why: at decode sizes on a small model the per-op path (model/llama.py) is ~10 Py
 calls per layer, each a few microseconds of Python, argument conversion and tensor checks —
 most of a 19M model's forward. decoder.cpp makes the same kernel calls, through the addresses
 of the very functions the per-op path calls, with the same arguments in the same order: the
-hidden states equal the per-op path's bit for bit (tests/test_decoder_forward.py).
+hidden states equal the per-op path's bit for bit (tests/test_native_forward.py).
 
 When it serves (`NativeForward.build`, once per model at load; `forward`, per step):
 - at load: CPU, fp32 or bf16, tensor parallel 1, the whole model in one stage, every layer
