@@ -160,8 +160,8 @@ def test_window_chunks_for_sdpa_run_op_by_op(tmp_path):
 
 
 def test_engine_uses_native_forward_and_matches_hf(tmp_path):
-    from checkpoints import hf_greedy
-    from pagedserve import LLM, SamplingParams
+    from checkpoints import greedy_outputs, hf_greedy
+    from pagedserve import LLM
 
     path = checkpoint(tmp_path, layers=3)
     rng = np.random.default_rng(5)
@@ -169,9 +169,7 @@ def test_engine_uses_native_forward_and_matches_hf(tmp_path):
     max_tokens = [10, 6, 8, 12]
     want = hf_greedy(path, prompts, max_tokens)
     llm = LLM(str(path), max_model_len=128, num_kv_blocks=32, max_num_batched_tokens=24)
-    outs = llm.generate(prompts, [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in max_tokens],
-                        use_tqdm=False)
-    assert [o.outputs[0].token_ids for o in outs] == want
+    assert greedy_outputs(llm, prompts, max_tokens) == want
     native = llm.engine.executor.model.native_forward
     assert native is not None and native.num_steps >= max(max_tokens)
 
