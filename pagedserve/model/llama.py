@@ -114,7 +114,7 @@ class LlamaForCausalLM(nn.Module):
     # Tensors a pipeline stage hands the next: the layer output and the residual (model/pipeline.py).
     num_intermediate_tensors = 2
     # The whole forward in one C++ call where every piece already runs in pagedserve's C++
-    # (model/cpu/decoder.py; set at load by `prepare_native_forward`); None: op by op.
+    # (model/cpu/decoder.py; set by model/loader.py once the weights are packed); None: op by op.
     native_forward = None
 
     def __init__(self, cfg: ModelConfig, shard: TPShard | None = None) -> None:
@@ -169,11 +169,6 @@ class LlamaForCausalLM(nn.Module):
         computed per step)."""
         dtype = next(self.parameters()).dtype  # a middle pipeline stage has no embedding
         self.rotary = RotaryEmbedding(self.cfg.rope, self.cfg.head_dim, dtype, device, max_model_len)
-
-    def prepare_native_forward(self) -> None:
-        """Decide, once the weights are packed, whether the forward runs as one native call."""
-        from pagedserve.model.cpu.decoder import NativeForward
-        self.native_forward = NativeForward.build(self)
 
     # -- forward ----------------------------------------------------------------------
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,

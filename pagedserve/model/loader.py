@@ -73,5 +73,8 @@ def load_model(config: ModelConfig, dtype: str, device: str, shard: TPShard | No
     model.eval()
     prepare_linear_layers(model, torch_dtype, torch.device(device))
     if isinstance(model, LlamaForCausalLM):
-        model.prepare_native_forward()
+        # whether the forward runs as one native call (decided here, not in llama.py: decoder.py reads
+        # llama.py's layer classes, so llama.py importing it back would close a circle)
+        from pagedserve.model.cpu.decoder import NativeForward
+        model.native_forward = NativeForward.build(model)
     return model
