@@ -83,13 +83,17 @@ def test_stop_string_found_in_the_api_process_ends_the_core_request(split_server
     assert len(stop) == 2 and text.index(stop) < len(text) - 2
     computed = "pagedserve:iteration_tokens_total_sum{}"
     before = wait_idle(split_server)[computed]
-    cut = completion(split_server, prompt="def fibonacci(n):", max_tokens=200, ignore_eos=True, stop=[stop]).json()
+    # max_tokens near the context (256): a core that never heard of the stop would compute all of them.
+    cut = completion(split_server, prompt="def fibonacci(n):", max_tokens=240, ignore_eos=True, stop=[stop]).json()
     choice = cut["choices"][0]
     assert choice["finish_reason"] == "stop" and choice["text"] == text[:text.index(stop)]
     m = wait_idle(split_server)
     assert m["pagedserve:kv_cache_used_tokens{}"] == 0 and m["pagedserve:num_requests_running{}"] == 0
-    prompt_tokens = cut["usage"]["prompt_tokens"]
-    assert m[computed] - before < prompt_tokens + 60, "the core ran on past the stop string"
+    # The core runs on while the API process detokenizes, finds the stop and sends the abort back: 28-37
+    # tokens after the prompt here alone (stop ~15 tokens in), 60+ in one full-suite run once a tiny model's
+    # step took a fraction of a millisecond (the native forward). Far from max_tokens is what "stopped" means.
+    ran = m[computed] - before - cut["usage"]["prompt_tokens"]
+    assert ran < 160, f"the core ran on past the stop string: {ran} of max_tokens 240 computed"
 
 
 def test_disconnect_aborts_in_the_core_and_bad_input_changes_nothing(split_server):
