@@ -263,8 +263,7 @@ class NativeForward:
         cos_stride = cos.stride()
         rows = input_ids.shape[0]
         if (cos.dtype != self.dtype or sin.dtype != self.dtype or cos_stride[-1] != 1
-                or q_shaped_rotary_misfit(rows, self.model_struct.num_heads, self.model_struct.head_dim, cos, sin,
-                                          cos_stride)):
+                or not fused.rotary_table_fits(rows, self.model_struct.head_dim, cos, sin, cos_stride)):
             return None
         token_stride = self.model_struct.token_stride
         meta.check_bounds(kv_cache.shape[2])
@@ -296,12 +295,3 @@ class NativeForward:
         self.num_steps += 1
         return out
 
-
-def q_shaped_rotary_misfit(rows: int, heads: int, head_dim: int, cos: torch.Tensor, sin: torch.Tensor,
-                           cos_stride: tuple[int, ...]) -> bool:
-    """Whether fused.apply_rotary would refuse these cos / sin for q of [rows, heads, head_dim]
-    (its `_rotary_shapes_fit`, on q's and k's shapes as the qkv split makes them)."""
-    if cos.shape != sin.shape or cos_stride != sin.stride() or head_dim % 2:
-        return True
-    table_shape = (rows, 1, head_dim) if cos.dim() == 3 else (rows, head_dim)
-    return tuple(cos.shape) != table_shape

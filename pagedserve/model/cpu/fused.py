@@ -255,9 +255,17 @@ def apply_rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch
 
 def _rotary_shapes_fit(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                       cos_stride: tuple[int, ...]) -> bool:
-    if q.dim() != 3 or k.dim() != 3 or cos.shape != sin.shape or cos_stride != sin.stride():
+    if q.dim() != 3 or k.dim() != 3:
         return False
     rows, _, head_dim = q.shape
+    return k.shape[0] == rows and k.shape[2] == head_dim and rotary_table_fits(rows, head_dim, cos, sin, cos_stride)
+
+
+def rotary_table_fits(rows: int, head_dim: int, cos: torch.Tensor, sin: torch.Tensor,
+                      cos_stride: tuple[int, ...]) -> bool:
+    """Whether the kernel takes these cos / sin rows for `rows` tokens of `head_dim` (the table's part of
+    apply_rotary's check; model/cpu/decoder.py asks it before its one native call)."""
+    if cos.shape != sin.shape or cos_stride != sin.stride() or head_dim % 2:
+        return False
     table_shape = (rows, 1, head_dim) if cos.dim() == 3 else (rows, head_dim)
-    return (head_dim % 2 == 0 and k.shape[0] == rows and k.shape[2] == head_dim
-            and tuple(cos.shape) == table_shape)
+    return tuple(cos.shape) == table_shape
