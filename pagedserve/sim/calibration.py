@@ -41,6 +41,11 @@ def step_kind(r: StepTrace) -> str:
     return "prefill" if decodes == 0 else "mixed"
 
 
+def gap_before(prev: StepTrace, r: StepTrace) -> float:
+    """Seconds between `prev`'s end and `r`'s start, on the engine's clock (both need t_end)."""
+    return (r.t_end - r.step_time) - prev.t_end
+
+
 def step_costs(records: Sequence[StepTrace]) -> tuple[list[float], dict]:
     """What each step costs the engine's loop: from its start to the next step's start when
     the next one followed at once (the engine had work left), else its own step_time plus
@@ -52,7 +57,7 @@ def step_costs(records: Sequence[StepTrace]) -> tuple[list[float], dict]:
     for k in range(len(records) - 1):
         a, b = records[k], records[k + 1]
         if a.t_end and b.t_end and a.num_unfinished > 0:
-            gap = (b.t_end - b.step_time) - a.t_end
+            gap = gap_before(a, b)
             if gap >= 0:
                 gaps.append((k, gap))
     if not gaps:
@@ -74,17 +79,16 @@ def steps_after_idle(records: Sequence[StepTrace], idle_s: float = WARMUP_IDLE_S
     None where the trace has no timestamps. Idle is measured from a step's end to the next one's
     start, as the engine's clock stamped them."""
     out: list[int | None] = []
-    prev_end, since = None, 0
+    prev, since = None, 0
     for r in records:
         if not r.t_end:
             out.append(None)
-            prev_end = None
+            prev = None
             continue
-        start = r.t_end - r.step_time
-        gap = None if prev_end is None else start - prev_end
+        gap = None if prev is None else gap_before(prev, r)
         since = 0 if gap is None or gap < 0 or gap >= idle_s else since + 1
         out.append(since)
-        prev_end = r.t_end
+        prev = r
     return out
 
 

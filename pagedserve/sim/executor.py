@@ -117,8 +117,8 @@ class SimExecutor:
         return t
 
     def _warmup_factor(self) -> float:
-        """The warm-up factor of the step starting now (and note where it will end: the caller adds
-        the step's time to the clock, so the end is set after the duration is known; see execute)."""
+        """The warm-up factor of the step starting now: the k-th since the engine last sat idle for
+        warmup_idle_s (execute notes each non-empty step's end, once the clock has moved by it)."""
         now = self.clock.now
         last = self._last_end
         self._since_idle = 0 if last is None or now - last >= self._warmup_idle_s else self._since_idle + 1
