@@ -514,7 +514,6 @@ def main() -> None:
     engines = [e for e in (args.engines or ("pagedserve,vllm" if args.latency else ",".join(known))).split(",")
                if e in known]
     Path(args.log_dir).mkdir(parents=True, exist_ok=True)
-    os.environ["PAGEDSERVE_DTYPE"] = args.dtype
     print(f"load before: {os.getloadavg()}", flush=True)
     if args.latency:
         report = {"latency": True, "model": args.models.split(",")[0], "threads": args.threads,
