@@ -547,13 +547,13 @@ def test_dashboard_page_in_a_browser(tiny_llama, browser, tmp_path, engine_core_
         assert page.locator("#tooltip").is_hidden()
 
         # Ten 100-token prompts fill the 64 blocks at admission; their decodes must preempt.
-        # (A request needs ceil(160 / 16) = 10 blocks at its end: 100 for the ten.)
+        # (A request needs ceil(240 / 16) = 15 blocks at its end: 150 for the ten.)
         failures: list[str] = []
 
         def one(i: int) -> None:
             try:
                 r = httpx.post(st.url + "/v1/completions", timeout=120,
-                               json={"prompt": [10 + i] * 100, "max_tokens": 60, "ignore_eos": True,
+                               json={"prompt": [10 + i] * 100, "max_tokens": 140, "ignore_eos": True,
                                      "temperature": 0})
                 if r.status_code != 200:
                     failures.append(r.text)
@@ -568,29 +568,44 @@ def test_dashboard_page_in_a_browser(tiny_llama, browser, tmp_path, engine_core_
                 async_engine.pause()
 
         async_engine.step_listeners.append(pause_at_first_preemption)
-        # The engine is held until all ten are in: on a loaded machine, requests that trickle
-        # in could each finish before the pool fills, and then nothing preempts.
-        async_engine.pause()
-        load = [threading.Thread(target=one, args=(i,)) for i in range(10)]
-        for t in load:
-            t.start()
-        deadline = time.monotonic() + 60
-        while async_engine.num_waiting < 10 and not failures:
-            assert time.monotonic() < deadline, f"only {async_engine.num_waiting} of 10 requests arrived"
-            time.sleep(0.02)
-        async_engine.resume()
-        # The in-use count on the page equals /metrics' used blocks within one refresh. Both
-        # move every step, so at the first preemption the engine is held between two steps
-        # (AsyncLLM.pause, from the loop as soon as it sees the step) and the page must then
-        # show exactly /metrics' number. The gate is opened to every step here, so the step
-        # the engine stopped after carries a snapshot.
-        assert paused.wait(60), "no preemption"
-        steps = -1.0
-        while (now := scrape(st)["pagedserve:engine_step_seconds_count{}"]) != steps:  # the step in flight lands
-            steps = now
-            time.sleep(0.3)
-        used = _used_blocks(st)
-        assert used > 0
+
+        def load_until_held() -> tuple[list[threading.Thread], int]:
+            """Send the ten and hold the engine at its first preemption; the blocks in use then."""
+            paused.clear()
+            # The engine is held until all ten are in: on a loaded machine, requests that trickle
+            # in could each finish before the pool fills, and then nothing preempts.
+            async_engine.pause()
+            load = [threading.Thread(target=one, args=(i,)) for i in range(10)]
+            for t in load:
+                t.start()
+            deadline = time.monotonic() + 60
+            while async_engine.num_waiting < 10 and not failures:
+                assert time.monotonic() < deadline, f"only {async_engine.num_waiting} of 10 requests arrived"
+                time.sleep(0.02)
+            async_engine.resume()
+            # The in-use count on the page equals /metrics' used blocks within one refresh. Both
+            # move every step, so at the first preemption the engine is held between two steps
+            # (AsyncLLM.pause, from the loop as soon as it sees the step) and the page must then
+            # show exactly /metrics' number. The gate is opened to every step here, so the step
+            # the engine stopped after carries a snapshot.
+            assert paused.wait(60), "no preemption"
+            steps = -1.0
+            while (now := scrape(st)["pagedserve:engine_step_seconds_count{}"]) != steps:  # the step in flight lands
+                steps = now
+                time.sleep(0.3)
+            return load, _used_blocks(st)
+
+        # The pause travels from the front-end's loop to the core (a pipe when the core is a
+        # process); on a busy machine the core can finish all ten before it lands, and then
+        # nothing is held. That is a race of this test, not a fault: load again (at most twice).
+        for attempt in range(3):
+            load, used = load_until_held()
+            if used > 0 or attempt == 2:
+                break
+            async_engine.resume()
+            for t in load:
+                t.join()
+        assert used > 0, "the core ran all ten requests out before the pause landed, three times"
         page.wait_for_function(f"() => Number(document.getElementById('used-blocks').textContent) === {used}",
                                timeout=10_000)
         shown = _page_state(page)
