@@ -27,7 +27,10 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--results", type=Path, default=ROOT / "results" / "sim_vs_real.json")
     ap.add_argument("--size", default="20m")
+    ap.add_argument("--calibrate-flag", action="append", default=[],
+                    help="a further `simulate calibrate` flag for the refit (e.g. --step-spread); repeatable")
     args = ap.parse_args()
+    S.EXTRA_CALIBRATE[:] = args.calibrate_flag
     stored = json.loads(args.results.read_text())
     work = args.results.parent / "sim_vs_real"
     model = benchmark_checkpoint(args.size)

@@ -242,6 +242,89 @@ def test_simulator_adds_the_serving_overhead_to_ttft_and_e2e(tmp_path):
     assert slowed.to_dict()["serving_overhead"]["admit_s"] == 0.1
 
 
+def test_delivery_jitter_is_fitted_from_the_clients_arrivals_of_every_token():
+    """Each token reaches the client after the fitted delivery plus a scatter the step trace cannot
+    see: the fit pairs every token with its step, keeps the residuals' quantiles (centred) and their
+    lag-1 correlation, and leaves out streams whose tokens do not pair (a chunk of two tokens, a
+    request missing from a step between its first and last token)."""
+    rng = random.Random(5)
+    deliver_s, per_output = 0.003, 0.0005
+    steps, requests = [], []
+    bench = {"run_start_monotonic": 0.0, "requests": []}
+    t = 100.0
+    for i in range(30):
+        n = 20
+        ends = [t + 0.004 * k for k in range(n)]
+        steps += [StepTrace([1], [50 + k], t_end=e, num_outputs=1) for k, e in enumerate(ends)]
+        # the scatter: +2 ms on three tokens in a row, then 0 on three
+        extra = [0.002 if (k // 3) % 2 == 0 else 0.0 for k in range(n)]
+        arrivals = [e + deliver_s + per_output + x for e, x in zip(ends, extra)]
+        req = {"request_id": f"r{i}", "prompt_len": 50 + i, "t_http": t - 0.01, "t_submit": t - 0.009,
+               "t_first_token": ends[0], "t_first_out": ends[0] + deliver_s, "t_last_token": ends[-1],
+               "t_last_out": ends[-1] + deliver_s, "num_tokens": n}
+        chunks = n - 1 if i == 0 else n  # stream 0: two tokens came in one chunk
+        requests.append(req)
+        bench["requests"].append({"success": True, "prompt_len": 50 + i, "start": t - 0.011,
+                                  "ttft": arrivals[0] - (t - 0.011), "output_tokens": n,
+                                  "itl": [b - a for a, b in zip(arrivals, arrivals[1:])][:chunks - 1]})
+        t = ends[-1] + 1.0 + rng.random()
+    # stream 1 was preempted: a step in its span left it out (one step more than its tokens)
+    requests[1]["t_last_token"] = steps[2 * 20 - 1].t_end
+    requests[1]["num_tokens"] = 19
+    assert match_client_records(requests, bench) == 30
+    fitted, report = fit_serving(requests, steps)
+    jitter = report["delivery_jitter"]
+    assert jitter["num_streams"] == 28 and jitter["num_tokens"] == 28 * 20
+    q = fitted.delivery_jitter_s
+    assert len(q) == 100 and q == sorted(q) and abs(sum(q) / 100) < 1e-4
+    # two residual values, 2 ms apart, 11 of a stream's 20 the high one
+    assert q[-1] - q[0] == pytest.approx(0.002, abs=1e-4)
+    assert q[40] == pytest.approx(q[0], abs=1e-4) and q[60] == pytest.approx(q[-1], abs=1e-4)
+    assert 0.2 < fitted.delivery_jitter_rho < 0.5  # runs of three alike: correlated at lag 1 (1/3 for endless runs)
+    assert "scatters" in fitted.describe()
+    # a calibration without the client's per-chunk times fits none
+    for q_ in requests:
+        q_.pop("t_client_itl")
+    assert fit_serving(requests, steps)[0].delivery_jitter_s == []
+
+
+def test_simulator_scatters_each_tokens_arrival_by_the_fitted_jitter(tmp_path):
+    from test_sim import cpu_params, write_config
+
+    model_dir = write_config(tmp_path / "m")
+    workload = [WorkloadRequest(None, None, 40, 60, arrival_time=0.5 * i) for i in range(6)]
+
+    def run(quantiles, rho=0.0, seed=0):
+        params = cpu_params()
+        params.serving = ServingOverhead(deliver_s=0.004, delivery_jitter_s=quantiles,
+                                         delivery_jitter_rho=rho).to_dict()
+        dep = build_deployment(EngineConfig(num_kv_blocks=256, max_model_len=256), str(model_dir), cost_params=params)
+        return simulate(dep, workload, seed=seed)
+
+    spread = [-0.001] * 50 + [0.001] * 50  # +-1 ms, half and half
+    plain, scattered = run([]), run(spread)
+    again, other_seed = run(spread), run(spread, seed=1)
+    for a, b in zip(plain.records, scattered.records):
+        # every token 1 ms either side of where it was, in order, and never before its step ended
+        diffs = [y - x for x, y in zip(a.token_times, b.token_times)]
+        assert all(abs(abs(d) - 0.001) < 1e-9 or d >= -0.001 for d in diffs)
+        assert b.token_times == sorted(b.token_times)
+        assert min(diffs) < 0 < max(diffs)
+    itl_plain = sorted(x for r in plain.records for x in r.itls())
+    itl_scat = sorted(x for r in scattered.records for x in r.itls())
+    assert sum(itl_scat) / len(itl_scat) == pytest.approx(sum(itl_plain) / len(itl_plain), rel=0.01)
+    assert itl_scat[int(0.99 * len(itl_scat))] > itl_plain[int(0.99 * len(itl_plain))] + 0.0015
+    assert [r.token_times for r in again.records] == [r.token_times for r in scattered.records]  # seeded
+    assert [r.token_times for r in other_seed.records] != [r.token_times for r in scattered.records]
+    # correlated draws move together: fewer 2 ms jumps between neighbours than independent ones
+    corr = run(spread, rho=0.9)
+
+    def jumps(res):
+        return sum(1 for r in res.records for x, y in zip(r.itls(), r.itls()[1:]) if abs(y - x) > 0.003)
+
+    assert jumps(corr) < jumps(scattered) / 2
+
+
 # -- the calibration workload -----------------------------------------------------------------
 def test_calibration_workload_spans_shapes_and_ramps_the_rate():
     w = make_workload("calibration", 400, request_rate=2.0, input_len=200, output_len=50, vocab_size=1000,

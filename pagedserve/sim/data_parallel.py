@@ -159,7 +159,7 @@ def simulate_dp(deployment, workload: Sequence[WorkloadRequest], *, max_concurre
     timeline = Timeline()
     # The one API server in front of the cores (sim/serving_loop.py, as simulate() and the fleet's
     # replicas run it): its event loop takes the client's sends in, then hands each to the balancer.
-    loop = ServingLoop(serving)
+    loop = ServingLoop(serving, seed)
     sends = ClientSends(workload, max_concurrency, max_len, records)
     deliveries: list[tuple[float, int, int, object]] = []   # (step end, rank, seq, outputs): not delivered yet
     state = {"steps": 0, "exchange": 0.0, "turns": 0, "seq": 0}
@@ -206,7 +206,8 @@ def simulate_dp(deployment, workload: Sequence[WorkloadRequest], *, max_concurre
         core = cores[rank]
         seen_at = loop.deliver(sends, at, len(outs.outputs))
         for out in outs.outputs:
-            seen = deliver_token(core.live[out.request_id], seen_at, out)
+            seen = deliver_token(core.live[out.request_id], loop.seen_at(out.request_id, seen_at, at, out.finished),
+                                 out)
             if out.finished:
                 core.live.pop(out.request_id)
                 sends.finished(seen)

@@ -193,7 +193,7 @@ class _Replica:
         self.live: dict[str, RequestRecord] = {}
         # Its serving layer (the simulator's own, sim/serving_loop.py): requests routed to it reach
         # its server after the hop (`sends`), then its loop admits them.
-        self.loop = ServingLoop(serving)
+        self.loop = ServingLoop(serving, seed)
         self.max_model_len = deployment.config.max_model_len
         self.sends = HeapSends()
         self.requests: dict[int, tuple] = {}   # workload index -> (id, prompt ids, params): not in the engine yet
@@ -328,7 +328,8 @@ def simulate_fleet(deployment: Deployment, workload: Sequence[WorkloadRequest], 
             replica.clock.now += hop.replica_cpu_per_chunk_s * len(outs.outputs)
         for out in outs.outputs:
             rec = replica.live[out.request_id]
-            deliver_token(rec, seen_at + hop.chunk_s + (stages.wait(seen_at, out_costs) if queued else 0.0), out)
+            seen = replica.loop.seen_at(out.request_id, seen_at, outs.timestamp, out.finished)
+            deliver_token(rec, seen + hop.chunk_s + (stages.wait(seen_at, out_costs) if queued else 0.0), out)
             if out.finished:
                 replica.live.pop(out.request_id)
                 policy.finished(replica.replica_id)

@@ -147,6 +147,14 @@ class ServingOverhead:
     # (benchmarks/vllm_handover_probe.py); 0: not measured (pagedserve's).
     handover_s: float = 0.0
     handover_per_prompt_token_s: float = 0.0
+    # How far each token's arrival at the client scatters around the delivery above, from a live
+    # calibration (fit_serving: the client's arrival of every token against the end of the step that
+    # made it): 100 quantiles of the residual, centred on 0, and its lag-1 correlation within a
+    # stream. The simulator draws one per token (DeliveryJitter), so the ITL and TTFT tails hold the
+    # serving layer's own scatter (the event loop, the socket, the client's loop), which the step
+    # trace cannot see. Empty: none (the host probe's pure service times, vLLM's profile).
+    delivery_jitter_s: list = field(default_factory=list)
+    delivery_jitter_rho: float = 0.0
 
     def admit(self, prompt_len: int) -> float:
         return self.admit_s + self.admit_per_prompt_token_s * prompt_len + self.handover(prompt_len)
@@ -174,7 +182,10 @@ class ServingOverhead:
                 f"delivery {self.deliver_s * 1e3:.1f} ms + "
                 + (f"{self.deliver_step_s * 1e3:.3f} ms per step + " if self.deliver_step_s else "")
                 + f"{self.deliver_per_output_s * 1e3:.3f} ms per request "
-                f"in the step{', one event loop (queued)' if self.serial else ''} ({self.source})")
+                f"in the step{', one event loop (queued)' if self.serial else ''} ({self.source})"
+                + (f"; each token's arrival scatters {self.delivery_jitter_s[1] * 1e3:+.2f} / "
+                   f"{self.delivery_jitter_s[98] * 1e3:+.2f} ms (p1.5 / p98.5) with lag-1 correlation "
+                   f"{self.delivery_jitter_rho:.2f}" if len(self.delivery_jitter_s) == 100 else ""))
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -55,6 +55,10 @@ def match_client_records(requests: list[dict], bench_result: dict) -> int:
         req["t_send"] = best[0]
         req["t_client_first"] = best[0] + best[1]["ttft"]
         req["t_client_last"] = req["t_client_first"] + sum(best[1].get("itl") or [])
+        # every chunk's arrival (fit_serving's delivery jitter): the gaps after the first one, and
+        # the tokens the client got
+        req["t_client_itl"] = list(best[1].get("itl") or [])
+        req["client_tokens"] = best[1].get("output_tokens")
         matched += 1
     return matched
 
@@ -123,6 +127,9 @@ def fit_serving(requests: Sequence[dict], steps: Sequence[StepTrace]) -> tuple[S
                                source=f"fitted on {len(adm_y)} requests"
                                       + (", client's send and receive times included" if client else
                                          ", server side only"))
+    jitter = delivery_jitter(requests, steps, float(d[0]), float(d[1]))
+    if jitter is not None:
+        overhead.delivery_jitter_s, overhead.delivery_jitter_rho = jitter["quantiles_s"], jitter["rho"]
 
     def mean(v):
         return float(np.mean(v)) if v else None
@@ -136,5 +143,49 @@ def fit_serving(requests: Sequence[dict], steps: Sequence[StepTrace]) -> tuple[S
         "server_admission_mean_s": mean(server_adm), "client_to_server_mean_s": mean(client_adm),
         "server_delivery_mean_s": mean(server_del), "server_to_client_mean_s": mean(client_del),
         "admission_p90_s": float(np.percentile(adm_y, 90)), "delivery_p90_s": float(np.percentile(del_y, 90)),
+        "delivery_jitter": None if jitter is None else {k: v for k, v in jitter.items() if k != "quantiles_s"},
     }
     return overhead, report
+
+
+MIN_JITTER_TOKENS = 200  # fewer paired tokens than this: no jitter is fitted
+
+
+def delivery_jitter(requests: Sequence[dict], steps: Sequence[StepTrace], deliver_s: float,
+                    deliver_per_output_s: float) -> dict | None:
+    """How each token's arrival at the client scatters around the modelled delivery
+    (deliver_s + deliver_per_output_s x the step's outputs after the step's end), from the streams
+    whose tokens pair one to one with steps: every token in a chunk of its own (the client's
+    chunks = its tokens) and the request in every step from its first token's to its last's (no
+    preemption between: the steps in that span = its tokens). Returns the residuals' 100 quantiles
+    centred on 0 (the fitted delivery keeps the mean), their lag-1 correlation within a stream
+    (a slow frame is often followed by another: the loop or the socket was busy for a while), and
+    how many tokens and streams they came from; None without a client's per-chunk times or with
+    fewer than MIN_JITTER_TOKENS paired tokens."""
+    import numpy as np
+
+    index = {r.t_end: i for i, r in enumerate(steps) if r.t_end}
+    ends = np.array([r.t_end or 0.0 for r in steps])
+    outputs = np.array([r.num_outputs for r in steps], dtype=float)
+    streams = []
+    for q in requests:
+        itl, first = q.get("t_client_itl"), q.get("t_client_first")
+        n = int(q.get("num_tokens") or 0)
+        if itl is None or first is None or n < 2 or len(itl) + 1 != n or q.get("client_tokens") != n:
+            continue  # no client times, or a chunk carried several tokens: arrivals and tokens do not pair
+        i0, i1 = index.get(q.get("t_first_token")), index.get(q.get("t_last_token"))
+        if i0 is None or i1 is None or i1 - i0 + 1 != n:
+            continue  # preempted, or its steps are not all in the trace
+        arrivals = first + np.concatenate([[0.0], np.cumsum(itl)])
+        streams.append(arrivals - ends[i0:i1 + 1] - (deliver_s + deliver_per_output_s * outputs[i0:i1 + 1]))
+    num_tokens = sum(len(x) for x in streams)
+    if num_tokens < MIN_JITTER_TOKENS:
+        return None
+    pooled = np.concatenate(streams)
+    mean = float(pooled.mean())
+    centred = [x - mean for x in streams]
+    rho = float(sum(float((x[1:] * x[:-1]).sum()) for x in centred) / max(sum(float((x * x).sum()) for x in centred),
+                                                                         1e-30))
+    quantiles = [float(v) for v in np.percentile(pooled - mean, np.arange(100) + 0.5)]
+    return {"quantiles_s": quantiles, "rho": min(max(rho, 0.0), 0.99), "num_tokens": int(num_tokens),
+            "num_streams": len(streams), "mean_offset_s": mean, "p1_s": quantiles[1], "p99_s": quantiles[98]}

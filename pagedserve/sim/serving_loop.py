@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import heapq
 import math
+import random
 from typing import Protocol
 
 from pagedserve.sim.report import RequestRecord
@@ -91,9 +92,35 @@ class ClientSends:
         self.slot_free_at = seen
 
 
+class DeliveryJitter:
+    """Each token's scatter around the modelled delivery (ServingOverhead.delivery_jitter_s): per
+    stream a Gaussian AR(1) with the measured lag-1 correlation, mapped through the measured
+    quantiles (a Gaussian copula), so a draw has the residuals' own distribution and a slow frame
+    tends to be followed by another, as the calibration's streams showed."""
+
+    def __init__(self, quantiles: list, rho: float, seed: int = 0) -> None:
+        self.quantiles = [float(q) for q in quantiles]
+        self.rho = min(max(float(rho), 0.0), 0.99)
+        self.fresh = math.sqrt(1.0 - self.rho * self.rho)
+        self.rng = random.Random(seed ^ 0x7177E2)
+        self.state: dict = {}  # stream -> its latest Gaussian draw
+
+    def draw(self, stream, last: bool) -> float:
+        z = self.rng.gauss(0.0, 1.0)
+        prev = self.state.pop(stream, None) if last else self.state.get(stream)
+        if prev is not None:
+            z = self.rho * prev + self.fresh * z
+        if not last:
+            self.state[stream] = z
+        u = 0.5 * (1.0 + math.erf(z / math.sqrt(2.0)))
+        return self.quantiles[min(int(u * len(self.quantiles)), len(self.quantiles) - 1)]
+
+
 class ServingLoop:
-    def __init__(self, serving: ServingOverhead) -> None:
+    def __init__(self, serving: ServingOverhead, seed: int = 0) -> None:
         self.serving = serving
+        self.jitter = (DeliveryJitter(serving.delivery_jitter_s, serving.delivery_jitter_rho, seed)
+                       if serving.delivery_jitter_s else None)
         self.api_free_at = 0.0   # the event loop is free again (serial)
         self.frames_until = 0.0  # the latest step's frames are written by then (merge_outputs)
         self.tok_free_at = 0.0   # the tokenizer thread is free again (split)
@@ -169,6 +196,13 @@ class ServingLoop:
         while self.pending and self.pending[0][0] <= now:
             out.append(heapq.heappop(self.pending))
         return out
+
+    def seen_at(self, stream, delivered: float, step_end: float, last: bool) -> float:
+        """When one stream's token from a step delivered at `delivered` reaches its client: with a
+        calibrated jitter, scattered by a draw for that stream (never before the step ended)."""
+        if self.jitter is None:
+            return delivered
+        return max(delivered + self.jitter.draw(stream, last), step_end)
 
     def deliver(self, sends: Sends, step_end: float, num_outputs: int) -> float:
         """When a step's tokens reach their clients: the loop's work for the step (a detokenizer

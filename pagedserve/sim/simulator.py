@@ -259,7 +259,7 @@ def simulate(deployment: Deployment, workload: Sequence[WorkloadRequest], *, max
     busy = 0.0
     max_len = config.max_model_len
     serving = ServingOverhead.from_dict(deployment.cost_model.params.serving)
-    loop = ServingLoop(serving)
+    loop = ServingLoop(serving, seed)
 
     sends = ClientSends(workload, max_concurrency, max_len, records)
 
@@ -297,7 +297,8 @@ def simulate(deployment: Deployment, workload: Sequence[WorkloadRequest], *, max
         # The client sees the step's tokens after the serving layer delivered them.
         now = loop.deliver(sends, outs.timestamp, len(outs.outputs))
         for out in outs.outputs:
-            seen = deliver_token(live[out.request_id], now, out)
+            seen = deliver_token(live[out.request_id], loop.seen_at(out.request_id, now, outs.timestamp, out.finished),
+                                 out)
             if out.finished:
                 live.pop(out.request_id)
                 sends.finished(seen)
