@@ -278,9 +278,10 @@ def fit(records: Iterable[StepTrace], model: ModelCost, base: CostParams, *, blo
     same step takes 1x to 5x its CPU time), so when the trace has the engine thread's CPU
     time per step the fit runs in two stages: the shape of the cost (how it grows with
     batch, context, chunks) is fitted to the CPU times, which are steady; then the wall
-    clock is fitted as ``wall_per_cpu x shape + per_output x sampled tokens`` (the second
-    term: the server's HTTP loop detokenizes and streams every token and, sharing one
-    interpreter, holds the engine back), and every constant is scaled to it. Without CPU
+    clock is fitted as ``wall_per_cpu x shape + per_output x sampled tokens + per step`` (the
+    second term: the server's HTTP loop detokenizes and streams every token and, sharing one
+    interpreter, holds the engine back; the third: the gap between steps, which does not grow
+    with the tokens), and every constant is scaled to it. Without CPU
     times the shape is fitted to the wall-clock costs directly. The shape is
     ``t = c0 + c1 R + c2 P + lin(F_lin, B_lin) + att(F_att, B_att) + c7 S``
     (R requests, P prompt chunks, F FLOPs, B bytes, S swapped bytes), each part combining its
@@ -441,18 +442,22 @@ def fit(records: Iterable[StepTrace], model: ModelCost, base: CostParams, *, blo
 
     shape_errors = None
     wall_per_cpu = None
-    per_output = 0.0
+    per_output = wall_per_step = 0.0
     if use_cpu:
         shape_errors = error_report([r for r, kp in zip(records, keep) if kp], pred[keep], y[keep])
         outputs = np.asarray([r.num_outputs for r in records], dtype=float)
         # Plain least squares on seconds: the wall clock's noise is large and skewed, and what
         # the simulation needs right is the total.
-        c = _nnls(np.column_stack([pred[keep], outputs[keep]]), wall[keep])
-        wall_per_cpu, per_output = float(c[0]), float(c[1])
+        # A third term, per step: the gap between two steps (the loop's turn, the outputs' hand-off)
+        # is flat in the tokens a step sampled (0.15-0.25 ms at 1-6 on the project's VM); without it
+        # the per-token term took it, fitted on mostly one-token steps, and a batch of 5 paid it 5 times.
+        c = _nnls(np.column_stack([pred[keep], outputs[keep], np.ones(int(keep.sum()))]), wall[keep])
+        wall_per_cpu, per_output, wall_per_step = float(c[0]), float(c[1]), float(c[2])
         if wall_per_cpu <= 0:
-            wall_per_cpu, per_output = float(wall[keep].sum() / pred[keep].sum()), 0.0
+            wall_per_cpu, per_output, wall_per_step = float(wall[keep].sum() / pred[keep].sum()), 0.0, 0.0
         k = k * wall_per_cpu
-        pred = pred * wall_per_cpu + per_output * outputs
+        k[_COL_STEP] += wall_per_step
+        pred = pred * wall_per_cpu + per_output * outputs + wall_per_step
         y = wall
 
     def eff(inv_rate, peak):
@@ -514,7 +519,8 @@ def fit(records: Iterable[StepTrace], model: ModelCost, base: CostParams, *, blo
     report = {
         "num_steps": int(len(y)), "num_used": int(keep.sum()), "form": form,
         "target": "cpu_time, then the wall clock" if use_cpu else "wall-clock step cost",
-        "wall_per_cpu": wall_per_cpu, "per_output_overhead_s": per_output, "shape_errors": shape_errors,
+        "wall_per_cpu": wall_per_cpu, "per_output_overhead_s": per_output, "wall_per_step_s": wall_per_step,
+        "shape_errors": shape_errors,
         "mean_abs_rel_error": float(np.mean(np.abs(rel[keep]))),
         "median_abs_rel_error": float(np.median(np.abs(rel[keep]))),
         "total_time_error": float(pred[keep].sum() / y[keep].sum() - 1),

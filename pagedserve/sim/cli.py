@@ -577,9 +577,10 @@ def format_calibration(params, report: dict, serving_report: dict | None) -> str
         lines += [
             "shape of the step cost, fitted to the engine thread's CPU time per step (error vs CPU time):",
             format_error_report(report["shape_errors"]),
-            f"wall clock = {report['wall_per_cpu']:.2f} x CPU time + {report['per_output_overhead_s'] * 1e3:.2f} ms "
-            f"per token sampled (the engine thread waits for other processes and for the server's HTTP loop, "
-            f"which streams every token); every constant is scaled to the wall clock",
+            f"wall clock = {report['wall_per_cpu']:.2f} x CPU time + {report.get('wall_per_step_s', 0.0) * 1e3:.2f} ms "
+            f"per step + {report['per_output_overhead_s'] * 1e3:.2f} ms per token sampled (the engine thread waits "
+            f"for other processes and for the server's HTTP loop, which streams every token); every constant is "
+            f"scaled to the wall clock",
         ]
     lines += [
         "per-step error vs the wall clock (step + gap to the next):",
