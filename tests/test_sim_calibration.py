@@ -327,6 +327,24 @@ def test_simulator_scatters_each_tokens_arrival_by_the_fitted_jitter(tmp_path):
     assert jumps(corr) < jumps(scattered) / 2
 
 
+def test_a_burst_enters_the_engine_in_the_order_it_was_sent(tmp_path):
+    """A fitted admission grows with the prompt, but one loop and one tokenizer thread take requests
+    in turn: a burst of long and short prompts reaches the engine first come, not shortest first
+    (the engine serves its queue first come, first served, so the order sets every TTFT)."""
+    from test_sim import cpu_params, write_config
+
+    model_dir = write_config(tmp_path / "m")
+    lengths = [200, 20, 150, 40, 180, 10]
+    workload = [WorkloadRequest(None, None, n, 8, arrival_time=0.0) for n in lengths]
+    params = cpu_params()
+    params.serving = ServingOverhead(admit_s=0.002, admit_per_prompt_token_s=1e-5, deliver_s=0.001).to_dict()
+    dep = build_deployment(EngineConfig(num_kv_blocks=64, max_model_len=256, max_num_seqs=1), str(model_dir),
+                           cost_params=params)
+    res = simulate(dep, workload)
+    by_ttft = sorted(res.records, key=lambda r: r.ttft)
+    assert [r.prompt_len for r in by_ttft] == lengths  # one at a time, in the order sent
+
+
 # -- the calibration workload -----------------------------------------------------------------
 def test_calibration_workload_spans_shapes_and_ramps_the_rate():
     w = make_workload("calibration", 400, request_rate=2.0, input_len=200, output_len=50, vocab_size=1000,

@@ -124,6 +124,7 @@ class ServingLoop:
         self.api_free_at = 0.0   # the event loop is free again (serial)
         self.frames_until = 0.0  # the latest step's frames are written by then (merge_outputs)
         self.tok_free_at = 0.0   # the tokenizer thread is free again (split)
+        self.last_entry = 0.0    # the latest hand-off to the engine: requests reach it in the order they came
         self.split = serving.serial and serving.tokenize_off_loop
         # Requests whose admission is done, on their way into the engine: (entry, key).
         self.pending: list[tuple[float, int]] = []
@@ -185,7 +186,11 @@ class ServingLoop:
                                     + serving.admit_per_prompt_token_s * prompt_len)
                 heapq.heappush(self.handovers, (self.tok_free_at, key, prompt_len))
                 continue
-            entry = begin + serving.admit(prompt_len)
+            # One loop and one tokenizer thread take requests in the order they came, so none reaches
+            # the engine before one sent earlier (a burst of prompts of many lengths enters first come,
+            # not shortest first: the engine's queue is first come, first served).
+            entry = max(begin + serving.admit(prompt_len), self.last_entry)
+            self.last_entry = entry
             if serving.serial:
                 self.api_free_at = entry
             heapq.heappush(self.pending, (entry, key))
