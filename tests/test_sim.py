@@ -400,6 +400,12 @@ def test_cli_simulate_and_calibrate(tmp_path, capsys):
     cost = tmp_path / "cost.json"
     assert main(["simulate", "calibrate", "--trace", str(trace), "--model", str(model_dir), "--out", str(cost)]) == 0
     assert json.loads(cost.read_text())["fit"]["mean_abs_rel_error"] < 0.05
+    # the steps' scatter around the fit is kept for the simulator unless asked not to
+    assert len(json.loads(cost.read_text())["params"]["step_residuals_s"]) == 100
+    plain = tmp_path / "cost_plain.json"
+    assert main(["simulate", "calibrate", "--trace", str(trace), "--model", str(model_dir), "--out", str(plain),
+                 "--no-step-spread"]) == 0
+    assert json.loads(plain.read_text())["params"]["step_residuals_s"] == []
     rc = main(["simulate", "--device", "cpu", "--model", str(model_dir), "--cost-model", str(cost),
                "--num-kv-blocks", "64", "--max-model-len", "512", "--num-prompts", "10",
                "--random-input-len", "50", "--random-output-len", "5"])

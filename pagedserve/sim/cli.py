@@ -134,8 +134,8 @@ def register(subparsers) -> None:
     c.add_argument("--step-spread", action=argparse.BooleanOptionalAction, default=None,
                    help="store how far the trace's steps scatter around the fitted model (100 quantiles of "
                         "measured - modelled); the simulator then adds a draw to every step, which widens "
-                        "the ITL and TTFT tails as the machine did (default: on with --from-bench, off "
-                        "with --trace)")
+                        "the ITL and TTFT tails as the machine did (default: on; --no-step-spread: steps "
+                        "exactly as modelled)")
     c.add_argument("--max-num-seqs", type=int, default=None,
                    help="with --serving-fit replay: the server's max_num_seqs (default: pagedserve's)")
     c.add_argument("--max-num-batched-tokens", type=int, default=None,
@@ -426,7 +426,7 @@ def run_calibrate(args) -> int:
     params, report = fit(records, mcost, base, block_size=args.block_size,
                          fit_pad_share=args.attention_layout is None and not args.gpu,
                          max_model_len=args.max_model_len, swap_probe=None if args.gpu else swap_probe)
-    if args.step_spread:
+    if args.step_spread is not False:
         params.step_residuals_s = report["step_residual_quantiles_s"]
 
     requests, missing, matched = [], [], 0
