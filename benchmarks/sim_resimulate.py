@@ -30,7 +30,6 @@ def main() -> int:
     ap.add_argument("--calibrate-flag", action="append", default=[],
                     help="a further `simulate calibrate` flag for the refit (e.g. --step-spread); repeatable")
     args = ap.parse_args()
-    S.EXTRA_CALIBRATE[:] = args.calibrate_flag
     stored = json.loads(args.results.read_text())
     work = args.results.parent / "sim_vs_real"
     model = benchmark_checkpoint(args.size)
@@ -39,11 +38,10 @@ def main() -> int:
     benches = [work / f"calib0_{p}.bench.json" for p in phases]
     with tempfile.TemporaryDirectory() as tmp:
         cost = Path(tmp) / "cost.json"
-        fitted = S.fit_cost(model, traces, benches, cost)
+        fitted = S.fit_cost(model, traces, benches, cost, args.calibrate_flag)
         print("\n".join(line for line in fitted.splitlines()[:6]))
         by_name = {w.name: w for w in S.workloads(stored["rate_for_busy"])}
-        met = total = 0
-        abs_sum = 0.0
+        rows, errors = [], []
         for entry in stored["workloads"]:
             w = by_name.get(entry["name"])
             if w is None:
@@ -51,14 +49,12 @@ def main() -> int:
                 continue
             sim = S.simulate_workload(model, cost, w)
             real = entry["real_median"]
+            rows.append((w, real, sim))
             errs = {k: S.error(sim[k], real[k]) for k in S.GOAL_KEYS}
-            for e in errs.values():
-                if e is not None:
-                    total += 1
-                    met += abs(e) <= 0.10
-                    abs_sum += abs(e)
+            errors += [abs(e) for e in errs.values() if e is not None]
             print(f"{w.name}: " + ", ".join(f"{k} {S.fmt_err(e)}" for k, e in errs.items()))
-    print(f"{met} of {total} within 10%; mean |error| {abs_sum / max(total, 1):.1%}")
+    met, total = S.goals_met(rows)
+    print(f"{met} of {total} within 10%; mean |error| {sum(errors) / max(len(errors), 1):.1%}")
     return 0
 
 

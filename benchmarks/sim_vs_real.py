@@ -39,6 +39,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Sequence
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -193,15 +194,11 @@ def calibration_round(model: Path, work: Path, rnd: int) -> tuple[list[Path], li
     return traces, benches, notes
 
 
-EXTRA_CALIBRATE: list[str] = []  # more `simulate calibrate` flags (sim_resimulate.py --calibrate-flag)
-
-
-def fit_cost(model: Path, traces: list[Path], benches: list[Path], out: Path) -> str:
-    """`pagedserve simulate calibrate` on the given runs; returns what it printed."""
+def fit_cost(model: Path, traces: list[Path], benches: list[Path], out: Path, extra: Sequence[str] = ()) -> str:
+    """`pagedserve simulate calibrate` on the given runs (`extra`: more of its flags); returns what it printed."""
     proc = subprocess.run([sys.executable, "-m", "pagedserve.cli", "simulate", "calibrate", "--model", str(model),
                            "--out", str(out), "--max-model-len", "1024", "--trace", *map(str, traces),
-                           "--bench-result", *map(str, benches), *EXTRA_CALIBRATE], env=env(), capture_output=True,
-                          text=True)
+                           "--bench-result", *map(str, benches), *extra], env=env(), capture_output=True, text=True)
     if proc.returncode:
         raise RuntimeError(proc.stdout[-2000:] + proc.stderr[-3000:])
     return proc.stdout

@@ -187,5 +187,6 @@ def delivery_jitter(requests: Sequence[dict], steps: Sequence[StepTrace], delive
     rho = float(sum(float((x[1:] * x[:-1]).sum()) for x in centred) / max(sum(float((x * x).sum()) for x in centred),
                                                                          1e-30))
     quantiles = [float(v) for v in np.percentile(pooled - mean, np.arange(100) + 0.5)]
+    p1, p99 = (float(v) for v in np.percentile(pooled - mean, [1, 99]))
     return {"quantiles_s": quantiles, "rho": min(max(rho, 0.0), 0.99), "num_tokens": int(num_tokens),
-            "num_streams": len(streams), "mean_offset_s": mean, "p1_s": quantiles[1], "p99_s": quantiles[98]}
+            "num_streams": len(streams), "mean_offset_s": mean, "p1_s": p1, "p99_s": p99}

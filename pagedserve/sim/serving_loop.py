@@ -92,6 +92,9 @@ class ClientSends:
         self.slot_free_at = seen
 
 
+_SQRT_HALF = math.sqrt(0.5)
+
+
 class DeliveryJitter:
     """Each token's scatter around the modelled delivery (ServingOverhead.delivery_jitter_s): per
     stream a Gaussian AR(1) with the measured lag-1 correlation, mapped through the measured
@@ -112,7 +115,7 @@ class DeliveryJitter:
             z = self.rho * prev + self.fresh * z
         if not last:
             self.state[stream] = z
-        u = 0.5 * (1.0 + math.erf(z / math.sqrt(2.0)))
+        u = 0.5 * (1.0 + math.erf(z * _SQRT_HALF))
         return self.quantiles[min(int(u * len(self.quantiles)), len(self.quantiles) - 1)]
 
 
