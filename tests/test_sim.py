@@ -14,6 +14,7 @@ from pagedserve.core.engine_core import StepTrace
 from pagedserve.plan.kv_budget import ModelShape
 from pagedserve.sim.cost_model import CostModel, CostParams, ModelCost, fit, step_features
 from pagedserve.sim.executor import SimExecutor
+from pagedserve.sim.host_overhead import SCATTER_QUANTILES
 from pagedserve.bench.report import parse_goodput
 from pagedserve.sim.report import RequestRecord, compute_metrics
 from pagedserve.sim.simulator import VirtualClock, build_deployment, load_trace_workload, simulate
@@ -401,7 +402,7 @@ def test_cli_simulate_and_calibrate(tmp_path, capsys):
     assert main(["simulate", "calibrate", "--trace", str(trace), "--model", str(model_dir), "--out", str(cost)]) == 0
     assert json.loads(cost.read_text())["fit"]["mean_abs_rel_error"] < 0.05
     # the steps' scatter around the fit is kept for the simulator unless asked not to
-    assert len(json.loads(cost.read_text())["params"]["step_residuals_s"]) == 100
+    assert len(json.loads(cost.read_text())["params"]["step_residuals_s"]) == SCATTER_QUANTILES
     plain = tmp_path / "cost_plain.json"
     assert main(["simulate", "calibrate", "--trace", str(trace), "--model", str(model_dir), "--out", str(plain),
                  "--no-step-spread"]) == 0

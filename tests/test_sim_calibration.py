@@ -17,6 +17,7 @@ from pagedserve.plan.kv_budget import ModelShape
 from pagedserve.sim.cost_model import (CostModel, CostParams, ModelCost, ServingOverhead, error_report, fit,
                                        fit_serving, match_client_records, run_beyond_coverage, step_costs,
                                        step_features)
+from pagedserve.sim.host_overhead import SCATTER_QUANTILES, quantile_at, scatter_quantiles
 from pagedserve.sim.simulator import build_deployment, simulate
 
 SHAPE = ModelShape(num_layers=2, hidden_size=8, num_attention_heads=2, num_kv_heads=1, head_dim=4,
@@ -278,10 +279,10 @@ def test_delivery_jitter_is_fitted_from_the_clients_arrivals_of_every_token():
     jitter = report["delivery_jitter"]
     assert jitter["num_streams"] == 28 and jitter["num_tokens"] == 28 * 20
     q = fitted.delivery_jitter_s
-    assert len(q) == 100 and q == sorted(q) and abs(sum(q) / 100) < 1e-4
+    assert len(q) == SCATTER_QUANTILES and q == sorted(q) and abs(sum(q) / len(q)) < 1e-4
     # two residual values, 2 ms apart, 11 of a stream's 20 the high one
     assert q[-1] - q[0] == pytest.approx(0.002, abs=1e-4)
-    assert q[40] == pytest.approx(q[0], abs=1e-4) and q[60] == pytest.approx(q[-1], abs=1e-4)
+    assert q[400] == pytest.approx(q[0], abs=1e-4) and q[600] == pytest.approx(q[-1], abs=1e-4)
     assert 0.2 < fitted.delivery_jitter_rho < 0.5  # runs of three alike: correlated at lag 1 (1/3 for endless runs)
     assert "scatters" in fitted.describe()
     # a calibration without the client's per-chunk times fits none
@@ -325,6 +326,25 @@ def test_simulator_scatters_each_tokens_arrival_by_the_fitted_jitter(tmp_path):
         return sum(1 for r in res.records for x, y in zip(r.itls(), r.itls()[1:]) if abs(y - x) > 0.003)
 
     assert jumps(corr) < jumps(scattered) / 2
+
+
+def test_a_drawn_scatter_keeps_the_measured_tail():
+    """The step residuals and the delivery jitter are stored as quantiles and drawn by inverse transform:
+    the draws' P99 is the measured P99, and a rare stall stays as rare. (Stored as 100 values with one
+    picked at random, 0.6% of steps stalling 50 ms became 1% of draws, and the draws' P99 was the stall.)"""
+    rng = random.Random(5)
+    measured = [rng.uniform(-0.001, 0.001) for _ in range(2994)] + [0.05] * 18  # 0.6% stalls
+    q = scatter_quantiles(measured)
+    assert len(q) == SCATTER_QUANTILES and q == sorted(q)
+    draw = random.Random(11)
+    draws = sorted(quantile_at(q, draw.random()) for _ in range(200_000))
+    p99 = draws[int(0.99 * len(draws))]
+    assert p99 < 0.0011  # the measured P99 is in the +-1 ms body
+    stalled = sum(1 for d in draws if d > 0.025) / len(draws)
+    assert 0.004 < stalled < 0.008
+    # interpolation between the stored values, held at the ends
+    assert quantile_at([0.0, 1.0], 0.5) == pytest.approx(0.5) and quantile_at([0.0, 1.0], 0.1) == 0.0
+    assert quantile_at([0.0, 1.0], 0.99) == 1.0 and quantile_at([0.0, 1.0, 3.0], 0.5) == 1.0
 
 
 def test_a_burst_enters_the_engine_in_the_order_it_was_sent(tmp_path):
@@ -588,9 +608,9 @@ def test_step_scatter_is_fitted_and_added_to_every_simulated_step(tmp_path):
     _, report = fit(steps, m, CostParams(peak_flops=1e6, mem_bandwidth=1e6, combine="sum"),
                     host_bandwidth_fallback=(1e9, "stated"))
     q = report["step_residual_quantiles_s"]
-    assert len(q) == 100 and q == sorted(q)
+    assert len(q) == SCATTER_QUANTILES and q == sorted(q)
     # (the fit takes a little of the stalls into its constants: the rest miss by a few tenths of a ms)
-    assert abs(q[50]) < 5e-4 and q[95] - q[50] == pytest.approx(0.003, abs=5e-4) and q[5] - q[50] > -1e-3
+    assert abs(q[500]) < 5e-4 and q[950] - q[500] == pytest.approx(0.003, abs=5e-4) and q[50] - q[500] > -1e-3
 
     # The simulator adds a draw to every step: a lone request's every token comes 2 ms a step later.
     model_dir = write_config(tmp_path / "m")

@@ -11,6 +11,7 @@ from typing import Iterable, Sequence
 
 from pagedserve.core.engine_core import StepTrace
 from pagedserve.sim.cost_params import WARMUP_IDLE_S, CostParams
+from pagedserve.sim.host_overhead import scatter_quantiles
 from pagedserve.sim.step_work import ModelCost, step_features
 
 # ---------------------------------------------------------------------------------------
@@ -499,8 +500,8 @@ def fit(records: Iterable[StepTrace], model: ModelCost, base: CostParams, *, blo
                      + f"from {how} (run the calibration load on a small pool with --preemption-mode swap to fit it)")
 
     ratios = y[keep] / np.maximum(pred[keep], 1e-12)
-    # Every step's miss, trimmed ones too (a stall is part of what a client sees), as 100 quantiles.
-    residual_quantiles = [float(v) for v in np.percentile(y - pred, np.arange(100) + 0.5)]
+    # Every step's miss, trimmed ones too (a stall is part of what a client sees), as quantiles.
+    residual_quantiles = scatter_quantiles(y - pred)
     params = replace(
         base,
         step_overhead_s=float(k[_COL_STEP]), per_request_overhead_s=float(k[_COL_REQ]),

@@ -132,7 +132,7 @@ def register(subparsers) -> None:
                         "subtract = the client's mean TTFT minus the engine's queue + prefill (the simulator "
                         "then charges the wait for a running step twice: vLLM's queue time leaves it out)")
     c.add_argument("--step-spread", action=argparse.BooleanOptionalAction, default=None,
-                   help="store how far the trace's steps scatter around the fitted model (100 quantiles of "
+                   help="store how far the trace's steps scatter around the fitted model (1000 quantiles of "
                         "measured - modelled); the simulator then adds a draw to every step, which widens "
                         "the ITL and TTFT tails as the machine did (default: on; --no-step-spread: steps "
                         "exactly as modelled)")
@@ -462,6 +462,7 @@ def run_calibrate(args) -> int:
 
 def _calibrate_from_bench(args, info, mcost, base, dtype) -> int:
     from pagedserve.sim.cost_model import CostModel, ServingOverhead, fit
+    from pagedserve.sim.host_overhead import quantile_at
     from pagedserve.sim.reconstruct import serving_from_metrics, steps_from_bench
 
     result = json.loads(Path(args.from_bench).read_text())
@@ -502,8 +503,9 @@ def _calibrate_from_bench(args, info, mcost, base, dtype) -> int:
         print(format_calibration(params, report, None))
         if params.step_residuals_s:
             q = params.step_residuals_s
-            print(f"step scatter around the model (added to each simulated step): p10 {q[10] * 1e3:+.2f} ms, "
-                  f"p50 {q[50] * 1e3:+.2f}, p90 {q[90] * 1e3:+.2f}, p99 {q[99] * 1e3:+.2f}")
+            at = [quantile_at(q, u) * 1e3 for u in (0.1, 0.5, 0.9, 0.99)]
+            print(f"step scatter around the model (added to each simulated step): p10 {at[0]:+.2f} ms, "
+                  f"p50 {at[1]:+.2f}, p90 {at[2]:+.2f}, p99 {at[3]:+.2f}")
         if serving_report:
             print(f"  measured means: client TTFT {serving_report['client_ttft_mean_s'] * 1e3:.1f} ms, engine queue "
                   f"{serving_report['engine_queue_mean_s'] * 1e3:.1f} ms + prefill "

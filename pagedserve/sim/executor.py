@@ -13,6 +13,7 @@ from __future__ import annotations
 import random
 
 from pagedserve.core.outputs import StepResult
+from pagedserve.sim.host_overhead import quantile_at
 
 
 def host_step_s(params, out) -> float:
@@ -113,7 +114,7 @@ class SimExecutor:
         if self._warmup:
             t *= self._warmup_factor()
         if self._residuals:
-            t = max(t + self._residuals[self._residual_rng.randrange(len(self._residuals))], 0.0)
+            t = max(t + quantile_at(self._residuals, self._residual_rng.random()), 0.0)
         return t
 
     def _warmup_factor(self) -> float:

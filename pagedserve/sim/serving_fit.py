@@ -9,7 +9,7 @@ from typing import Sequence
 
 from pagedserve.core.engine_core import StepTrace
 from pagedserve.sim.calibration import _nnls
-from pagedserve.sim.host_overhead import ServingOverhead
+from pagedserve.sim.host_overhead import ServingOverhead, scatter_quantiles
 
 # -- the serving layer ------------------------------------------------------------------
 def read_request_trace(path: str | Path) -> list[dict]:
@@ -157,8 +157,8 @@ def delivery_jitter(requests: Sequence[dict], steps: Sequence[StepTrace], delive
     (deliver_s + deliver_per_output_s x the step's outputs after the step's end), from the streams
     whose tokens pair one to one with steps: every token in a chunk of its own (the client's
     chunks = its tokens) and the request in every step from its first token's to its last's (no
-    preemption between: the steps in that span = its tokens). Returns the residuals' 100 quantiles
-    centred on 0 (the fitted delivery keeps the mean), their lag-1 correlation within a stream
+    preemption between: the steps in that span = its tokens). Returns the residuals' quantiles
+    (scatter_quantiles) centred on 0 (the fitted delivery keeps the mean), their lag-1 correlation within a stream
     (a slow frame is often followed by another: the loop or the socket was busy for a while), and
     how many tokens and streams they came from; None without a client's per-chunk times or with
     fewer than MIN_JITTER_TOKENS paired tokens."""
@@ -186,7 +186,7 @@ def delivery_jitter(requests: Sequence[dict], steps: Sequence[StepTrace], delive
     centred = [x - mean for x in streams]
     rho = float(sum(float((x[1:] * x[:-1]).sum()) for x in centred) / max(sum(float((x * x).sum()) for x in centred),
                                                                          1e-30))
-    quantiles = [float(v) for v in np.percentile(pooled - mean, np.arange(100) + 0.5)]
+    quantiles = scatter_quantiles(pooled - mean)
     p1, p99 = (float(v) for v in np.percentile(pooled - mean, [1, 99]))
     return {"quantiles_s": quantiles, "rho": min(max(rho, 0.0), 0.99), "num_tokens": int(num_tokens),
             "num_streams": len(streams), "mean_offset_s": mean, "p1_s": p1, "p99_s": p99}

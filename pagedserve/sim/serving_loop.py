@@ -18,7 +18,7 @@ from typing import Protocol
 
 from pagedserve.sim.report import RequestRecord
 from pagedserve.core.engine_core import check_request_length
-from pagedserve.sim.host_overhead import ServingOverhead
+from pagedserve.sim.host_overhead import ServingOverhead, quantile_at
 
 
 class Sends(Protocol):
@@ -116,7 +116,7 @@ class DeliveryJitter:
         if not last:
             self.state[stream] = z
         u = 0.5 * (1.0 + math.erf(z * _SQRT_HALF))
-        return self.quantiles[min(int(u * len(self.quantiles)), len(self.quantiles) - 1)]
+        return quantile_at(self.quantiles, u)
 
 
 class ServingLoop:
