@@ -481,6 +481,41 @@ def test_steps_rebuilt_from_token_arrivals_by_hand():
     assert report["client_ttft_mean_s"] == pytest.approx(client)
 
 
+def test_calibration_runs_are_rebuilt_and_pooled_together():
+    """`simulate calibrate --from-bench A B`: the runs follow one another with an idle spell between
+    (no step is timed across it), and the engine's queue and prefill means pool every run's counts."""
+    from pagedserve.sim.reconstruct import merge_runs, serving_from_metrics, steps_from_bench
+
+    def run(arrivals, sends):
+        return {"requests": [{"success": True, "prompt_len": 10, "start": sends[k], "num_chunks": len(t),
+                              "output_tokens": len(t), "ttft": t[0] - sends[k],
+                              "itl": [b - a for a, b in zip(t, t[1:])]} for k, t in arrivals.items()]}
+
+    fast = run({"A": [1.00, 1.04, 1.08, 1.12], "B": [1.0402, 1.0801]}, {"A": 0.95, "B": 1.01})
+    slow = run({"A": [1.00, 1.06, 1.12, 1.18], "B": [1.0602, 1.1201]}, {"A": 0.95, "B": 1.01})  # same clock
+    merged = merge_runs([fast, slow])
+    assert len(merged["requests"]) == 4
+    assert min(r["start"] for r in merged["requests"][2:]) >= 1.12 + 10.0 - 1e-9  # after the first's last token
+    rebuilt = steps_from_bench(merged, threshold_s=0.01)
+    assert rebuilt.num_idle_starts == 2
+    assert sorted(round(s.step_time, 6) for s in rebuilt.steps) == [0.04] * 3 + [0.06] * 3
+    assert steps_from_bench(merge_runs([fast]), threshold_s=0.01).steps[0].step_time == pytest.approx(0.04)
+
+    def scrape(queue_sum, queue_n, prefill_sum, prefill_n):
+        return (f"vllm:request_queue_time_seconds_sum {queue_sum}\nvllm:request_queue_time_seconds_count {queue_n}\n"
+                f"vllm:request_prefill_time_seconds_sum {prefill_sum}\n"
+                f"vllm:request_prefill_time_seconds_count {prefill_n}\n")
+
+    # run 1: 2 requests, queue 0.01 each, prefill 0.02 each; run 2: 6 requests, queue 0.03, prefill 0.04
+    befores = [scrape(0, 0, 0, 0), scrape(0.02, 2, 0.04, 2)]
+    afters = [scrape(0.02, 2, 0.04, 2), scrape(0.2, 8, 0.28, 8)]
+    _, report = serving_from_metrics(merged, befores, afters)
+    assert report["engine_queue_mean_s"] == pytest.approx((0.02 + 0.18) / 8)
+    assert report["engine_prefill_mean_s"] == pytest.approx((0.04 + 0.24) / 8)
+    with pytest.raises(ValueError, match="scrapes"):
+        serving_from_metrics(merged, befores, afters[:1])
+
+
 def test_a_step_is_timed_only_while_a_running_request_kept_the_engine_busy():
     from pagedserve.sim.reconstruct import steps_from_bench
 
@@ -524,26 +559,20 @@ def test_one_stray_step_of_a_rare_kind_does_not_set_the_prompt_terms():
     assert ratio == pytest.approx(1.0, abs=0.02)
 
 
-def test_admission_by_replay_recovers_a_known_admission_the_subtraction_overstates(tmp_path):
-    # A run made by the simulator itself with a known admission, and the /metrics vLLM would have
-    # written for it: its queue time starts when its engine loop takes the request in, after the step
-    # running at the arrival, so that wait is in neither its queue nor its prefill time.
+VLLM_LIKE_CONFIG = dict(num_kv_blocks=256, max_model_len=512, max_num_seqs=16, max_num_batched_tokens=512)
+
+
+def vllm_like_run(model_dir, params, admit_s: float, seed: int = 3):
+    """A run made by the simulator with a known admission, as vLLM's client and /metrics would show it:
+    (the bench result, the scrape before, the scrape after). vLLM's queue time starts when its engine
+    loop takes the request in, after the step running at the arrival, so that wait is in neither its
+    queue nor its prefill time."""
     from dataclasses import replace
 
-    from test_sim import write_config
-
-    from pagedserve.sim.reconstruct import serving_from_metrics
-    from pagedserve.sim.replay_fit import serving_by_replay
-
-    model_dir = write_config(tmp_path / "m")
-    config = EngineConfig(num_kv_blocks=256, max_model_len=512, max_num_seqs=16, max_num_batched_tokens=512)
-    params = CostParams(peak_flops=1e12, mem_bandwidth=1e11, gemm_mfu=1e-3, gemm_mbu=0.0, attn_mfu=0.0,
-                        attn_mbu=0.0, step_overhead_s=8e-3, combine="sum")
-
     def build(p):
-        return build_deployment(config, str(model_dir), cost_params=p)
+        return build_deployment(EngineConfig(**VLLM_LIKE_CONFIG), str(model_dir), cost_params=p)
 
-    rng = random.Random(3)
+    rng = random.Random(seed)
     t, workload = 0.0, []
     for _ in range(60):
         t += rng.expovariate(4.0)
@@ -556,8 +585,8 @@ def test_admission_by_replay_recovers_a_known_admission_the_subtraction_overstat
             if o.first_scheduled_time is not None:
                 firsts[o.request_id] = (o.arrival_time, o.first_scheduled_time, outs.timestamp)
 
-    truth = replace(params, serving=ServingOverhead(admit_s=0.006).to_dict())
-    sim = simulate(build(truth), workload, on_step=on_step)
+    sim = simulate(build(replace(params, serving=ServingOverhead(admit_s=admit_s).to_dict())), workload,
+                   on_step=on_step)
 
     def queued_at(entry):
         return next((end for start, end in steps if start < entry < end), entry)
@@ -570,6 +599,22 @@ def test_admission_by_replay_recovers_a_known_admission_the_subtraction_overstat
     before = "".join(f"vllm:request_{n}_time_seconds_{k} 0\n" for n in ("queue", "prefill") for k in ("sum", "count"))
     after = "".join(f"vllm:request_{n}_time_seconds_sum {sum(v)}\nvllm:request_{n}_time_seconds_count {len(v)}\n"
                     for n, v in (("queue", queue), ("prefill", prefill)))
+    return result, before, after, build
+
+
+def vllm_like_params(step_overhead_s: float = 8e-3) -> CostParams:
+    return CostParams(peak_flops=1e12, mem_bandwidth=1e11, gemm_mfu=1e-3, gemm_mbu=0.0, attn_mfu=0.0,
+                      attn_mbu=0.0, step_overhead_s=step_overhead_s, combine="sum")
+
+
+def test_admission_by_replay_recovers_a_known_admission_the_subtraction_overstates(tmp_path):
+    from test_sim import write_config
+
+    from pagedserve.sim.reconstruct import serving_from_metrics
+    from pagedserve.sim.replay_fit import serving_by_replay
+
+    params = vllm_like_params()
+    result, before, after, build = vllm_like_run(write_config(tmp_path / "m"), params, admit_s=0.006)
     subtracted, measured = serving_from_metrics(result, before, after)
     assert subtracted > 1.3 * 0.006, subtracted  # the wait for the running step, counted in the admission
     serving, report = serving_by_replay(result, params, build, measured["engine_queue_mean_s"],
@@ -578,6 +623,53 @@ def test_admission_by_replay_recovers_a_known_admission_the_subtraction_overstat
     assert report["replay_ttft_mean_s"] == pytest.approx(report["client_ttft_mean_s"], rel=0.01)
     assert report["replay_prefill_mean_s"] == pytest.approx(measured["engine_prefill_mean_s"], rel=1e-6)
     assert report["warnings"] == []
+
+
+def test_cli_calibrates_from_several_client_runs_at_once(tmp_path, capsys):
+    """Calibration runs of a server that writes no step trace, fitted together: two at the same speed give
+    back the admission from both replayed in turn; with one on a machine 1.2x slower the step costs land
+    between the two, and the replay matches the client's mean TTFT over both."""
+    from pagedserve.cli import main
+    from test_sim import write_config
+
+    model_dir = write_config(tmp_path / "m")
+    files = {}
+    ttfts = {}
+    for name, overhead, seed in (("fast", 8e-3, 3), ("fast2", 8e-3, 5), ("slow", 9.6e-3, 4)):
+        result, before, after, _ = vllm_like_run(model_dir, vllm_like_params(overhead), admit_s=0.006, seed=seed)
+        for kind, text in (("bench.json", json.dumps(result)), ("before.txt", before), ("after.txt", after)):
+            files[name, kind] = tmp_path / f"{name}.{kind}"
+            files[name, kind].write_text(text)
+        ttfts[name] = [r["ttft"] for r in result["requests"]]
+
+    def calibrate(runs, out, afters=None):
+        knobs = [str(VLLM_LIKE_CONFIG[k]) for k in ("max_model_len", "max_num_seqs", "max_num_batched_tokens")]
+        return main(["simulate", "calibrate", "--model", str(model_dir), "--no-step-spread",
+                     "--max-model-len", knobs[0], "--max-num-seqs", knobs[1], "--max-num-batched-tokens", knobs[2],
+                     "--from-bench", *[str(files[r, "bench.json"]) for r in runs],
+                     "--metrics-before", *[str(files[r, "before.txt"]) for r in runs],
+                     "--metrics-after", *[str(files[r, "after.txt"]) for r in (afters or runs)],
+                     "--out", str(out)])
+
+    per_step = {}
+    for runs in (["fast"], ["slow"], ["fast", "slow"], ["fast", "fast2"]):
+        out = tmp_path / f"{'+'.join(runs)}.json"
+        assert calibrate(runs, out) == 0
+        saved = json.loads(out.read_text())
+        model = CostModel(ModelCost.from_shape(SHAPE, "float32", None, 1), CostParams.from_dict(saved["params"]))
+        per_step["+".join(runs)] = model.predict([1] * 12, [100] * 12)  # past the fitted small-count factors
+        replayed = saved["serving_fit"]["replay"]
+        client = [t for r in runs for t in ttfts[r]]
+        assert replayed["num_requests"] == len(client)
+        assert replayed["client_ttft_mean_s"] == pytest.approx(sum(client) / len(client))
+        assert replayed["replay_ttft_mean_s"] == pytest.approx(replayed["client_ttft_mean_s"], rel=0.01)
+        if runs == ["fast", "fast2"]:
+            assert ServingOverhead.from_dict(saved["params"]["serving"]).admit_s == pytest.approx(0.006, rel=0.1)
+    assert per_step["fast"] * 1.15 < per_step["slow"]
+    assert per_step["fast"] * 1.05 < per_step["fast+slow"] < per_step["slow"] / 1.05
+    capsys.readouterr()
+    with pytest.raises(SystemExit, match="one file per --from-bench run"):
+        calibrate(["fast", "slow"], tmp_path / "x.json", afters=["fast"])
 
 
 def test_replay_warns_when_its_prefill_is_off_the_engines_or_no_admission_fits():

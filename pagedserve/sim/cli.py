@@ -118,12 +118,14 @@ def register(subparsers) -> None:
     src = c.add_mutually_exclusive_group(required=True)
     src.add_argument("--trace", nargs="+", metavar="TRACE",
                      help="JSON lines written by the engine (--step-trace-path); several runs may be given")
-    src.add_argument("--from-bench", metavar="RESULT.json",
+    src.add_argument("--from-bench", nargs="+", metavar="RESULT.json",
                      help="a server that writes no step trace (vLLM): rebuild its steps from this `pagedserve bench "
-                          "--result-file` (every streamed token's arrival; see pagedserve/sim/reconstruct.py)")
-    c.add_argument("--metrics-before", default=None, metavar="FILE",
-                   help="with --from-bench: the server's /metrics scraped just before the run ...")
-    c.add_argument("--metrics-after", default=None, metavar="FILE",
+                          "--result-file` (every streamed token's arrival; see pagedserve/sim/reconstruct.py); "
+                          "several runs may be given (fitted together: runs spread over a session see the "
+                          "machine's speed on average)")
+    c.add_argument("--metrics-before", nargs="+", default=None, metavar="FILE",
+                   help="with --from-bench: the server's /metrics scraped just before each run ...")
+    c.add_argument("--metrics-after", nargs="+", default=None, metavar="FILE",
                    help="... and just after: the serving overhead is fitted from the client's TTFT and the "
                         "engine's own queue and prefill times (see --serving-fit)")
     c.add_argument("--serving-fit", choices=("replay", "subtract"), default="replay",
@@ -463,9 +465,14 @@ def run_calibrate(args) -> int:
 def _calibrate_from_bench(args, info, mcost, base, dtype) -> int:
     from pagedserve.sim.cost_model import CostModel, ServingOverhead, fit
     from pagedserve.sim.host_overhead import quantile_at
-    from pagedserve.sim.reconstruct import serving_from_metrics, steps_from_bench
+    from pagedserve.sim.reconstruct import merge_runs, serving_from_metrics, steps_from_bench
 
-    result = json.loads(Path(args.from_bench).read_text())
+    for name in ("metrics_before", "metrics_after"):
+        given = getattr(args, name)
+        if given and len(given) != len(args.from_bench):
+            raise SystemExit(f"--{name.replace('_', '-')}: one file per --from-bench run ({len(args.from_bench)}), "
+                             f"got {len(given)}")
+    result = merge_runs([json.loads(Path(p).read_text()) for p in args.from_bench])
     rebuilt = steps_from_bench(result)
     params, report = fit(rebuilt.steps, mcost, base, block_size=args.block_size,
                          fit_pad_share=args.attention_layout is None and not args.gpu,
@@ -478,8 +485,10 @@ def _calibrate_from_bench(args, info, mcost, base, dtype) -> int:
         params.step_residuals_s = report["step_residual_quantiles_s"]
     serving_report = None
     if args.metrics_before and args.metrics_after:
-        after = Path(args.metrics_after).read_text()
-        admit, serving_report = serving_from_metrics(result, Path(args.metrics_before).read_text(), after)
+        befores = [Path(p).read_text() for p in args.metrics_before]
+        afters = [Path(p).read_text() for p in args.metrics_after]
+        after = afters[-1]
+        admit, serving_report = serving_from_metrics(result, befores, afters)
         if args.serving_fit == "subtract":
             params.serving = ServingOverhead(admit_s=admit, source="client TTFT minus the engine's queue + "
                                                                    "prefill time (its /metrics)").to_dict()

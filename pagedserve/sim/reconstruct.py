@@ -112,6 +112,28 @@ def steps_from_bench(result: dict, threshold_s: float | None = None) -> Reconstr
     return Reconstruction(steps, threshold_s, len(prompts), skipped, len(clusters), idle, split, notes)
 
 
+def merge_runs(results: list[dict], gap_s: float = 10.0) -> dict:
+    """Several `pagedserve bench --result-file` runs as one: each run's send times shifted to start
+    `gap_s` after the previous run's last token (an idle spell: no step is timed across it, and a
+    replay runs the runs one after another). Calibration runs spread over a session see the
+    machine's speed on average, where one run sees its own minutes (sim_vs_vllm.py)."""
+    if len(results) == 1:
+        return results[0]
+    merged, end = [], None
+    for result in results:
+        requests = [r for r in result.get("requests") or [] if r.get("start") is not None]
+        if not requests:
+            continue
+        start = min(float(r["start"]) for r in requests)
+        shift = 0.0 if end is None else end + gap_s - start
+        last = start
+        for r in requests:
+            merged.append({**r, "start": float(r["start"]) + shift})
+            if r.get("success") and r.get("ttft") is not None:
+                last = max(last, float(r["start"]) + float(r["ttft"]) + sum(r.get("itl") or []))
+        end = last + shift
+    return {"requests": merged}
+
 # -- the serving overhead of a server without a request trace ---------------------------------
 def histogram_mean(text_before: str, text_after: str, name: str) -> tuple[float | None, float]:
     """Mean of a Prometheus histogram over the interval between two scrapes (all label sets
@@ -138,16 +160,32 @@ VLLM_PREFILL = "vllm:request_prefill_time_seconds"
 VLLM_TTFT = "vllm:time_to_first_token_seconds"
 
 
-def serving_from_metrics(result: dict, text_before: str, text_after: str) -> tuple[float, dict]:
+def pooled_histogram_mean(scrapes: list[tuple[str, str]], name: str) -> tuple[float | None, float]:
+    """histogram_mean over several runs, each with its (before, after) scrapes: their sums over their counts."""
+    total = count = 0.0
+    for before, after in scrapes:
+        mean, n = histogram_mean(before, after, name)
+        if mean is not None:
+            total, count = total + mean * n, count + n
+    return (total / count if count > 0 else None), count
+
+
+def serving_from_metrics(result: dict, text_before: str | list[str], text_after: str | list[str]) -> tuple[float, dict]:
     """Admission overhead (seconds per request) of a server that keeps no request trace:
     the client's mean TTFT minus the engine's own (queue time + prefill time, from its
-    histograms over the run). Returns (overhead, the means it came from)."""
+    histograms over the run). Several runs (merge_runs) give one scrape before and one after each.
+    Returns (overhead, the means it came from)."""
     ttfts = [r["ttft"] for r in result.get("requests") or [] if r.get("success")]
     if not ttfts:
         raise ValueError("bench_result: no successful request")
-    queue, nq = histogram_mean(text_before, text_after, VLLM_QUEUE)
-    prefill, npf = histogram_mean(text_before, text_after, VLLM_PREFILL)
-    server_ttft, _ = histogram_mean(text_before, text_after, VLLM_TTFT)
+    befores = [text_before] if isinstance(text_before, str) else list(text_before)
+    afters = [text_after] if isinstance(text_after, str) else list(text_after)
+    if len(befores) != len(afters):
+        raise ValueError(f"metrics: {len(befores)} scrapes before the runs and {len(afters)} after")
+    scrapes = list(zip(befores, afters))
+    queue, nq = pooled_histogram_mean(scrapes, VLLM_QUEUE)
+    prefill, npf = pooled_histogram_mean(scrapes, VLLM_PREFILL)
+    server_ttft, _ = pooled_histogram_mean(scrapes, VLLM_TTFT)
     if queue is None or prefill is None:
         raise ValueError(f"metrics: {VLLM_QUEUE} and {VLLM_PREFILL} did not grow between the two scrapes "
                          f"(is this a vLLM server, and were the scrapes taken around the run?)")
