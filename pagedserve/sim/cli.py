@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import statistics
 import sys
 from pathlib import Path
 
@@ -472,15 +473,18 @@ def _calibrate_from_bench(args, info, mcost, base, dtype) -> int:
         if given and len(given) != len(args.from_bench):
             raise SystemExit(f"--{name.replace('_', '-')}: one file per --from-bench run ({len(args.from_bench)}), "
                              f"got {len(given)}")
-    result = merge_runs([json.loads(Path(p).read_text()) for p in args.from_bench])
-    rebuilt = steps_from_bench(result)
-    params, report = fit(rebuilt.steps, mcost, base, block_size=args.block_size,
+    runs = [json.loads(Path(p).read_text()) for p in args.from_bench]
+    result = merge_runs(runs)  # the runs one after another: the replay and the /metrics take them together
+    rebuilds = [steps_from_bench(r) for r in runs]
+    steps = [s for rb in rebuilds for s in rb.steps]
+    params, report = fit(steps, mcost, base, block_size=args.block_size,
                          fit_pad_share=args.attention_layout is None and not args.gpu,
                          max_model_len=args.max_model_len)
-    report["reconstruction"] = {"threshold_s": rebuilt.threshold_s, "num_requests": rebuilt.num_requests,
-                                "num_skipped": rebuilt.num_skipped, "num_clusters": rebuilt.num_clusters,
-                                "num_idle_starts": rebuilt.num_idle_starts, "num_split": rebuilt.num_split}
-    report["warnings"] = rebuilt.notes + report["warnings"]
+    report["reconstruction"] = {
+        "threshold_s": statistics.median(rb.threshold_s for rb in rebuilds),
+        **{key: sum(getattr(rb, key) for rb in rebuilds)
+           for key in ("num_requests", "num_skipped", "num_clusters", "num_idle_starts", "num_split")}}
+    report["warnings"] = [n for rb in rebuilds for n in rb.notes] + report["warnings"]
     if args.step_spread is not False:  # before the replay below: it prices the run as the simulator will
         params.step_residuals_s = report["step_residual_quantiles_s"]
     serving_report = None
@@ -506,7 +510,7 @@ def _calibrate_from_bench(args, info, mcost, base, dtype) -> int:
         print(json.dumps({"params": params.to_dict(), "fit": report, "serving_fit": serving_report}, indent=2))
     else:
         r = report["reconstruction"]
-        print(f"rebuilt {len(rebuilt.steps)} steps from {r['num_requests']} requests' token arrivals "
+        print(f"rebuilt {len(steps)} steps from {r['num_requests']} requests' token arrivals "
               f"({r['num_clusters']} clusters at a {r['threshold_s'] * 1e3:.1f} ms threshold; {r['num_idle_starts']} "
               f"after an idle spell left out; {r['num_skipped']} requests skipped)")
         print(format_calibration(params, report, None))
