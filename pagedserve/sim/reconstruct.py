@@ -114,9 +114,10 @@ def steps_from_bench(result: dict, threshold_s: float | None = None) -> Reconstr
 
 def merge_runs(results: list[dict], gap_s: float = 10.0) -> dict:
     """Several `pagedserve bench --result-file` runs as one: each run's send times shifted to start
-    `gap_s` after the previous run's last token (an idle spell: no step is timed across it, and a
-    replay runs the runs one after another). Calibration runs spread over a session see the
-    machine's speed on average, where one run sees its own minutes (sim_vs_vllm.py)."""
+    `gap_s` after the previous run's last token, so a replay (replay_fit) runs them one after another
+    and the client's mean TTFT is theirs together. (`calibrate --from-bench A B` rebuilds each run's
+    steps on its own.) Calibration runs spread over a session see the machine's speed on average,
+    where one run sees its own minutes (sim_vs_vllm.py)."""
     if len(results) == 1:
         return results[0]
     merged, end = [], None
@@ -133,6 +134,7 @@ def merge_runs(results: list[dict], gap_s: float = 10.0) -> dict:
                 last = max(last, float(r["start"]) + float(r["ttft"]) + sum(r.get("itl") or []))
         end = last + shift
     return {"requests": merged}
+
 
 # -- the serving overhead of a server without a request trace ---------------------------------
 def histogram_mean(text_before: str, text_after: str, name: str) -> tuple[float | None, float]:
