@@ -307,7 +307,7 @@ def resimulate(args, model: Path, work: Path) -> int:
     """Calibrate again from the saved calibration run and simulate the saved held-out workloads."""
     saved_path = Path(args.out)
     if not saved_path.exists() or not calibration_stems(work):
-        print(f"--resimulate: needs {saved_path} and {work}/calib.* from an earlier full run")
+        print(f"--resimulate: needs {saved_path} and {work}/calib*.bench.json from an earlier full run")
         return 2
     saved = json.loads(saved_path.read_text())
     cfg = saved["cache_config"]

@@ -95,7 +95,6 @@ def _chat_terms(fit: dict) -> dict | None:
     return {**{k: float(chat[k]) for k in _SERVING_KEYS if k in chat}, "source": chat.get("source", "")}
 
 
-
 # How many quantiles a measured scatter is stored as (the step residuals, CostParams.step_residuals_s;
 # each token's delivery jitter, ServingOverhead.delivery_jitter_s), at the bins' centres (k + 0.5) / n.
 # A tail percentile needs bins finer than its own distance from the end: with 100, the P99 of the draws
@@ -126,6 +125,7 @@ def quantile_at(quantiles, u: float) -> float:
         return float(quantiles[-1])
     k = int(x)
     return float(quantiles[k] + (quantiles[k + 1] - quantiles[k]) * (x - k))
+
 
 @dataclass
 class ServingOverhead:

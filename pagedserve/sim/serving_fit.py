@@ -181,12 +181,12 @@ def delivery_jitter(requests: Sequence[dict], steps: Sequence[StepTrace], delive
     num_tokens = sum(len(x) for x in streams)
     if num_tokens < MIN_JITTER_TOKENS:
         return None
-    pooled = np.concatenate(streams)
-    mean = float(pooled.mean())
+    mean = float(np.concatenate(streams).mean())
     centred = [x - mean for x in streams]
     rho = float(sum(float((x[1:] * x[:-1]).sum()) for x in centred) / max(sum(float((x * x).sum()) for x in centred),
                                                                          1e-30))
-    quantiles = scatter_quantiles(pooled - mean)
-    p1, p99 = (float(v) for v in np.percentile(pooled - mean, [1, 99]))
+    pooled = np.concatenate(centred)
+    quantiles = scatter_quantiles(pooled)
+    p1, p99 = (float(v) for v in np.percentile(pooled, [1, 99]))
     return {"quantiles_s": quantiles, "rho": min(max(rho, 0.0), 0.99), "num_tokens": int(num_tokens),
             "num_streams": len(streams), "mean_offset_s": mean, "p1_s": p1, "p99_s": p99}
