@@ -129,10 +129,40 @@ def test_calibrate_warns_where_the_trace_is_thin():
     assert run_beyond_coverage(report["coverage"], {"max_decode_batch": 16, "max_context": 23,
                                                     "max_step_tokens": 3, "max_prefill_chunk": 0,
                                                     "swap_blocks": 8}) == [
-        "the run reached a decode batch of 16, the calibration trace only 3: that part of the step cost is "
-        "extrapolated",
+        "the run reached a decode batch of 16, the calibration trace 2 in 20 steps or more (at most 3): that part "
+        "of the step cost is extrapolated",
         "the run swapped 8 blocks; the calibration trace had no swaps, so the swap cost is the fallback host "
         "bandwidth, not a fitted one"]
+
+
+def test_a_decode_batch_seen_in_a_handful_of_steps_does_not_count_as_calibrated():
+    """vLLM's CPU calibration (2026-12-05) had decode batches up to 7, but 13 of ~2,500 steps past 4: the fit
+    carried the small batches' slope on and priced batches 5-16 at 1.15-1.65x what they took. A batch counts as
+    covered where 20 steps reach it: the fit warns against max_num_seqs and a run beyond it is flagged."""
+    m = ModelCost.from_shape(SHAPE, "float32", None, 1)
+    cm = CostModel(m, cpu_truth())
+
+    def steps(big: int) -> list[StepTrace]:
+        shapes = [b for b in (1, 2, 3, 4) for _ in range(50)] + [12] * big
+        return [StepTrace([1] * b, [40] * b, duration=cm.predict([1] * b, [40] * b),
+                          cpu_time=cm.predict([1] * b, [40] * b)) for b in shapes]
+
+    base = CostParams(peak_flops=1e6, mem_bandwidth=1e6, combine="sum")
+    _, thin = fit(steps(10), m, base, host_bandwidth_fallback=(1e9, "x"), max_num_seqs=16)
+    _, full = fit(steps(40), m, base, host_bandwidth_fallback=(1e9, "x"), max_num_seqs=16)
+    assert (thin["coverage"]["max_decode_batch"], thin["coverage"]["decode_batch_reach"]) == (12, 4)
+    assert (full["coverage"]["max_decode_batch"], full["coverage"]["decode_batch_reach"]) == (12, 12)
+    assert any("decode batches reach 4 in 20 steps or more (at most 12), under half of max_num_seqs=16" in w
+               for w in thin["warnings"])
+    assert not any("decode batches" in w for w in full["warnings"])
+    run = {"max_decode_batch": 12, "max_context": 40, "max_step_tokens": 12, "max_prefill_chunk": 0}
+    assert run_beyond_coverage(thin["coverage"], run) == [
+        "the run reached a decode batch of 12, the calibration trace 4 in 20 steps or more (at most 12): that part "
+        "of the step cost is extrapolated"]
+    assert run_beyond_coverage(full["coverage"], run) == []
+    # a coverage stored before the reach was counted compares with its maximum, as it did
+    old = {k: v for k, v in thin["coverage"].items() if k != "decode_batch_reach"}
+    assert run_beyond_coverage(old, run) == []
 
 
 def test_error_report_by_step_kind_by_hand():

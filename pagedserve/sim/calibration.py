@@ -93,15 +93,31 @@ def steps_after_idle(records: Sequence[StepTrace], idle_s: float = WARMUP_IDLE_S
     return out
 
 
+# A decode batch counts as covered when at least this many steps (or this share of the steps that
+# decode) reach it: a maximum seen in a handful of steps fits nothing.
+REACH_MIN_STEPS = 20
+REACH_MIN_SHARE = 0.01
+
+
+def decode_batch_reach(batches: Sequence[int]) -> int:
+    """The largest decode batch b that at least max(REACH_MIN_STEPS, REACH_MIN_SHARE of the decoding steps)
+    steps reach (have b decodes or more); 0 when too few steps decode."""
+    sizes = sorted((b for b in batches if b), reverse=True)
+    need = max(REACH_MIN_STEPS, int(REACH_MIN_SHARE * len(sizes)))
+    return sizes[need - 1] if len(sizes) >= need else 0
+
+
 def trace_coverage(records: Sequence[StepTrace]) -> dict:
     """The shapes a trace holds: what a cost model fitted on it has seen."""
     kinds = {k: 0 for k in STEP_KINDS}
     max_batch = max_ctx = max_tokens = max_chunk = swap_blocks = swap_steps = 0
+    batches = []
     for r in records:
         if not r.num_reqs:
             continue
         kinds[step_kind(r)] += 1
         decodes = sum(1 for n in r.new_tokens if n == 1)
+        batches.append(decodes)
         max_batch = max(max_batch, decodes)
         max_ctx = max(max_ctx, max(r.context_lens))
         max_tokens = max(max_tokens, r.num_tokens)
@@ -109,19 +125,22 @@ def trace_coverage(records: Sequence[StepTrace]) -> dict:
         swap_blocks += r.num_swap_blocks
         swap_steps += 1 if r.num_swap_blocks else 0
     return {"num_steps": sum(kinds.values()), "steps_by_kind": kinds, "max_decode_batch": max_batch,
-            "max_context": max_ctx, "max_step_tokens": max_tokens, "max_prefill_chunk": max_chunk,
+            "decode_batch_reach": decode_batch_reach(batches), "max_context": max_ctx, "max_step_tokens": max_tokens, "max_prefill_chunk": max_chunk,
             "swap_blocks": swap_blocks, "swap_steps": swap_steps}
 
 
 def coverage_note(c: dict) -> str:
     kinds = c.get("steps_by_kind", {})
     return (f"{c.get('num_steps', 0)} steps ({', '.join(f'{kinds.get(k, 0)} {k}' for k in STEP_KINDS)}); "
-            f"decode batches up to {c.get('max_decode_batch', 0)}, contexts up to {c.get('max_context', 0)} tokens, "
+            f"decode batches up to {c.get('max_decode_batch', 0)}"
+            + (f" ({c['decode_batch_reach']} in {REACH_MIN_STEPS}+ steps)" if "decode_batch_reach" in c else "")
+            + f", contexts up to {c.get('max_context', 0)} tokens, "
             f"steps up to {c.get('max_step_tokens', 0)} tokens, prompt chunks up to {c.get('max_prefill_chunk', 0)}, "
             f"{c.get('swap_blocks', 0)} blocks swapped")
 
 
-def calibration_warnings(c: dict, host_note: str | None, max_model_len: int | None = None) -> list[str]:
+def calibration_warnings(c: dict, host_note: str | None, max_model_len: int | None = None,
+                         max_num_seqs: int | None = None) -> list[str]:
     """Where the trace leaves a term of the model unfitted or thinly fitted."""
     warnings = []
     if c.get("num_steps", 0) < 100:
@@ -133,6 +152,11 @@ def calibration_warnings(c: dict, host_note: str | None, max_model_len: int | No
     if c.get("max_decode_batch", 0) < 4:
         warnings.append(f"decode batches only up to {c.get('max_decode_batch', 0)}: the per-request and GEMM "
                         f"terms of larger batches are extrapolated")
+    elif max_num_seqs and c.get("decode_batch_reach", max_num_seqs) < max_num_seqs / 2:
+        warnings.append(f"decode batches reach {c['decode_batch_reach']} in {REACH_MIN_STEPS} steps or more (at most "
+                        f"{c.get('max_decode_batch', 0)}), under half of max_num_seqs={max_num_seqs}: larger batches "
+                        f"are priced by extrapolating the smaller ones (a higher --request-rate or longer outputs in "
+                        f"the calibration load fill the batch)")
     if max_model_len and c.get("max_context", 0) < max_model_len // 2:
         warnings.append(f"no long contexts: the longest in the trace is {c.get('max_context', 0)} tokens, "
                         f"under half of max_model_len={max_model_len}; the attention terms are extrapolated "
@@ -143,13 +167,21 @@ def calibration_warnings(c: dict, host_note: str | None, max_model_len: int | No
 
 
 def run_beyond_coverage(coverage: dict, shapes: dict, margin: float = 1.25) -> list[str]:
-    """What a simulated run did that the calibration trace never showed (by more than `margin`x)."""
+    """What a simulated run did that the calibration trace never showed (by more than `margin`x). A decode batch
+    counts as shown where enough steps reach it (`decode_batch_reach`), not where one step did."""
     if not coverage:
         return []
     out = []
     for key, label in (("max_decode_batch", "decode batch"), ("max_context", "context"),
                        ("max_step_tokens", "tokens in one step"), ("max_prefill_chunk", "prompt chunk")):
         seen, ran = coverage.get(key, 0), shapes.get(key, 0)
+        if key == "max_decode_batch" and "decode_batch_reach" in coverage:
+            seen = coverage["decode_batch_reach"]
+            if ran > margin * seen:
+                out.append(f"the run reached a decode batch of {ran}, the calibration trace {seen} in "
+                           f"{REACH_MIN_STEPS} steps or more (at most {coverage.get(key, 0)}): that part of the step "
+                           f"cost is extrapolated")
+            continue
         if ran > margin * seen:
             out.append(f"the run reached a {label} of {ran}, the calibration trace only {seen}: that part of "
                        f"the step cost is extrapolated")
@@ -269,7 +301,7 @@ def _design(records: Sequence[StepTrace], model: ModelCost, block_size: int, pad
 def fit(records: Iterable[StepTrace], model: ModelCost, base: CostParams, *, block_size: int = 16,
         fit_pad_share: bool = False, host_bandwidth_fallback: tuple[float, str] | None = None,
         swap_probe=None,
-        max_model_len: int | None = None, iterations: int = 20, reweight: int = 4, trim: float = 3.0,
+        max_model_len: int | None = None, max_num_seqs: int | None = None, iterations: int = 20, reweight: int = 4, trim: float = 3.0,
         max_factor_tokens: int = 8, min_factor_steps: int = 20,
         min_kind_steps: int = 20, warmup_steps: int = 4) -> tuple[CostParams, dict]:
     """Fit the step cost's constants to a step trace; returns (params, report).
@@ -536,7 +568,7 @@ def fit(records: Iterable[StepTrace], model: ModelCost, base: CostParams, *, blo
                              "p50": float(np.percentile(ratios, 50) / ratios.mean()),
                              "p90": float(np.percentile(ratios, 90) / ratios.mean()),
                              "p99": float(np.percentile(ratios, 99) / ratios.mean())},
-        "warnings": calibration_warnings(coverage, host_note, max_model_len),
+        "warnings": calibration_warnings(coverage, host_note, max_model_len, max_num_seqs),
         "step_residual_quantiles_s": residual_quantiles,
     }
     return params, report

@@ -140,7 +140,8 @@ def register(subparsers) -> None:
                         "the ITL and TTFT tails as the machine did (default: on; --no-step-spread: steps "
                         "exactly as modelled)")
     c.add_argument("--max-num-seqs", type=int, default=None,
-                   help="with --serving-fit replay: the server's max_num_seqs (default: pagedserve's)")
+                   help="the server's max_num_seqs: the --serving-fit replay runs at it (default: pagedserve's), "
+                        "and the fit warns when the trace's decode batches reach under half of it")
     c.add_argument("--max-num-batched-tokens", type=int, default=None,
                    help="with --serving-fit replay: the server's max_num_batched_tokens (default: pagedserve's); "
                         "block size, KV blocks and prefix caching come from vLLM's cache_config_info")
@@ -428,7 +429,8 @@ def run_calibrate(args) -> int:
 
     params, report = fit(records, mcost, base, block_size=args.block_size,
                          fit_pad_share=args.attention_layout is None and not args.gpu,
-                         max_model_len=args.max_model_len, swap_probe=None if args.gpu else swap_probe)
+                         max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
+                         swap_probe=None if args.gpu else swap_probe)
     if args.step_spread is not False:
         params.step_residuals_s = report["step_residual_quantiles_s"]
 
@@ -479,7 +481,7 @@ def _calibrate_from_bench(args, info, mcost, base, dtype) -> int:
     steps = [s for rb in rebuilds for s in rb.steps]
     params, report = fit(steps, mcost, base, block_size=args.block_size,
                          fit_pad_share=args.attention_layout is None and not args.gpu,
-                         max_model_len=args.max_model_len)
+                         max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs)
     report["reconstruction"] = {
         "threshold_s": statistics.median(rb.threshold_s for rb in rebuilds),
         **{key: sum(getattr(rb, key) for rb in rebuilds)
