@@ -47,21 +47,29 @@ from common import ROOT, benchmark_checkpoint  # noqa: E402
 from live import Server, env, free_port, load_average, run_bench  # noqa: E402
 
 VLLM_KNOBS = {"max_num_seqs": 16, "max_num_batched_tokens": 512, "max_model_len": 1024}
-CALIBRATION = ["--dataset", "calibration", "--random-input-len", "200", "--random-output-len", "60",
-               "--num-prompts", "120", "--seed", "201"]
+# The calibration ramp must fill the batch up to max_num_seqs (16), or the cost of the larger decode batches is
+# extrapolated: 120 prompts with outputs up to 120 tokens at --calibration-rate 6 (before 2026-12-05, fourth
+# sitting) put 13-20 of ~2,500 rebuilt steps at a decode batch of 5 or more, and the fitted per-request slope,
+# carried on from batches 1-4, priced vLLM's batch 5-16 steps 1.15-1.65x what they took. 200 prompts with outputs up
+# to 240 at rate 10: the simulator puts ~700 of ~3,800 steps there, and the run lasts as long (~34 s).
+CALIBRATION = ["--dataset", "calibration", "--random-input-len", "200", "--random-output-len", "120",
+               "--num-prompts", "200", "--seed", "201"]
 METRICS = [("output_throughput", "output tok/s", "{:.1f}"), ("mean_ttft_ms", "mean TTFT ms", "{:.0f}"),
            ("p99_ttft_ms", "P99 TTFT ms", "{:.0f}"), ("mean_itl_ms", "mean ITL ms", "{:.1f}"),
            ("p99_itl_ms", "P99 ITL ms", "{:.0f}"), ("num_preemptions", "preemptions", "{:.0f}")]
 GOAL_KEYS = ("output_throughput", "mean_ttft_ms", "p99_ttft_ms", "p99_itl_ms")
 
 
-def workloads(rate: float) -> list[tuple[str, list[str]]]:
+def workloads(rate: float, num_prompts: int = 256) -> list[tuple[str, list[str]]]:
+    """The held-out workloads at `rate` req/s, `num_prompts` requests each (64 before 2026-12-05: a P99 of 64 is the
+    largest but one)."""
+    n = str(num_prompts)
     return [
         ("random lengths, ~80% busy", ["--dataset", "random", "--random-input-len", "160", "--random-output-len", "64",
-                                       "--random-range-ratio", "0.5", "--num-prompts", "64", "--request-rate",
+                                       "--random-range-ratio", "0.5", "--num-prompts", n, "--request-rate",
                                        f"{rate:.3f}", "--seed", "1"]),
         ("long-context mix", ["--dataset", "long-context", "--long-input-len", "480", "--short-input-len", "64",
-                              "--long-fraction", "0.2", "--random-output-len", "48", "--num-prompts", "64",
+                              "--long-fraction", "0.2", "--random-output-len", "48", "--num-prompts", n,
                               "--request-rate", f"{rate:.3f}", "--seed", "2"]),
     ]
 
@@ -183,10 +191,13 @@ def main() -> int:
     ap.add_argument("--python", default="/tmp/peers/vllm/bin/python", help="the vLLM venv's python")
     ap.add_argument("--model", default="20m", help="a benchmarks/common.py size, or a checkpoint directory")
     ap.add_argument("--kv-gib", type=int, default=1, help="VLLM_CPU_KVCACHE_SPACE")
-    ap.add_argument("--calibration-rate", type=float, default=6.0,
-                    help="the calibration workload ramps from 0.1x to 2x this rate (6: decode batches up to 8, "
-                         "as the held-out random workload reaches; at 3 they stopped at 4)")
+    ap.add_argument("--calibration-rate", type=float, default=10.0,
+                    help="the calibration workload ramps from 0.1x to 2x this rate (10: decode batches fill up to "
+                         "max_num_seqs; at 6, with shorter outputs, fewer than 1%% of steps had a batch over 4)")
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--num-prompts", type=int, default=256,
+                    help="requests per held-out run (256; before 2026-12-05 64, where a P99 is the largest request "
+                         "but one and the same workload's P99 TTFT spanned 2-5x between runs)")
     ap.add_argument("--serving-layer", choices=("calibrated", "measured"), default="calibrated",
                     help="the simulated serving layer: calibrated = the calibration run's client TTFT less the "
                          "engine's (one constant admission); measured = vLLM's API server as "
@@ -233,7 +244,7 @@ def main() -> int:
             return 1
         rate = rate_for_busy(model, first, block_size, num_blocks)
         print(f"request rate for 80% busy (simulated on the first calibration run): {rate:.3f} req/s", flush=True)
-        chosen = workloads(rate)
+        chosen = workloads(rate, args.num_prompts)
         runs: dict[str, list[dict]] = {name: [] for name, _ in chosen}
         for rep in range(args.repeats):
             if rep:
