@@ -702,6 +702,51 @@ def test_cli_calibrates_from_several_client_runs_at_once(tmp_path, capsys):
         calibrate(["fast", "slow"], tmp_path / "x.json", afters=["fast"])
 
 
+def test_a_run_whose_output_came_in_bursts_is_left_out_of_the_calibration(tmp_path, capsys):
+    """vLLM's CPU server sometimes stalls and then writes several steps' tokens back to back (2026-12-05: 52% of
+    one calibration run's arrival clusters cut, its mean TTFT 93 ms against ~40). Such a run rebuilds as long
+    steps followed by empty ones: it is left out of the step fit and of the admission's replay, and said so."""
+    from pagedserve.cli import main
+    from pagedserve.sim.reconstruct import steps_from_bench
+    from test_sim import write_config
+
+    model_dir = write_config(tmp_path / "m")
+    clean, before, after, _ = vllm_like_run(model_dir, vllm_like_params(8e-3), admit_s=0.006, seed=3)
+    slow, sbefore, safter, _ = vllm_like_run(model_dir, vllm_like_params(9.6e-3), admit_s=0.012, seed=4)
+    for r in slow["requests"]:  # every 4 tokens reach the client together, at the last one's time
+        times = [r["start"] + r["ttft"]]
+        for gap in r["itl"]:
+            times.append(times[-1] + gap)
+        burst = [times[min(len(times) - 1, 4 * (k // 4) + 3)] + 1e-6 * (k % 4) for k in range(len(times))]
+        r["ttft"], r["itl"] = burst[0] - r["start"], [b - a for a, b in zip(burst, burst[1:])]
+    assert not steps_from_bench(clean).bursty and steps_from_bench(slow).bursty
+    files = {}
+    for name, (res, b, a) in {"clean": (clean, before, after), "bursty": (slow, sbefore, safter)}.items():
+        for kind, text in (("bench.json", json.dumps(res)), ("before.txt", b), ("after.txt", a)):
+            files[name, kind] = tmp_path / f"{name}.{kind}"
+            files[name, kind].write_text(text)
+
+    def calibrate(runs, out):
+        return main(["simulate", "calibrate", "--model", str(model_dir), "--no-step-spread",
+                     "--max-model-len", "512", "--max-num-seqs", "16", "--max-num-batched-tokens", "512",
+                     "--from-bench", *[str(files[r, "bench.json"]) for r in runs],
+                     "--metrics-before", *[str(files[r, "before.txt"]) for r in runs],
+                     "--metrics-after", *[str(files[r, "after.txt"]) for r in runs], "--out", str(out)])
+
+    assert calibrate(["clean"], tmp_path / "alone.json") == 0
+    assert calibrate(["clean", "bursty"], tmp_path / "both.json") == 0
+    alone, both = (json.loads((tmp_path / f).read_text()) for f in ("alone.json", "both.json"))
+    measured_here = {"host_bandwidth"}  # a memcpy timed on each call
+    assert ({k: v for k, v in both["params"].items() if k not in measured_here}
+            == {k: v for k, v in alone["params"].items() if k not in measured_here})
+    assert both["fit"]["runs_left_out"] == [str(files["bursty", "bench.json"])]
+    assert any(w.startswith(f"left out {files['bursty', 'bench.json']}") and "in bursts" in w
+               for w in both["fit"]["warnings"])
+    capsys.readouterr()
+    with pytest.raises(SystemExit, match="every run was left out"):
+        calibrate(["bursty"], tmp_path / "none.json")
+
+
 def test_replay_warns_when_its_prefill_is_off_the_engines_or_no_admission_fits():
     from pagedserve.sim.replay_fit import replay_warnings
 

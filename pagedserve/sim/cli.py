@@ -468,7 +468,7 @@ def run_calibrate(args) -> int:
 def _calibrate_from_bench(args, info, mcost, base, dtype) -> int:
     from pagedserve.sim.cost_model import CostModel, ServingOverhead, fit
     from pagedserve.sim.host_overhead import quantile_at
-    from pagedserve.sim.reconstruct import merge_runs, serving_from_metrics, steps_from_bench
+    from pagedserve.sim.reconstruct import BURSTY_SPLIT_SHARE, merge_runs, serving_from_metrics, steps_from_bench
 
     for name in ("metrics_before", "metrics_after"):
         given = getattr(args, name)
@@ -476,8 +476,22 @@ def _calibrate_from_bench(args, info, mcost, base, dtype) -> int:
             raise SystemExit(f"--{name.replace('_', '-')}: one file per --from-bench run ({len(args.from_bench)}), "
                              f"got {len(given)}")
     runs = [json.loads(Path(p).read_text()) for p in args.from_bench]
-    result = merge_runs(runs)  # the runs one after another: the replay and the /metrics take them together
     rebuilds = [steps_from_bench(r) for r in runs]
+    # A run whose client got the output in bursts shows stalls, not steps: it is left out of the whole fit (its
+    # steps, and the replay and /metrics that set the admission, which would take the stalls for admission time).
+    keep = [k for k, rb in enumerate(rebuilds) if not rb.bursty]
+    left_out = [f"{args.from_bench[k]}: {rb.num_split} of {rb.num_clusters} token-arrival clusters "
+                f"({rb.num_split / rb.num_clusters:.0%}) had one request twice within {rb.threshold_s * 1e3:.1f} ms; "
+                f"the client got the output in bursts, so its steps cannot be rebuilt"
+                for k, rb in enumerate(rebuilds) if rb.bursty]
+    if not keep:
+        raise SystemExit("calibrate --from-bench: every run was left out (more than "
+                         f"{BURSTY_SPLIT_SHARE:.0%} of its clusters cut): " + "; ".join(left_out))
+    runs, rebuilds = [runs[k] for k in keep], [rebuilds[k] for k in keep]
+    if args.metrics_before and args.metrics_after:
+        args.metrics_before = [args.metrics_before[k] for k in keep]
+        args.metrics_after = [args.metrics_after[k] for k in keep]
+    result = merge_runs(runs)  # the runs one after another: the replay and the /metrics take them together
     steps = [s for rb in rebuilds for s in rb.steps]
     params, report = fit(steps, mcost, base, block_size=args.block_size,
                          fit_pad_share=args.attention_layout is None and not args.gpu,
@@ -486,7 +500,9 @@ def _calibrate_from_bench(args, info, mcost, base, dtype) -> int:
         "threshold_s": statistics.median(rb.threshold_s for rb in rebuilds),
         **{key: sum(getattr(rb, key) for rb in rebuilds)
            for key in ("num_requests", "num_skipped", "num_clusters", "num_idle_starts", "num_split")}}
-    report["warnings"] = [n for rb in rebuilds for n in rb.notes] + report["warnings"]
+    report["warnings"] = ([f"left out {n}" for n in left_out] + [n for rb in rebuilds for n in rb.notes]
+                          + report["warnings"])
+    report["runs_left_out"] = [args.from_bench[k] for k in range(len(args.from_bench)) if k not in keep]
     if args.step_spread is not False:  # before the replay below: it prices the run as the simulator will
         params.step_residuals_s = report["step_residual_quantiles_s"]
     serving_report = None

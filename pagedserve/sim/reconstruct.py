@@ -30,6 +30,13 @@ from dataclasses import dataclass, field
 from pagedserve.core.engine_core import StepTrace
 
 
+# A run where more than this share of the clusters had to be cut did not show its steps: the client got the
+# server's output in bursts (a stalled API process writing several steps' tokens back to back), and each burst
+# rebuilds as one long step and a row of empty ones. vLLM's CPU server on the project's 2-core VM (2026-12-05):
+# 6-15% in ordinary runs, 22-52% in the runs that stalled (mean TTFT 80-236 ms against ~40).
+BURSTY_SPLIT_SHARE = 0.2
+
+
 @dataclass
 class Reconstruction:
     steps: list[StepTrace]
@@ -40,6 +47,11 @@ class Reconstruction:
     num_idle_starts: int        # clusters after an idle spell (no duration)
     num_split: int              # clusters cut because one request had two tokens in them
     notes: list[str] = field(default_factory=list)
+
+    @property
+    def bursty(self) -> bool:
+        """Too many clusters cut to read steps from (BURSTY_SPLIT_SHARE)."""
+        return self.num_split > BURSTY_SPLIT_SHARE * self.num_clusters
 
 
 def _token_times(r: dict) -> list[float] | None:
