@@ -132,10 +132,17 @@ def real_metrics(result: dict, before: str, after: str) -> dict:
     def counter(text, name):
         return sum(float(v) for v in re.findall(rf"^{re.escape(name)}(?:\{{[^}}]*\}})?\s+(\S+)", text, re.M))
 
+    from pagedserve.sim.reconstruct import VLLM_PREFILL, VLLM_QUEUE, histogram_mean
+
+    # where the client's TTFT went, by vLLM's own account: its engine queue and prefill (the rest is the API server)
+    queue, _ = histogram_mean(before, after, VLLM_QUEUE)
+    prefill, _ = histogram_mean(before, after, VLLM_PREFILL)
     return {"output_throughput": s["output_throughput"], "mean_ttft_ms": s["ttft_ms"]["mean"],
             "p99_ttft_ms": s["ttft_ms"]["p99"], "mean_itl_ms": s["itl_ms"]["mean"], "p99_itl_ms": s["itl_ms"]["p99"],
             "num_preemptions": counter(after, "vllm:num_preemptions_total")
             - counter(before, "vllm:num_preemptions_total"),
+            "engine_queue_ms": None if queue is None else queue * 1e3,
+            "engine_prefill_ms": None if prefill is None else prefill * 1e3,
             "failed": s["failed_requests"]}
 
 
@@ -259,10 +266,16 @@ def main() -> int:
                 before = scrape(server.url)
                 load0 = load_average()
                 result = run_bench(server.url, flags, work / f"run{rep}_{k}.bench.json", work / f"run{rep}_{k}.log")
-                m = real_metrics(result, before, scrape(server.url))
+                after = scrape(server.url)
+                (work / f"run{rep}_{k}.metrics.before.txt").write_text(before)
+                (work / f"run{rep}_{k}.metrics.after.txt").write_text(after)
+                m = real_metrics(result, before, after)
                 runs[name].append(m)
+                split = (f"; of the mean TTFT, engine queue {m['engine_queue_ms']:.1f} + prefill "
+                         f"{m['engine_prefill_ms']:.1f} ms" if m["engine_queue_ms"] is not None
+                         and m["engine_prefill_ms"] is not None else "")
                 print(f"[{rep}] {name}: load {load0} -> {load_average()}; "
-                      + ", ".join(f"{label} {fmt.format(m[key])}" for key, label, fmt in METRICS), flush=True)
+                      + ", ".join(f"{label} {fmt.format(m[key])}" for key, label, fmt in METRICS) + split, flush=True)
 
     cost = work / "cost_vllm.json"
     calibration = calibrated(model, work, cost, block_size, args)

@@ -32,8 +32,9 @@ from pagedserve.core.engine_core import StepTrace
 
 # A run where more than this share of the clusters had to be cut did not show its steps: the client got the
 # server's output in bursts (a stalled API process writing several steps' tokens back to back), and each burst
-# rebuilds as one long step and a row of empty ones. vLLM's CPU server on the project's 2-core VM (2026-12-05):
-# 6-15% in ordinary runs, 22-52% in the runs that stalled (mean TTFT 80-236 ms against ~40).
+# rebuilds as one long step and a row of empty ones. vLLM's CPU server on the project's 2-core VM (2026-12-05, 19
+# calibration runs): 6-15% in 13; 22-52% in 6, the three that stalled (mean TTFT 80-236 ms against ~40) among them;
+# the other three (22-23%) had ordinary mean TTFTs.
 BURSTY_SPLIT_SHARE = 0.2
 
 
