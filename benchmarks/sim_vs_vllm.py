@@ -127,12 +127,12 @@ def use_measured_serving(cost: Path) -> None:
 
 
 def real_metrics(result: dict, before: str, after: str) -> dict:
+    from pagedserve.sim.reconstruct import VLLM_PREFILL, VLLM_QUEUE, histogram_mean
+
     s = result["summary"]
 
     def counter(text, name):
         return sum(float(v) for v in re.findall(rf"^{re.escape(name)}(?:\{{[^}}]*\}})?\s+(\S+)", text, re.M))
-
-    from pagedserve.sim.reconstruct import VLLM_PREFILL, VLLM_QUEUE, histogram_mean
 
     # where the client's TTFT went, by vLLM's own account: its engine queue and prefill (the rest is the API server)
     queue, _ = histogram_mean(before, after, VLLM_QUEUE)

@@ -125,7 +125,8 @@ def trace_coverage(records: Sequence[StepTrace]) -> dict:
         swap_blocks += r.num_swap_blocks
         swap_steps += 1 if r.num_swap_blocks else 0
     return {"num_steps": sum(kinds.values()), "steps_by_kind": kinds, "max_decode_batch": max_batch,
-            "decode_batch_reach": decode_batch_reach(batches), "max_context": max_ctx, "max_step_tokens": max_tokens, "max_prefill_chunk": max_chunk,
+            "decode_batch_reach": decode_batch_reach(batches), "max_context": max_ctx, "max_step_tokens": max_tokens,
+            "max_prefill_chunk": max_chunk,
             "swap_blocks": swap_blocks, "swap_steps": swap_steps}
 
 
@@ -301,7 +302,8 @@ def _design(records: Sequence[StepTrace], model: ModelCost, block_size: int, pad
 def fit(records: Iterable[StepTrace], model: ModelCost, base: CostParams, *, block_size: int = 16,
         fit_pad_share: bool = False, host_bandwidth_fallback: tuple[float, str] | None = None,
         swap_probe=None,
-        max_model_len: int | None = None, max_num_seqs: int | None = None, iterations: int = 20, reweight: int = 4, trim: float = 3.0,
+        max_model_len: int | None = None, max_num_seqs: int | None = None, iterations: int = 20, reweight: int = 4,
+        trim: float = 3.0,
         max_factor_tokens: int = 8, min_factor_steps: int = 20,
         min_kind_steps: int = 20, warmup_steps: int = 4) -> tuple[CostParams, dict]:
     """Fit the step cost's constants to a step trace; returns (params, report).
