@@ -202,6 +202,8 @@ def main() -> int:
                     help="the calibration workload ramps from 0.1x to 2x this rate (10: decode batches fill up to "
                          "max_num_seqs; at 6, with shorter outputs, fewer than 1%% of steps had a batch over 4)")
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--rate", type=float, default=None,
+                    help="the held-out request rate (default: the rate the first calibration simulates 80%% busy)")
     ap.add_argument("--num-prompts", type=int, default=256,
                     help="requests per held-out run (256; before 2026-12-05 64, where a P99 is the largest request "
                          "but one and the same workload's P99 TTFT spanned 2-5x between runs)")
@@ -255,8 +257,12 @@ def main() -> int:
             before = scrape(server.url)
         else:
             return 1
-        rate = rate_for_busy(model, first, block_size, num_blocks)
-        print(f"request rate for 80% busy (simulated on the first calibration run): {rate:.3f} req/s", flush=True)
+        if args.rate:
+            rate = args.rate
+            print(f"request rate: {rate:.3f} req/s (--rate)", flush=True)
+        else:
+            rate = rate_for_busy(model, first, block_size, num_blocks)
+            print(f"request rate for 80% busy (simulated on the first calibration run): {rate:.3f} req/s", flush=True)
         chosen = workloads(rate, args.num_prompts)
         runs: dict[str, list[dict]] = {name: [] for name, _ in chosen}
         for rep in range(args.repeats):
