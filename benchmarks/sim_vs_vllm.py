@@ -271,11 +271,7 @@ def main() -> int:
             for k, (name, flags) in enumerate(chosen):
                 before = scrape(server.url)
                 load0 = load_average()
-                result = run_bench(server.url, flags, work / f"run{rep}_{k}.bench.json", work / f"run{rep}_{k}.log")
-                after = scrape(server.url)
-                (work / f"run{rep}_{k}.metrics.before.txt").write_text(before)
-                (work / f"run{rep}_{k}.metrics.after.txt").write_text(after)
-                m = real_metrics(result, before, after)
+                m = bench_run(server.url, flags, work, f"run{rep}_{k}", before)
                 runs[name].append(m)
                 split = (f"; of the mean TTFT, engine queue {m['engine_queue_ms']:.1f} + prefill "
                          f"{m['engine_prefill_ms']:.1f} ms" if m["engine_queue_ms"] is not None
@@ -302,16 +298,21 @@ def main() -> int:
     return 0
 
 
+def bench_run(url: str, flags: list[str], work: Path, stem: str, before: str) -> dict:
+    """One `pagedserve bench` run against the server: its result (STEM.bench.json, .log) and the /metrics scraped
+    around it (STEM.metrics.before/after.txt) saved; returns real_metrics of it."""
+    result = run_bench(url, flags, work / f"{stem}.bench.json", work / f"{stem}.log")
+    after = scrape(url)
+    (work / f"{stem}.metrics.before.txt").write_text(before)
+    (work / f"{stem}.metrics.after.txt").write_text(after)
+    return real_metrics(result, before, after)
+
+
 def calibration_run(url: str, work: Path, rnd: int, rate: float, before: str) -> None:
     """One calibration run (round `rnd`), its result and the scrapes around it saved for the fit."""
     load0 = load_average()
-    calib = run_bench(url, CALIBRATION + ["--request-rate", f"{rate:g}"], work / f"calib{rnd}.bench.json",
-                      work / f"calib{rnd}.bench.log")
-    after = scrape(url)
-    (work / f"calib{rnd}.metrics.before.txt").write_text(before)
-    (work / f"calib{rnd}.metrics.after.txt").write_text(after)
-    print(f"[{rnd}] calibration run: load {load0} -> {load_average()}; "
-          f"{json.dumps(real_metrics(calib, before, after))}", flush=True)
+    m = bench_run(url, CALIBRATION + ["--request-rate", f"{rate:g}"], work, f"calib{rnd}", before)
+    print(f"[{rnd}] calibration run: load {load0} -> {load_average()}; {json.dumps(m)}", flush=True)
 
 
 def calibration_stems(work: Path, rounds=None) -> list[Path]:

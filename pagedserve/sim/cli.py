@@ -480,17 +480,17 @@ def _calibrate_from_bench(args, info, mcost, base, dtype) -> int:
     # A run whose client got the output in bursts shows stalls, not steps: it is left out of the whole fit (its
     # steps, and the replay and /metrics that set the admission, which would take the stalls for admission time).
     keep = [k for k, rb in enumerate(rebuilds) if not rb.bursty]
-    left_out = [f"{args.from_bench[k]}: {rb.num_split} of {rb.num_clusters} token-arrival clusters "
-                f"({rb.num_split / rb.num_clusters:.0%}) had one request twice within {rb.threshold_s * 1e3:.1f} ms; "
-                f"the client got the output in bursts, so its steps cannot be rebuilt"
-                for k, rb in enumerate(rebuilds) if rb.bursty]
+    left_out = [k for k, rb in enumerate(rebuilds) if rb.bursty]
+    why = [f"{args.from_bench[k]}: {rebuilds[k].num_split} of {rebuilds[k].num_clusters} token-arrival clusters "
+           f"({rebuilds[k].num_split / rebuilds[k].num_clusters:.0%}) had one request twice within "
+           f"{rebuilds[k].threshold_s * 1e3:.1f} ms; the client got the output in bursts, so its steps cannot be "
+           f"rebuilt" for k in left_out]
     if not keep:
         raise SystemExit("calibrate --from-bench: every run was left out (more than "
-                         f"{BURSTY_SPLIT_SHARE:.0%} of its clusters cut): " + "; ".join(left_out))
+                         f"{BURSTY_SPLIT_SHARE:.0%} of its clusters cut): " + "; ".join(why))
     runs, rebuilds = [runs[k] for k in keep], [rebuilds[k] for k in keep]
-    if args.metrics_before and args.metrics_after:
-        args.metrics_before = [args.metrics_before[k] for k in keep]
-        args.metrics_after = [args.metrics_after[k] for k in keep]
+    metrics_before = [args.metrics_before[k] for k in keep] if args.metrics_before else None
+    metrics_after = [args.metrics_after[k] for k in keep] if args.metrics_after else None
     result = merge_runs(runs)  # the runs one after another: the replay and the /metrics take them together
     steps = [s for rb in rebuilds for s in rb.steps]
     params, report = fit(steps, mcost, base, block_size=args.block_size,
@@ -500,15 +500,14 @@ def _calibrate_from_bench(args, info, mcost, base, dtype) -> int:
         "threshold_s": statistics.median(rb.threshold_s for rb in rebuilds),
         **{key: sum(getattr(rb, key) for rb in rebuilds)
            for key in ("num_requests", "num_skipped", "num_clusters", "num_idle_starts", "num_split")}}
-    report["warnings"] = ([f"left out {n}" for n in left_out] + [n for rb in rebuilds for n in rb.notes]
-                          + report["warnings"])
-    report["runs_left_out"] = [args.from_bench[k] for k in range(len(args.from_bench)) if k not in keep]
+    report["warnings"] = [f"left out {n}" for n in why] + [n for rb in rebuilds for n in rb.notes] + report["warnings"]
+    report["runs_left_out"] = [args.from_bench[k] for k in left_out]
     if args.step_spread is not False:  # before the replay below: it prices the run as the simulator will
         params.step_residuals_s = report["step_residual_quantiles_s"]
     serving_report = None
-    if args.metrics_before and args.metrics_after:
-        befores = [Path(p).read_text() for p in args.metrics_before]
-        afters = [Path(p).read_text() for p in args.metrics_after]
+    if metrics_before and metrics_after:
+        befores = [Path(p).read_text() for p in metrics_before]
+        afters = [Path(p).read_text() for p in metrics_after]
         after = afters[-1]
         admit, serving_report = serving_from_metrics(result, befores, afters)
         if args.serving_fit == "subtract":

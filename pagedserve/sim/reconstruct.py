@@ -36,6 +36,8 @@ from pagedserve.core.engine_core import StepTrace
 # calibration runs): 6-15% in 13; 22-52% in 6, the three that stalled (mean TTFT 80-236 ms against ~40) among them;
 # the other three (22-23%) had ordinary mean TTFTs.
 BURSTY_SPLIT_SHARE = 0.2
+# Above this share a rebuild notes its cuts (steps closer together than the client can tell apart).
+NOTED_SPLIT_SHARE = 0.05
 
 
 @dataclass
@@ -119,7 +121,7 @@ def steps_from_bench(result: dict, threshold_s: float | None = None) -> Reconstr
             idle += 1
         prev_t = t_c
     notes = []
-    if split > len(clusters) * 0.05:
+    if split > len(clusters) * NOTED_SPLIT_SHARE:
         notes.append(f"{split} of {len(clusters)} clusters had to be cut where one request got two tokens: steps "
                      f"run closer together than the client can tell apart (threshold {threshold_s * 1e3:.1f} ms)")
     return Reconstruction(steps, threshold_s, len(prompts), skipped, len(clusters), idle, split, notes)
