@@ -122,5 +122,12 @@ def test_dashboard_against_real_prometheus(tmp_path):
         # The dashboard's reading: within 10%, except the ITL tail, where the server (engine side)
         # and the bench (client side) measure different gaps: on a loaded machine their P99s were
         # seen +26%, +14% and -13% apart while the bucketed client values stayed within 5%.
-        assert all(read == pytest.approx(true, rel=0.30 if key == ("itl", 0.99) else 0.10)
+        # TTFT: the server's runs from the HTTP request's arrival to the engine's first token; the
+        # client's adds the send to the server and the token's delivery back (1.2 + 1.8 + 0.4 ms in
+        # sim_vs_real's calibration, 2026-12-05; 2.1-3.9 ms apart at the median in four runs here).
+        # When queueing is short that constant passes 10% of the median (a full-suite run read
+        # 28.5 ms against 32.4, failing twice while the bucketed client values were within 0.6%):
+        # 5 ms absolute is allowed for it.
+        assert all(read == pytest.approx(true, rel=0.30 if key == ("itl", 0.99) else 0.10,
+                                         abs=0.005 if key[0] == "ttft" else 0.0)
                    for key, (read, true) in table.items()), report
